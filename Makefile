@@ -1,0 +1,28 @@
+# Each user-facing target installs first, so it works alone on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m experiments.demo
+
+test: install
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+bench: install
+	$(PY) -m benchmarks.attention --smoke
+	$(PY) -m benchmarks.train_step
+
+clean:
+	rm -rf $(VENV) .pytest_cache
