@@ -17,6 +17,8 @@ setup(
         "array-record>=0.8.1,<0.9",
         "grain>=0.2.15,<0.3",
         "sentencepiece>=0.2.0,<0.3",
+        "tokenizers>=0.21,<0.24",  # WordPiece for BERT (tfm.data.tokenizers)
+        "importlib_resources>=6",  # needed by TFDS to build our local datasets
         "sacrebleu>=2.5,<2.7",
         "ml_collections>=1.1,<1.2",
         "numpy>=2.0,<3",

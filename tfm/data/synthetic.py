@@ -1,0 +1,223 @@
+"""Deterministic, seeded local corpora so every pipeline runs offline.
+
+* `translation_pairs`: English→German-like sentence pairs from a small grammar. The mapping
+  is deterministic but not word-for-word: nouns carry gender and case (der/den/die/das,
+  adjective endings), a fronted adverb moves the German verb before the subject (V2) and
+  subordinate clauses put the verb last. A tiny Transformer learns it in a few hundred steps.
+* `documents`: English documents (lists of sentences) that share a topic, for LM and NSP.
+* `prepare_translation` / `prepare_documents`: write them as TFDS array_record datasets
+  (`tfm_synthetic_translate` with features {"en", "de"} like `wmt14_translate/de-en`;
+  `tfm_synthetic_docs` with {"title", "text"} like `wikipedia`), read back by
+  `tfm.data.sources` through `tfds.data_source` — the code path of the real datasets.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Iterable
+
+import tensorflow_datasets as tfds
+
+# (english, german, gender)
+NOUNS = [
+    ("dog", "Hund", "m"), ("cat", "Katze", "f"), ("child", "Kind", "n"), ("man", "Mann", "m"),
+    ("woman", "Frau", "f"), ("teacher", "Lehrer", "m"), ("student", "Student", "m"),
+    ("doctor", "Arzt", "m"), ("bird", "Vogel", "m"), ("horse", "Pferd", "n"),
+    ("house", "Haus", "n"), ("book", "Buch", "n"), ("car", "Auto", "n"), ("city", "Stadt", "f"),
+    ("friend", "Freund", "m"), ("girl", "Mädchen", "n"), ("boy", "Junge", "m"),
+    ("farmer", "Bauer", "m"), ("king", "König", "m"), ("queen", "Königin", "f"),
+    ("mouse", "Maus", "f"), ("tree", "Baum", "m"), ("apple", "Apfel", "m"),
+    ("letter", "Brief", "m"), ("table", "Tisch", "m"), ("window", "Fenster", "n"),
+    ("garden", "Garten", "m"), ("baker", "Bäcker", "m"), ("neighbor", "Nachbar", "m"),
+    ("river", "Fluss", "m"), ("song", "Lied", "n"), ("picture", "Bild", "n"),
+    ("door", "Tür", "f"), ("flower", "Blume", "f"), ("street", "Straße", "f"),
+    ("school", "Schule", "f"), ("train", "Zug", "m"), ("ship", "Schiff", "n"),
+    ("bridge", "Brücke", "f"), ("village", "Dorf", "n"),
+]
+ADJECTIVES = [
+    ("big", "groß"), ("small", "klein"), ("old", "alt"), ("young", "jung"), ("red", "rot"),
+    ("green", "grün"), ("quick", "schnell"), ("quiet", "ruhig"), ("happy", "glücklich"),
+    ("new", "neu"), ("good", "gut"), ("beautiful", "schön"), ("strange", "seltsam"),
+    ("clever", "klug"), ("hungry", "hungrig"), ("friendly", "freundlich"), ("lazy", "faul"),
+    ("wild", "wild"),
+]
+VERBS = [
+    ("sees", "sieht"), ("finds", "findet"), ("likes", "mag"), ("knows", "kennt"),
+    ("buys", "kauft"), ("reads", "liest"), ("paints", "malt"), ("visits", "besucht"),
+    ("carries", "trägt"), ("hears", "hört"), ("catches", "fängt"), ("builds", "baut"),
+    ("loves", "liebt"), ("draws", "zeichnet"), ("sells", "verkauft"), ("opens", "öffnet"),
+    ("forgets", "vergisst"), ("watches", "beobachtet"), ("calls", "ruft"), ("asks", "fragt"),
+]
+ADVERBS = [
+    ("today", "heute"), ("now", "jetzt"), ("often", "oft"), ("sometimes", "manchmal"),
+    ("suddenly", "plötzlich"), ("here", "hier"), ("later", "später"), ("usually", "meistens"),
+]
+CONJUNCTIONS = [
+    ("that", "dass"), ("because", "weil"), ("while", "während"), ("although", "obwohl"),
+    ("when", "wenn"),
+]
+_ARTICLE = {("m", "nom"): "der", ("m", "acc"): "den", ("f", "nom"): "die", ("f", "acc"): "die",
+            ("n", "nom"): "das", ("n", "acc"): "das"}
+
+TRANSLATE_NAME = "tfm_synthetic_translate"
+DOCS_NAME = "tfm_synthetic_docs"
+
+
+def _noun_phrase(rng: random.Random, case: str, nouns=NOUNS) -> tuple[list[str], list[str]]:
+    en_noun, de_noun, gender = rng.choice(nouns)
+    en, de = ["the"], [_ARTICLE[gender, case]]
+    if rng.random() < 0.4:
+        en_adj, de_adj = rng.choice(ADJECTIVES)
+        en.append(en_adj)
+        de.append(de_adj + ("en" if (gender, case) == ("m", "acc") else "e"))
+    return en + [en_noun], de + [de_noun]
+
+
+def _clause(rng: random.Random, nouns=NOUNS, verbs=VERBS):
+    """Returns (en words, de subject, de verb, de object) of `the X verbs the Y`."""
+    en_s, de_s = _noun_phrase(rng, "nom", nouns)
+    en_v, de_v = rng.choice(verbs)
+    en_o, de_o = _noun_phrase(rng, "acc", nouns)
+    return en_s + [en_v] + en_o, de_s, de_v, de_o
+
+
+def _sentence(rng: random.Random, nouns=NOUNS, verbs=VERBS) -> tuple[str, str]:
+    en, de_s, de_v, de_o = _clause(rng, nouns, verbs)
+    if rng.random() < 0.3:  # Fronted adverb: German verb second, before the subject.
+        en_adv, de_adv = rng.choice(ADVERBS)
+        en, de = [en_adv] + en, [de_adv, de_v] + de_s + de_o
+    else:
+        de = de_s + [de_v] + de_o
+    if rng.random() < 0.4:  # Subordinate clause: German verb last, after a comma.
+        en_c, de_c = rng.choice(CONJUNCTIONS)
+        sub_en, sub_s, sub_v, sub_o = _clause(rng, nouns, verbs)
+        en = en + [en_c] + sub_en
+        de = de[:-1] + [de[-1] + ",", de_c] + sub_s + sub_o + [sub_v]
+    return _finish(en), _finish(de)
+
+
+def _finish(words: list[str]) -> str:
+    text = " ".join(words) + "."
+    return text[0].upper() + text[1:]
+
+
+def translation_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """`n` (english, german) sentence pairs, identical for identical `seed`."""
+    rng = random.Random(seed)
+    return [_sentence(rng) for _ in range(n)]
+
+
+def documents(n: int, seed: int = 0, min_sentences: int = 3,
+              max_sentences: int = 8) -> list[list[str]]:
+    """`n` English documents of `min_sentences..max_sentences` sentences each.
+
+    Each document draws its sentences from its own few nouns and verbs, so consecutive
+    sentences share words and next-sentence prediction is learnable.
+    """
+    if not 1 <= min_sentences <= max_sentences:
+        raise ValueError(f"need 1 <= min_sentences <= max_sentences, got "
+                         f"{min_sentences}, {max_sentences}")
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        nouns, verbs = rng.sample(NOUNS, 4), rng.sample(VERBS, 3)
+        num = rng.randint(min_sentences, max_sentences)
+        docs.append([_sentence(rng, nouns, verbs)[0] for _ in range(num)])
+    return docs
+
+
+def write_text(path: str | os.PathLike, lines: Iterable[str]) -> str:
+    """Writes one line per item (UTF-8) and returns the path as a string."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            if "\n" in line:
+                raise ValueError(f"line contains a newline: {line!r}")
+            f.write(line + "\n")
+    return path
+
+
+_SPLITS = ("train", "validation", "test")
+
+
+def _split_sizes(train: int, validation: int, test: int) -> dict[str, int]:
+    sizes = dict(zip(_SPLITS, (train, validation, test)))
+    if any(v < 1 for v in sizes.values()):
+        raise ValueError(f"every split needs at least one example, got {sizes}")
+    return sizes
+
+
+class TfmSyntheticTranslate(tfds.core.GeneratorBasedBuilder):
+    """TFDS builder of `translation_pairs`; features match `wmt14_translate/de-en`."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
+        self._sizes, self._seed = sizes or _split_sizes(2000, 200, 200), seed
+        super().__init__(**kwargs)
+
+    def _info(self):
+        return self.dataset_info_from_configs(
+            features=tfds.features.FeaturesDict(
+                {"en": tfds.features.Text(), "de": tfds.features.Text()}),
+            supervised_keys=("en", "de"))
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {s: self._generate_examples(s) for s in self._sizes}
+
+    def _generate_examples(self, split):
+        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
+        for i, (en, de) in enumerate(translation_pairs(self._sizes[split], seed)):
+            yield i, {"en": en, "de": de}
+
+
+class TfmSyntheticDocs(tfds.core.GeneratorBasedBuilder):
+    """TFDS builder of `documents`; features match `wikipedia` (one sentence a line)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
+        self._sizes, self._seed = sizes or _split_sizes(500, 50, 50), seed
+        super().__init__(**kwargs)
+
+    def _info(self):
+        return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(
+            {"title": tfds.features.Text(), "text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {s: self._generate_examples(s) for s in self._sizes}
+
+    def _generate_examples(self, split):
+        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
+        for i, doc in enumerate(documents(self._sizes[split], seed)):
+            yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
+
+
+def _prepare(cls, data_dir, sizes, seed) -> str:
+    builder = cls(sizes=sizes, seed=seed, data_dir=os.fspath(data_dir),
+                  file_format="array_record")
+    builder.download_and_prepare()
+    found = {s: builder.info.splits[s].num_examples for s in sizes}
+    if found != sizes:
+        raise ValueError(f"{builder.data_dir} already holds {found}, not {sizes}: "
+                         "remove it or use another data_dir")
+    return os.fspath(data_dir)
+
+
+def prepare_translation(data_dir: str | os.PathLike, train: int = 2000, validation: int = 200,
+                        test: int = 200, seed: int = 0) -> str:
+    """Writes `tfm_synthetic_translate` (array_record) under `data_dir`; returns data_dir.
+
+    Read it with `tfm.data.sources.load("synthetic_translate", split, data_dir=data_dir)`.
+    Re-running with the same sizes reuses the files already there.
+    """
+    return _prepare(TfmSyntheticTranslate, data_dir, _split_sizes(train, validation, test), seed)
+
+
+def prepare_documents(data_dir: str | os.PathLike, train: int = 500, validation: int = 50,
+                      test: int = 50, seed: int = 0) -> str:
+    """Writes `tfm_synthetic_docs` (array_record, one document an example) under `data_dir`."""
+    return _prepare(TfmSyntheticDocs, data_dir, _split_sizes(train, validation, test), seed)
