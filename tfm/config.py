@@ -1,0 +1,148 @@
+"""Frozen, validated model configuration shared by every family.
+
+One `ModelConfig` describes a stack of identical `Block`s plus embeddings and heads; the
+family (encoder, decoder-only, encoder-decoder) is the model class that consumes it.
+Impossible combinations raise `ValueError` naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+ROPE_SCALINGS = (None, "linear", "ntk")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+ATTENTION_IMPLS = ("xla", "chunked", "pallas", "cudnn", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+HEADS = ("mlm", "nsp", "classification")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of one transformer. Sizes use the shape letters of DESIGN.md."""
+
+    vocab_size: int  # V
+    d_model: int  # D
+    num_heads: int  # N
+    num_layers: int  # encoder layers, or decoder layers for a decoder-only model
+    d_ff: int  # F
+    num_kv_heads: Optional[int] = None  # K; None = num_heads (MHA), 1 = MQA
+    head_dim: Optional[int] = None  # H; None = d_model // num_heads
+    num_decoder_layers: Optional[int] = None  # encoder-decoder only; None = num_layers
+    max_len: int = 512  # longest sequence (learned positions: the table size)
+
+    # Norms
+    norm: str = "layernorm"
+    norm_eps: float = 1e-6
+    norm_position: str = "pre"  # "post" for the original Transformer and BERT
+    final_norm: bool = True  # a norm after the last block (pre-norm stacks)
+    embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
+
+    # Positions
+    position: str = "sinusoidal"
+    rope_theta: float = 10_000.0
+    rope_scaling: Optional[str] = None  # "linear" (position interpolation) or "ntk" (base rescale)
+    rope_scaling_factor: float = 1.0
+
+    # Attention
+    attention_bias: bool = True  # biases on q, k, v and output projections
+    attention_dropout: float = 0.0
+    sliding_window: Optional[int] = None
+    attn_logit_softcap: Optional[float] = None
+    attention_impl: str = "xla"
+    attention_chunk_size: int = 128
+
+    # Feed-forward
+    activation: str = "relu"
+    ffn_bias: bool = True
+    num_experts: int = 0  # E; 0 = dense feed-forward
+    experts_per_token: int = 2  # top-k routing
+    capacity_factor: Optional[float] = None  # None = dropless
+    router_aux_loss_coef: float = 0.01
+
+    # Block
+    parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
+    dropout_rate: float = 0.0  # residual and embedding dropout
+
+    # Embeddings and output
+    type_vocab_size: int = 0  # BERT token types; 0 = none
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(D)
+    tie_embeddings: bool = True  # output projection = token embedding transposed
+    share_source_target_embeddings: bool = True  # encoder-decoder: one matrix for both sides
+    output_bias: bool = False  # bias on output logits (BERT MLM, Marian final_logits_bias)
+    pad_id: int = 0
+
+    # Encoder heads (BERT family)
+    heads: Tuple[str, ...] = ()
+    num_labels: int = 2
+    head_activation: Optional[str] = None  # MLM transform activation; None = activation
+
+    # Numerics and memory
+    dtype: str = "float32"  # computation dtype; params are float32
+    scan_layers: bool = False
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
+                       rope_scaling=ROPE_SCALINGS, activation=ACTIVATIONS,
+                       attention_impl=ATTENTION_IMPLS, dtype=DTYPES, remat_policy=REMAT_POLICIES)
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("num_kv_heads", "head_dim", "num_decoder_layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"ModelConfig.num_heads={self.num_heads} does not divide "
+                             f"d_model={self.d_model}; set head_dim explicitly or change num_heads")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.kv_heads}")
+        if self.position == "rope" and self.head_size % 2:
+            raise ValueError(f"ModelConfig.position='rope' needs an even head_dim, got {self.head_size}")
+        if self.rope_scaling is not None and self.rope_scaling_factor < 1.0:
+            raise ValueError(f"ModelConfig.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        for name in ("attention_dropout", "dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.attention_dropout > 0 and self.attention_impl != "xla":
+            raise ValueError("ModelConfig.attention_dropout > 0 needs attention_impl='xla'")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} must be in "
+                                 f"[1, num_experts={self.num_experts}]")
+            if self.capacity_factor is not None and self.capacity_factor <= 0:
+                raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
+        unknown_heads = set(self.heads) - set(HEADS)
+        if unknown_heads:
+            raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")
+        if self.head_activation not in (None,) + ACTIVATIONS:
+            raise ValueError(f"ModelConfig.head_activation={self.head_activation!r} is not one of {ACTIVATIONS}")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

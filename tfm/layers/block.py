@@ -1,0 +1,55 @@
+"""The one transformer block every family is built from."""
+from __future__ import annotations
+
+import flax.linen as nn
+
+from tfm.config import ModelConfig
+from tfm.layers.attention import Attention
+from tfm.layers.common import constrain
+from tfm.layers.feedforward import Mlp, MoeMlp
+from tfm.layers.norms import Norm
+
+
+class Block(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; pre- or post-norm; sequential or
+    parallel (x + attn(norm x) + ffn(norm x)). x [B, T, D] -> [B, T, D].
+
+    `inputs` is a dict with optional entries: segment_ids, positions (queries), memory [B, S, D],
+    memory_segment_ids [B, S]. Returns (x, None) so it can be scanned over layers.
+    """
+
+    config: ModelConfig
+    causal: bool = False
+    cross: bool = False
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, inputs: dict):
+        cfg, deterministic, decode = self.config, self.deterministic, self.decode
+        drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
+        pre = cfg.norm_position == "pre"
+        seg, pos = inputs.get("segment_ids"), inputs.get("positions")
+
+        def sublayer(x, name, fn):
+            """Residual around fn, with the norm before (pre) or after (post) it."""
+            norm = Norm(cfg, name=f"{name}_norm")
+            y = drop(fn(norm(x) if pre else x))
+            return x + y if pre else norm(x + y)
+
+        self_attn = Attention(cfg, causal=self.causal, name="self_attn")
+        attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
+                                     deterministic=deterministic, decode=decode)
+        ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
+        if cfg.parallel_block:
+            h = Norm(cfg, name="attn_norm")(x)
+            x = x + drop(attend(h)) + drop(ffn(h, deterministic))
+        else:
+            x = sublayer(x, "attn", attend)
+            if self.cross:
+                cross_attn = Attention(cfg, cross=True, name="cross_attn")
+                x = sublayer(x, "cross", lambda h: cross_attn(
+                    h, inputs.get("memory"), q_segment_ids=seg, kv_segment_ids=inputs.get("memory_segment_ids"),
+                    deterministic=deterministic, decode=decode))
+            x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
+        return constrain(x, ("batch", "length", "embed")), None

@@ -1,0 +1,44 @@
+"""A stack of Blocks: loop or scan over layers, optional remat, final norm."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from tfm.config import ModelConfig
+from tfm.layers.block import Block
+from tfm.layers.norms import Norm
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Stack(nn.Module):
+    """num_layers Blocks: [B, T, D] -> [B, T, D]. Scanned layers are stacked on a leading
+    "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ..."""
+
+    config: ModelConfig
+    num_layers: int
+    causal: bool = False
+    cross: bool = False
+
+    @nn.compact
+    def __call__(self, x, inputs: dict, deterministic: bool = True, decode: bool = False):
+        cfg = self.config
+        block = Block
+        if cfg.remat_policy != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
+        kw = dict(causal=self.causal, cross=self.cross, deterministic=deterministic, decode=decode)
+        if cfg.scan_layers:
+            scanned = nn.scan(
+                block, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast, length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = scanned(cfg, name="layers", **kw)(x, inputs)
+        else:
+            for i in range(self.num_layers):
+                x, _ = block(cfg, name=f"layer_{i}", **kw)(x, inputs)
+        if cfg.norm_position == "pre" and cfg.final_norm:
+            x = Norm(cfg, name="final_norm")(x)
+        return x

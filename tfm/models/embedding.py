@@ -1,0 +1,104 @@
+"""Input embedding shared by the families: tokens (+ types) (+ absolute positions) -> [B, T, D]."""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from tfm.config import ModelConfig
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.embeddings import Embed, PositionEmbedding, check_token_ids
+from tfm.layers.norms import Norm
+
+
+def token_embed(config: ModelConfig, name: str) -> Embed:
+    stddev = config.d_model ** -0.5 if config.scale_embeddings else 0.02
+    return Embed(config.vocab_size, config.d_model, dtype=compute_dtype(config), stddev=stddev, name=name)
+
+
+def check_inputs(config: ModelConfig, tokens, name: str = "tokens", **same_shape):
+    """Clear errors for bad token ids, lengths beyond learned positions and mismatched shapes."""
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be [batch, length]; got shape {tokens.shape}")
+    check_token_ids(tokens, config.vocab_size, name)
+    if config.position == "learned" and tokens.shape[1] > config.max_len:
+        raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len={config.max_len} "
+                         f"of the learned position table")
+    for other, value in same_shape.items():
+        if value is not None and value.shape != tokens.shape:
+            raise ValueError(f"{other} shape {value.shape} does not match {name} shape {tokens.shape}")
+
+
+class DecodePosition(nn.Module):
+    """Start position of the next decode step, kept in `cache/index` (advanced by T per call)."""
+
+    @nn.compact
+    def __call__(self, length: int):
+        creating = not self.has_variable("cache", "index")
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        start = index.value
+        if not creating:
+            index.value = start + length
+        return start
+
+
+class InputEmbedding(nn.Module):
+    """tokens [B, T] -> [B, T, D]: embed * (sqrt(D)) + types + absolute positions, norm, dropout.
+
+    `embed` is passed in so that one matrix can serve encoder, decoder and output.
+    """
+
+    config: ModelConfig
+    embed: Embed
+
+    @nn.compact
+    def __call__(self, tokens, positions, token_type_ids: Optional[jnp.ndarray] = None,
+                 deterministic: bool = True):
+        cfg = self.config
+        x = self.embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.d_model ** 0.5, x.dtype)
+        if cfg.position in ("learned", "sinusoidal"):
+            x = x + PositionEmbedding(cfg, name="position")(positions)
+        if cfg.type_vocab_size:
+            if token_type_ids is None:
+                token_type_ids = jnp.zeros_like(tokens)
+            types = Embed(cfg.type_vocab_size, cfg.d_model, dtype=x.dtype, stddev=0.02,
+                          axes=(None, "embed"), name="token_type")
+            x = x + types(token_type_ids)
+        if cfg.embedding_norm:
+            x = Norm(cfg, name="norm")(x)
+        x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(x)
+        return constrain(x, ("batch", "length", "embed"))
+
+
+class OutputLogits(nn.Module):
+    """[B, T, D] -> fp32 logits [B, T, V]: tied to `embed` or its own projection, optional bias."""
+
+    config: ModelConfig
+    embed: Embed
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = Einsum("BTD,DV->BTV", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                            dtype=compute_dtype(cfg), name="lm_head")(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.output_bias:
+            logits = logits + self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
+                                         (cfg.vocab_size,), jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+
+def default_positions(tokens, positions, decode_start=None):
+    """positions [B, T]: given, or arange (offset by the decode start)."""
+    if positions is not None:
+        return positions
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    if decode_start is not None:
+        pos = pos + decode_start
+    return jnp.broadcast_to(pos, tokens.shape)

@@ -1,0 +1,54 @@
+"""Bidirectional encoder (BERT family) with MLM, NSP and sequence-classification heads."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from tfm.config import ModelConfig
+from tfm.layers.common import Einsum, compute_dtype
+from tfm.layers.feedforward import activation_fn
+from tfm.layers.norms import Norm
+from tfm.layers.stack import Stack
+from tfm.models.embedding import InputEmbedding, OutputLogits, check_inputs, default_positions, token_embed
+
+
+def _dense(features_in: int, features_out: int, name: str, dtype):
+    return Einsum("BD,DO->BO", (features_in, features_out), ("embed", None), (None,), use_bias=True,
+                  dtype=dtype, name=name)
+
+
+class EncoderModel(nn.Module):
+    """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
+    "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
+    "logits" [B, num_labels] (classification)}."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, token_type_ids=None, segment_ids=None, positions=None, mlm_positions=None,
+                 deterministic: bool = True):
+        cfg = self.config
+        check_inputs(cfg, tokens, token_type_ids=token_type_ids, segment_ids=segment_ids, positions=positions)
+        if token_type_ids is not None and cfg.type_vocab_size:
+            check_inputs(cfg.replace(vocab_size=cfg.type_vocab_size), token_type_ids, "token_type_ids")
+        positions = default_positions(tokens, positions)
+        embed = token_embed(cfg, "embed")
+        x = InputEmbedding(cfg, embed, name="input")(tokens, positions, token_type_ids, deterministic)
+        hidden = Stack(cfg, cfg.num_layers, name="encoder")(
+            x, {"segment_ids": segment_ids, "positions": positions}, deterministic)
+        out = {"hidden": hidden}
+        dt = compute_dtype(cfg)
+        if {"nsp", "classification"} & set(cfg.heads):
+            out["pooled"] = jnp.tanh(_dense(cfg.d_model, cfg.d_model, "pooler", dt)(hidden[:, 0]))
+        if "nsp" in cfg.heads:
+            out["nsp_logits"] = _dense(cfg.d_model, 2, "nsp", dt)(out["pooled"]).astype(jnp.float32)
+        if "classification" in cfg.heads:
+            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
+            out["logits"] = _dense(cfg.d_model, cfg.num_labels, "classifier", dt)(pooled).astype(jnp.float32)
+        if "mlm" in cfg.heads:
+            h = hidden if mlm_positions is None else jnp.take_along_axis(hidden, mlm_positions[..., None], axis=1)
+            h = Einsum("BTD,DO->BTO", (cfg.d_model, cfg.d_model), ("embed", None), (None,), use_bias=True,
+                       dtype=dt, name="mlm_transform")(h)
+            h = Norm(cfg, name="mlm_norm")(activation_fn(cfg.head_activation or cfg.activation)(h))
+            out["mlm_logits"] = OutputLogits(cfg, embed, name="mlm_output")(h)
+        return out
