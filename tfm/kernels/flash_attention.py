@@ -1,0 +1,644 @@
+"""Pallas blockwise (flash) attention: forward, backward and their jnp reference.
+
+Layout at the entry point: q [B, T, N, H], k and v [B, S, K, H], G = N // K; positions are
+implicit aranges (query i sees key j top-left aligned) and the mask semantics are those of
+`tfm.ops.attention` (causal, window, segment ids with 0 = padding, ALiBi, softcap; rows
+with no visible key give 0).
+
+Inside, the wrapper moves heads ahead of length ([B, N, T, H], [B, K, S, H]), pads T and S
+to multiples of the blocks and H to 64, 128 or a power of two, and calls one of two drivers
+that share the same per-tile math:
+
+  loop  (GPU Triton, CPU interpret)  grid over query blocks (dK/dV: key blocks); the
+        kernel loops over the other sequence's visible blocks only.
+  grid  (TPU Mosaic)  the key (dK/dV: query) blocks are a grid axis marked "arbitrary",
+        accumulators live in VMEM scratch, and empty blocks are skipped with `pl.when`
+        and their index maps clamped so no DMA is issued for them.
+
+Forward: online softmax with fp32 accumulators, saving the log-sum-exp [B, N, T]. Backward
+(`jax.custom_vjp`): recomputes the probabilities per tile; one kernel for dQ, one for dK/dV,
+which iterates over the G query heads of its key/value head so K and V are never repeated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_NEG_INF = -1e30  # finite, as in tfm.ops.attention: masked logits never make NaN
+_BACKENDS = ("tpu", "gpu", "cpu")
+
+
+# --------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes: forward (block_q, block_kv) and backward (block_q_bwd, block_kv_bwd).
+
+    All are powers of two >= 8 (the Triton lowering needs powers of two). Backward sizes
+    default to the forward ones. TPU additionally needs block_kv multiples of 128.
+    """
+    block_q: int = 128
+    block_kv: int = 128
+    block_q_bwd: Optional[int] = None
+    block_kv_bwd: Optional[int] = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name.endswith("_bwd"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
+            if value < 8 or value & (value - 1):
+                raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 8, got {value}")
+
+    @property
+    def backward(self) -> tuple[int, int]:
+        """(block_q, block_kv) for the backward kernels."""
+        return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+
+    def check_backend(self, backend: str) -> None:
+        """Raises ValueError if these sizes cannot lower on `backend`."""
+        if backend == "tpu":
+            for name, value in (("block_kv", self.block_kv), ("block_kv_bwd", self.backward[1]),
+                                ("block_q_bwd", self.backward[0])):
+                if value % 128:
+                    raise ValueError(f"on TPU BlockSizes.{name} must be a multiple of 128, got {value}")
+        if backend == "gpu" and min(self.block_q, self.block_kv, *self.backward) < 16:
+            raise ValueError(f"on GPU every block size must be >= 16 (Triton dot); got {self}")
+
+    @classmethod
+    def default(cls, backend: str, head_dim: int) -> "BlockSizes":
+        """Per-backend defaults (not yet tuned on hardware; see benchmarks/RESULTS.md)."""
+        if backend == "tpu":
+            return cls(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=256)
+        if backend == "gpu":
+            return cls(block_q=128, block_kv=64 if head_dim <= 64 else 32,
+                       block_q_bwd=64, block_kv_bwd=64 if head_dim <= 64 else 32)
+        return cls(block_q=128, block_kv=128)
+
+
+# --------------------------------------------------------------------------------------
+# Static configuration and visible-block ranges
+# --------------------------------------------------------------------------------------
+
+class _Config(NamedTuple):
+    """Everything static about one call; hashable, so it can be a nondiff argument."""
+    causal: bool
+    window: Optional[int]
+    softcap: Optional[float]
+    scale: float
+    kv_len: Optional[int]  # keys at index >= kv_len are padding; None when S is unpadded
+    segments: bool       # segment-id refs are present
+    alibi: bool          # slope refs are present
+    groups: int          # G
+    block_q: int
+    block_kv: int
+    driver: str          # "loop" | "grid"
+    interpret: bool
+
+
+def _div(x, d: int):
+    """x // d for non-negative int32 x (lax.div lowers on every backend)."""
+    return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
+
+
+def kv_block_range(qi, cfg: _Config, block_q: int, block_kv: int, num_kv: int):
+    """Key blocks [lo, hi) holding a key visible from query block qi; others are empty."""
+    first, last = qi * block_q, qi * block_q + block_q - 1
+    lo, hi = jnp.int32(0), jnp.asarray(num_kv, jnp.int32)
+    if cfg.kv_len is not None:
+        hi = jnp.minimum(hi, _div(cfg.kv_len + block_kv - 1, block_kv))
+    if cfg.causal:
+        hi = jnp.minimum(hi, _div(last, block_kv) + 1)
+    if cfg.window is not None:
+        lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_kv)
+        if not cfg.causal:
+            hi = jnp.minimum(hi, _div(last + cfg.window - 1, block_kv) + 1)
+    return lo, hi
+
+
+def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int):
+    """Query blocks [lo, hi) that can see a key of key block kj; others are empty."""
+    first, last = kj * block_kv, kj * block_kv + block_kv - 1
+    lo, hi = jnp.int32(0), jnp.asarray(num_q, jnp.int32)
+    if cfg.causal:
+        lo = _div(first, block_q)
+    if cfg.window is not None:
+        hi = jnp.minimum(hi, _div(last + cfg.window - 1, block_q) + 1)
+        if not cfg.causal:
+            lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_q)
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------
+# Per-tile math, shared by both drivers
+# --------------------------------------------------------------------------------------
+
+def _dot(a, b, contract=(1, 0)):
+    """a @ b contracting a's dim contract[0] with b's dim contract[1]; fp32 result."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
+    """Masked fp32 logits [bq, bk] for q [bq, H], k [bk, H].
+
+    Returns (logits, visible [bq, bk] or None, tanh(raw / softcap) or None).
+    q_seg [bq, 1], kv_seg [1, bk] ints or None; slope [1, 1] or None.
+    """
+    s = _dot(q, k, (1, 1)) * cfg.scale
+    capped = None
+    if cfg.softcap is not None:
+        capped = jnp.tanh(s / cfg.softcap)
+        s = cfg.softcap * capped
+    rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    cols = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    if slope is not None:
+        s = s - slope * jnp.abs(rows - cols).astype(jnp.float32)
+    visible = None
+
+    def conj(mask):
+        return mask if visible is None else visible & mask
+
+    if cfg.causal:
+        visible = conj(cols <= rows)
+    if cfg.window is not None:
+        distance = rows - cols if cfg.causal else jnp.abs(rows - cols)
+        visible = conj(distance < cfg.window)
+    if q_seg is not None:
+        visible = conj((q_seg == kv_seg) & (kv_seg != 0))
+    elif cfg.kv_len is not None:
+        visible = conj(cols < cfg.kv_len)
+    if visible is not None:
+        s = jnp.where(visible, s, _NEG_INF)
+    return s, visible, capped
+
+
+def _probs(s, visible, lse):
+    """exp(s - lse) with invisible entries exactly 0."""
+    p = jnp.exp(s - lse)
+    return p if visible is None else jnp.where(visible, p, 0.0)
+
+
+def _fwd_tile(carry, q, k, v, q_start, kv_start, q_seg, kv_seg, slope, cfg):
+    """One online-softmax step. carry = (m [bq, 1], l [bq, 1], acc [bq, H]) fp32."""
+    m, l, acc = carry
+    s, visible, _ = _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg)
+    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+    p = _probs(s, visible, m_new)
+    correction = jnp.exp(m - m_new)
+    l = l * correction + p.sum(axis=-1, keepdims=True)
+    acc = acc * correction + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+def _fwd_finish(m, l, acc, o_ref, lse_ref):
+    """Writes o = acc / l (0 where no key was visible) and lse (+inf there)."""
+    empty = l == 0.0
+    safe_l = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc / safe_l).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(safe_l))
+
+
+def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg):
+    """Recomputed p [bq, bk] and dlogits ds [bq, bk] (scale folded in), fp32."""
+    s, visible, capped = _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg)
+    p = _probs(s, visible, lse)
+    ds = p * (_dot(do, v, (1, 1)) - delta)
+    if capped is not None:
+        ds = ds * (1.0 - capped * capped)
+    return p, ds * cfg.scale
+
+
+# --------------------------------------------------------------------------------------
+# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], outputs, scratch.
+# --------------------------------------------------------------------------------------
+
+def _split_refs(refs, cfg: _Config, num_main: int):
+    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, rest)."""
+    main, refs = refs[:num_main], refs[num_main:]
+    q_seg_ref = kv_seg_ref = slope_ref = None
+    if cfg.segments:
+        (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+    if cfg.alibi:
+        slope_ref, refs = refs[0], refs[1:]
+    return main, q_seg_ref, kv_seg_ref, slope_ref, refs
+
+
+def _load(ref, *idx):
+    return None if ref is None else ref[idx]
+
+
+def _fwd_loop_kernel(*refs, cfg: _Config):
+    """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
+    bq, bk = cfg.block_q, cfg.block_kv
+    qi = pl.program_id(2)
+    q, q_seg, slope = q_ref[...], _load(q_seg_ref, ...), _load(slope_ref, ...)
+    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+
+    def body(j, carry):
+        start = pl.multiple_of(j * bk, bk)
+        rows = pl.ds(start, bk)
+        kv_seg = _load(kv_seg_ref, slice(None), rows)
+        return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq, start, q_seg, kv_seg,
+                         slope, cfg)
+
+    init = (jnp.full((bq, 1), _NEG_INF, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+            jnp.zeros(o_ref.shape, jnp.float32))
+    _fwd_finish(*lax.fori_loop(lo, hi, body, init), o_ref, lse_ref)
+
+
+def _fwd_grid_kernel(*refs, cfg: _Config):
+    """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 3)
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    bq, bk = cfg.block_q, cfg.block_kv
+    qi, j = pl.program_id(2), pl.program_id(3)
+    lo, hi = kv_block_range(qi, cfg, bq, bk, pl.num_programs(3))
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when((j >= lo) & (j < hi))
+    def _step():
+        carry = _fwd_tile((m_ref[...], l_ref[...], acc_ref[...]), q_ref[...], k_ref[...], v_ref[...],
+                          qi * bq, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+                          _load(slope_ref, ...), cfg)
+        m_ref[...], l_ref[...], acc_ref[...] = carry
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        _fwd_finish(m_ref[...], l_ref[...], acc_ref[...], o_ref, lse_ref)
+
+
+def _dq_loop_kernel(*refs, cfg: _Config):
+    """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
+    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref,) = _split_refs(refs, cfg, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
+    bq, bk = cfg.block_q, cfg.block_kv
+    qi = pl.program_id(2)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_seg, slope = _load(q_seg_ref, ...), _load(slope_ref, ...)
+    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+
+    def body(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        rows = pl.ds(start, bk)
+        k = k_ref[rows, :]
+        _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq, start, q_seg,
+                         _load(kv_seg_ref, slice(None), rows), slope, cfg)
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(dq_ref.shape, jnp.float32)).astype(dq_ref.dtype)
+
+
+def _dq_grid_kernel(*refs, cfg: _Config):
+    """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
+    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
+    bq, bk = cfg.block_q, cfg.block_kv
+    qi, j = pl.program_id(2), pl.program_id(3)
+    lo, hi = kv_block_range(qi, cfg, bq, bk, pl.num_programs(3))
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when((j >= lo) & (j < hi))
+    def _step():
+        k = k_ref[...]
+        _, ds = _ds_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
+                         qi * bq, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+                         _load(slope_ref, ...), cfg)
+        acc_ref[...] += _dot(ds.astype(k.dtype), k)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+
+
+def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg):
+    """dk, dv [bk, H] fp32 += the contribution of one query tile."""
+    p, ds = _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg)
+    dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
+    dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
+    return dk, dv
+
+
+def _dkv_loop_kernel(*refs, cfg: _Config):
+    """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
+    k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
+    main, q_seg_ref, kv_seg_ref, slope_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
+    bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
+    T = q_ref.shape[0] // G
+    kj = pl.program_id(2)
+    k, v, kv_seg = k_ref[...], v_ref[...], _load(kv_seg_ref, ...)
+    lo, hi = q_block_range(kj, cfg, bq, bk, T // bq)
+
+    def head(g, carry):
+        slope = _load(slope_ref, pl.ds(g, 1), slice(None))
+
+        def body(i, carry):
+            start = pl.multiple_of(i * bq, bq)
+            rows = pl.ds(pl.multiple_of(g * T + start, bq), bq)
+            q_seg = _load(q_seg_ref, pl.ds(start, bq), slice(None))
+            return _dkv_accumulate(*carry, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :],
+                                   delta_ref[rows, :], start, kj * bk, q_seg, kv_seg, slope, cfg)
+
+        return lax.fori_loop(lo, hi, body, carry)
+
+    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
+
+
+def _dkv_grid_kernel(*refs, cfg: _Config):
+    """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
+    main, q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
+    dk_ref, dv_ref, dk_acc, dv_acc = rest
+    bq, bk = cfg.block_q, cfg.block_kv
+    kj, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    lo, hi = q_block_range(kj, cfg, bq, bk, pl.num_programs(4))
+    first = (g == 0) & (i == 0)
+    last = (g == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1)
+
+    @pl.when(first)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when((i >= lo) & (i < hi))
+    def _step():
+        dk_acc[...], dv_acc[...] = _dkv_accumulate(
+            dk_acc[...], dv_acc[...], q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
+            delta_ref[...], i * bq, kj * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+            _load(slope_ref, ...), cfg)
+
+    @pl.when(last)
+    def _finish():
+        dk_ref[...], dv_ref[...] = dk_acc[...].astype(dk_ref.dtype), dv_acc[...].astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# pallas_call builders. Kernel layout: q, do, o [B, N, T, H]; k, v [B, K, S, H];
+# lse, delta [B, N, T, 1] fp32; q_seg [B, T, 1]; kv_seg [B, 1, S]; slopes [N, 1, 1].
+# --------------------------------------------------------------------------------------
+
+def _compiler_params(cfg: _Config, backend: str, num_sequential: int, num_axes: int):
+    if cfg.interpret:
+        return None
+    if cfg.driver == "grid":
+        from jax.experimental.pallas import tpu as pltpu
+        semantics = ("parallel",) * (num_axes - num_sequential) + ("arbitrary",) * num_sequential
+        return pltpu.CompilerParams(dimension_semantics=semantics)
+    if backend == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return None
+
+
+def _vmem(shape):
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.VMEM(shape, jnp.float32)
+
+
+def _clamp(idx, lo, hi, count):
+    """idx clamped into the visible range [lo, hi) (and [0, count)): skipped steps then
+    repeat the previous block index, so the pipeline issues no copy for them."""
+    return jnp.clip(jnp.clip(idx, lo, jnp.maximum(hi - 1, lo)), 0, count - 1)
+
+
+def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec):
+    """Optional operands and their specs, in kernel ref order."""
+    args, specs = [], []
+    if cfg.segments:
+        args += [q_seg, kv_seg]
+        specs += [q_seg_spec, kv_seg_spec]
+    if cfg.alibi:
+        args.append(slopes)
+        specs.append(slope_spec)
+    return args, specs
+
+
+def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32."""
+    B, N, T, H = q.shape
+    S, G, bq, bk = k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
+    nq, nk = T // bq, S // bk
+    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T, 1), jnp.float32))
+    if cfg.driver == "loop":
+        grid, scratch, kernel = (B, N, nq), (), _fwd_loop_kernel
+        q_map = lambda b, n, i: (b, n, i, 0)
+        kv_spec = pl.BlockSpec((None, None, S, H), lambda b, n, i: (b, _div(n, G), 0, 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0)),
+                     pl.BlockSpec((None, 1, S), lambda b, n, i: (b, 0, 0)))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
+    else:
+        grid, kernel = (B, N, nq, nk), _fwd_grid_kernel
+        scratch = (_vmem((bq, 1)), _vmem((bq, 1)), _vmem((bq, H)))
+
+        def kv_block(i, j):
+            return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+
+        q_map = lambda b, n, i, j: (b, n, i, 0)
+        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
+                     pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
+    q_spec = pl.BlockSpec((None, None, bq, H), q_map)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
+        out_specs=(q_spec, pl.BlockSpec((None, None, bq, 1), q_map)), scratch_shapes=scratch,
+        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        interpret=cfg.interpret, name="flash_attention_fwd",
+    )(q, k, v, *extra_args)
+
+
+def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+    """-> dq [B, N, T, H]."""
+    B, N, T, H = q.shape
+    S, G, bq, bk = k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
+    nq, nk = T // bq, S // bk
+    if cfg.driver == "loop":
+        grid, scratch, kernel = (B, N, nq), (), _dq_loop_kernel
+        q_map = lambda b, n, i: (b, n, i, 0)
+        kv_spec = pl.BlockSpec((None, None, S, H), lambda b, n, i: (b, _div(n, G), 0, 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0)),
+                     pl.BlockSpec((None, 1, S), lambda b, n, i: (b, 0, 0)))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
+    else:
+        grid, scratch, kernel = (B, N, nq, nk), (_vmem((bq, H)),), _dq_grid_kernel
+
+        def kv_block(i, j):
+            return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+
+        q_map = lambda b, n, i, j: (b, n, i, 0)
+        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
+                     pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
+    q_spec = pl.BlockSpec((None, None, bq, H), q_map)
+    row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=grid, in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
+        out_specs=q_spec, scratch_shapes=scratch,
+        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        interpret=cfg.interpret, name="flash_attention_dq",
+    )(q, k, v, do, lse, delta, *extra_args)
+
+
+def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+    """-> dk, dv [B, K, S, H]; each key/value head sums over its G query heads."""
+    B, N, T, H = q.shape
+    K, S, G, bq, bk = k.shape[1], k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
+    nq, nk = T // bq, S // bk
+    args = (q, do, lse, delta)
+    if cfg.driver == "loop":
+        # Query-side operands as [B, K, G*T, .] (a free reshape): one block per kv head.
+        args = tuple(x.reshape(B, K, G * T, x.shape[-1]) for x in args)
+        slopes = None if slopes is None else slopes.reshape(K, G, 1)
+        grid, scratch, kernel = (B, K, nk), (), _dkv_loop_kernel
+        q_spec = pl.BlockSpec((None, None, G * T, H), lambda b, h, j: (b, h, 0, 0))
+        row_spec = pl.BlockSpec((None, None, G * T, 1), lambda b, h, j: (b, h, 0, 0))
+        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j: (b, h, j, 0))
+        seg_specs = (pl.BlockSpec((None, T, 1), lambda b, h, j: (b, 0, 0)),
+                     pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)))
+        slope_spec = pl.BlockSpec((None, G, 1), lambda b, h, j: (h, 0, 0))
+    else:
+        grid, kernel = (B, K, nk, G, nq), _dkv_grid_kernel
+        scratch = (_vmem((bk, H)), _vmem((bk, H)))
+
+        def q_block(j, i):
+            return _clamp(i, *q_block_range(j, cfg, bq, bk, nq), nq)
+
+        q_map = lambda b, h, j, g, i: (b, h * G + g, q_block(j, i), 0)
+        q_spec = pl.BlockSpec((None, None, bq, H), q_map)
+        row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
+        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, q_block(j, i), 0)),
+                     pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j)))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i: (h * G + g, 0, 0))
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    q_arg, do_arg, lse_arg, delta_arg = args
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
+        out_specs=(kv_spec, kv_spec), scratch_shapes=scratch,
+        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        interpret=cfg.interpret, name="flash_attention_dkv",
+    )(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
+
+
+# --------------------------------------------------------------------------------------
+# custom_vjp core (on padded kernel-layout arrays) and the public wrapper
+# --------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend):
+    return _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend):
+    o, lse = _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend)
+    return o, (q, k, v, q_seg, kv_seg, slopes, o, lse)
+
+
+def _flash_bwd(cfg, cfg_bwd, backend, residuals, do):
+    q, k, v, q_seg, kv_seg, slopes, o, lse = residuals
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    operands = (q, k, v, do, lse, delta, q_seg, kv_seg, slopes)
+    dq = _dq_call(*operands, cfg_bwd, backend)
+    dk, dv = _dkv_call(*operands, cfg_bwd, backend)
+    return dq, dk, dv, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _padded_head_dim(h: int) -> int:
+    """64 and 128 natively; smaller dims pad to 64, others to the next power of two."""
+    return max(64, pl.next_power_of_2(h))
+
+
+def _fit(block: int, length: int, floor: int) -> int:
+    """Shrinks a block to the (power-of-two rounded) sequence, not below `floor`."""
+    return min(block, max(floor, pl.next_power_of_2(length)))
+
+
+def _pad(x, axis: int, size: int, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _backend_name(backend: Optional[str]) -> str:
+    name = backend or jax.default_backend()
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+    if name not in _BACKENDS:
+        raise ValueError(f"flash attention backend must be one of {_BACKENDS}, got {name!r}")
+    return name
+
+
+def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
+                    window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
+                    scale: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
+                    backend: Optional[str] = None, interpret: Optional[bool] = None):
+    """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
+
+    backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton) or "cpu"; default the
+    JAX default backend. interpret: run the Pallas interpreter; default on CPU.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    backend = _backend_name(backend)
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    scale = H ** -0.5 if scale is None else scale
+    block_sizes = BlockSizes.default(backend, H) if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    if not interpret:
+        block_sizes.check_backend(backend)
+    floor = {"tpu": 128, "gpu": 16, "cpu": 8}[backend]
+    bq, bq_bwd = (_fit(b, T, floor) for b in (block_sizes.block_q, block_sizes.backward[0]))
+    bk, bk_bwd = (_fit(b, S, floor) for b in (block_sizes.block_kv, block_sizes.backward[1]))
+    Tp = -(-T // max(bq, bq_bwd)) * max(bq, bq_bwd)  # blocks are powers of two: max is a multiple
+    Sp = -(-S // max(bk, bk_bwd)) * max(bk, bk_bwd)
+    Hp = _padded_head_dim(H)
+
+    q_seg, kv_seg = q_segment_ids, kv_segment_ids
+    if kv_seg is not None and q_seg is None:  # key padding only: any non-zero id is visible
+        kv_seg, q_seg = (kv_seg != 0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)
+    if kv_seg is not None:
+        q_seg = _pad(q_seg.astype(jnp.int32), 1, Tp)[:, :, None]    # [B, Tp, 1]
+        kv_seg = _pad(kv_seg.astype(jnp.int32), 1, Sp)[:, None, :]  # [B, 1, Sp]
+    slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32).reshape(N, 1, 1)
+
+    cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
+                  kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
+                  groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
+                  interpret=interpret)
+    cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
+    to_kernel = lambda x, length: _pad(_pad(x, 1, length), 3, Hp).transpose(0, 2, 1, 3)  # [B, N|K, L, Hp]
+    o = _flash(to_kernel(q, Tp), to_kernel(k, Sp), to_kernel(v, Sp), q_seg, kv_seg, slopes, cfg, cfg_bwd, backend)
+    return o.transpose(0, 2, 1, 3)[:, :T, :, :H]
