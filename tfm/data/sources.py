@@ -1,0 +1,106 @@
+"""Random-access data sources: TFDS array_record datasets read with `tfds.data_source`.
+
+No TensorFlow is needed to read. The real datasets must first be prepared as array_record
+(`tfds build wmt14_translate/de-en --file_format=array_record`, which needs the `tf`
+extra); the local corpora are prepared by `tfm.data.synthetic` and read here the same way.
+
+    src = load("wmt14_translate/de-en", "train")        # {"en": bytes, "de": bytes}
+    src = load("synthetic_translate", "train", data_dir=d)  # same features, local corpus
+    docs = documents(load("wikipedia", "train"))         # list[list[str]] sentences
+
+Examples are dicts of numpy values; text features are `bytes` (`str` under
+`tfds.testing.mock_data`): use `as_text`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+from typing import Any, Sequence
+
+import tensorflow_datasets as tfds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    register: str | None  # module whose import registers the TFDS builder
+    default_config: str | None
+
+
+# TFDS name (the part before '/') -> how to load it.
+_FAMILIES = {
+    "wmt14_translate": _Family("tensorflow_datasets.translate", "de-en"),
+    "lm1b": _Family("tensorflow_datasets.text", None),
+    "wikipedia": _Family("tensorflow_datasets.text", "20230601.en"),
+    # Not in the TFDS catalog: read from a prepared directory (TFDS `builder_from_files`).
+    "bookcorpus": _Family(None, None),
+    "glue": _Family("tensorflow_datasets.text", None),
+    "tfm_synthetic_translate": _Family("tfm.data.synthetic", None),
+    "tfm_synthetic_docs": _Family("tfm.data.synthetic", None),
+}
+ALIASES = {"wmt14": "wmt14_translate/de-en", "synthetic_translate": "tfm_synthetic_translate",
+           "synthetic_docs": "tfm_synthetic_docs"}
+
+
+def resolve(name: str) -> str:
+    """Full TFDS name with config for a short name, e.g. 'wikipedia' -> 'wikipedia/20230601.en'."""
+    name = ALIASES.get(name, name)
+    family, _, config = name.partition("/")
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown dataset {name!r}; known: "
+                         f"{sorted(_FAMILIES) + sorted(ALIASES)} (with an optional /config)")
+    config = config or _FAMILIES[family].default_config
+    if family == "glue" and not config:
+        raise ValueError("glue needs a task, e.g. 'glue/mrpc'")
+    return f"{family}/{config}" if config else family
+
+
+def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
+    """The array_record data source of one split: `len()`, `[i] -> dict` (Grain-compatible).
+
+    Raises ValueError for an unknown name and FileNotFoundError when the dataset is not
+    prepared as array_record under `data_dir` (default: $TFDS_DATA_DIR or
+    ~/tensorflow_datasets).
+    """
+    full = resolve(name)
+    family = _FAMILIES[full.partition("/")[0]]
+    if family.register:
+        importlib.import_module(family.register)
+    data_dir = os.fspath(data_dir) if data_dir is not None else None
+    try:
+        return tfds.data_source(full, split=split, data_dir=data_dir, download=False)
+    except (AssertionError, NotImplementedError, FileNotFoundError,
+            tfds.core.DatasetNotFoundError) as e:
+        where = data_dir or tfds.core.constants.DATA_DIR
+        how = ("tfm.data.synthetic.prepare_translation/prepare_documents(data_dir)"
+               if family.register == "tfm.data.synthetic" else
+               "a TFDS builder of your own (it is not in the TFDS catalog)"
+               if family.register is None else
+               f"`tfds build {full} --file_format=array_record --data_dir={where}` "
+               "(needs the tf extra)")
+        raise FileNotFoundError(f"{full} split {split!r} is not prepared as array_record "
+                                f"under {where}; prepare it with {how}") from e
+
+
+def as_text(value: Any) -> str:
+    """A TFDS text feature as `str` (bytes in real data, str under mock_data)."""
+    return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Lines, then sentence ends ('. ' before a capital), without empty pieces."""
+    return [s.strip() for line in text.split("\n")
+            for s in _SENTENCE_END.split(line) if s.strip()]
+
+
+def documents(source: Sequence[dict], text_key: str = "text") -> list[list[str]]:
+    """All examples of `source` as documents (lists of sentences), skipping empty ones.
+
+    Reads the whole split into memory, as BERT's create_pretraining_data does per shard.
+    """
+    docs = (split_sentences(as_text(source[i][text_key])) for i in range(len(source)))
+    return [d for d in docs if d]
