@@ -52,7 +52,7 @@ def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int 
     return ds[process_index::process_count]
 
 
-def _host_batch(batch_size: int, process_count: int) -> int:
+def host_batch_size(batch_size: int, process_count: int) -> int:
     if batch_size <= 0 or batch_size % process_count:
         raise ValueError(f"global batch_size {batch_size} must be a positive multiple of "
                          f"process_count {process_count}")
@@ -90,7 +90,7 @@ def _stack(rows: Sequence[Example], batch_size: int) -> Example:
             for k, v in out.items()}
 
 
-def _batch(ds: grain.IterDataset, batch_size: int, drop_remainder: bool) -> grain.IterDataset:
+def fixed_batches(ds: grain.IterDataset, batch_size: int, drop_remainder: bool) -> grain.IterDataset:
     return ds.batch(batch_size, drop_remainder=drop_remainder,
                     batch_fn=functools.partial(_stack, batch_size=batch_size))
 
@@ -119,14 +119,14 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
 
     Texts longer than seq_len tokens are truncated (lm1b sentences rarely are).
     """
-    b = _host_batch(batch_size, process_count)
+    b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
     ds = ds.map(functools.partial(_lm_example, tokenizer=tokenizer, text_key=text_key,
                                   seq_len=seq_len)).to_iter_dataset()
     ds = _pack_or_pad(ds, {"inputs": seq_len, "targets": seq_len}, pack=pack,
                       num_bins=num_packing_bins or b, shuffle=shuffle, seed=seed)
-    return _batch(ds.map(_lm_output), b, drop_remainder)
+    return fixed_batches(ds.map(_lm_output), b, drop_remainder)
 
 
 # ------------------------------------------------------------------------ sequence to sequence
@@ -165,7 +165,7 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     Pairs where either side (with EOS) exceeds max_length tokens are dropped. One tokenizer
     serves both sides (shared vocabulary) unless `target_tokenizer` is given.
     """
-    b = _host_batch(batch_size, process_count)
+    b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
     ds = ds.map(functools.partial(_seq2seq_example, src_tok=tokenizer,
@@ -175,4 +175,4 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     lengths = {"inputs": max_length, "targets_in": max_length, "targets": max_length}
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)
-    return _batch(ds.map(_seq2seq_output), b, drop_remainder)
+    return fixed_batches(ds.map(_seq2seq_output), b, drop_remainder)

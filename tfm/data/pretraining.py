@@ -1,0 +1,156 @@
+"""BERT pretraining examples (MLM + NSP) as in Devlin et al. 2018 (create_pretraining_data.py).
+
+`create_instances` builds sentence pairs from documents: segment A is a prefix of a chunk of
+consecutive sentences, segment B its continuation or, with probability 1/2 (always for a
+one-sentence chunk), sentences of a random other document; with `short_seq_prob` a shorter
+target length; the pair is truncated to max_seq_length - 3 by trimming the longer side at a
+random end. `mask_tokens` then predicts 15% of the tokens (at most max_predictions_per_seq,
+never [CLS]/[SEP]): 80% become [MASK], 10% a random non-special token, 10% stay.
+
+`pretraining_dataset` yields fixed-shape int32 batches (b = per-host batch, L =
+max_seq_length, P = max_predictions_per_seq):
+
+    input_ids, token_type_ids, attention_mask      [b, L]   ([CLS] A [SEP] B [SEP] + padding)
+    mlm_positions, mlm_ids, mlm_weights            [b, P]   (weights 0 on unused slots)
+    nsp_label                                      [b]      (0 = B follows A, 1 = random B)
+
+Pairs are created once from `seed`; masks are drawn per (epoch, example) from `seed`, so
+every epoch sees new masks (RoBERTa-style dynamic masking in place of BERT's dupe_factor
+static copies, which `dupe_factor` still provides).
+"""
+from __future__ import annotations
+
+import functools
+import random
+from typing import Sequence
+
+import grain
+import numpy as np
+
+from tfm.data.pipeline import fixed_batches, host_batch_size, records
+from tfm.data.tokenizers import WordPieceTokenizer
+
+Instance = tuple[list[int], list[int], int]  # (tokens_a, tokens_b, nsp_label)
+
+
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
+    while len(a) + len(b) > max_tokens:
+        longer = a if len(a) > len(b) else b
+        del longer[0 if rng.random() < 0.5 else -1]
+
+
+def _document_instances(docs: Sequence[Sequence[list[int]]], index: int, max_seq_length: int,
+                        short_seq_prob: float, rng: random.Random) -> list[Instance]:
+    doc, max_tokens = docs[index], max_seq_length - 3
+    target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
+    instances, chunk, length, i = [], [], 0, 0
+    while i < len(doc):
+        chunk.append(doc[i])
+        length += len(doc[i])
+        if i == len(doc) - 1 or length >= target:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            a = [t for s in chunk[:a_end] for t in s]
+            if len(chunk) == 1 or rng.random() < 0.5:
+                label, b = 1, []
+                other = index
+                for _ in range(10):
+                    other = rng.randint(0, len(docs) - 1)
+                    if other != index:
+                        break
+                other_doc = docs[other]
+                for sentence in other_doc[rng.randint(0, len(other_doc) - 1):]:
+                    b.extend(sentence)
+                    if len(b) >= target - len(a):
+                        break
+                i -= len(chunk) - a_end  # The unused sentences start the next chunk.
+            else:
+                label, b = 0, [t for s in chunk[a_end:] for t in s]
+            _truncate_pair(a, b, max_tokens, rng)
+            if a and b:
+                instances.append((a, b, label))
+            chunk, length = [], 0
+        i += 1
+    return instances
+
+
+def create_instances(documents: Sequence[Sequence[Sequence[int]]], *, max_seq_length: int,
+                     short_seq_prob: float = 0.1, dupe_factor: int = 1,
+                     seed: int = 0) -> list[Instance]:
+    """Sentence pairs (tokens_a, tokens_b, nsp_label) from tokenized documents (lists of
+    sentences of token ids), shuffled; deterministic given `seed`."""
+    docs = [[list(s) for s in d if len(s)] for d in documents]
+    docs = [d for d in docs if d]
+    if len(docs) < 2:
+        raise ValueError(f"need at least 2 non-empty documents for NSP, got {len(docs)}")
+    if max_seq_length < 5:
+        raise ValueError(f"max_seq_length must be >= 5, got {max_seq_length}")
+    rng = random.Random(seed)
+    instances = [inst for _ in range(dupe_factor) for index in range(len(docs))
+                 for inst in _document_instances(docs, index, max_seq_length, short_seq_prob, rng)]
+    rng.shuffle(instances)
+    return instances
+
+
+def mask_tokens(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int,
+                special_ids: Sequence[int], replacement_ids: np.ndarray,
+                masked_lm_prob: float, max_predictions: int):
+    """BERT masking of one sequence [L] -> (masked tokens [L], sorted positions [n], labels [n]).
+
+    n = min(max_predictions, max(1, round(L * masked_lm_prob))) over the non-special tokens.
+    """
+    candidates = np.flatnonzero(~np.isin(tokens, special_ids))
+    n = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))), len(candidates))
+    positions = np.sort(rng.permutation(candidates)[:n])
+    labels = tokens[positions]
+    draw = rng.random(n)
+    masked = tokens.copy()
+    masked[positions] = np.where(draw < 0.8, mask_id, np.where(
+        draw < 0.9, labels, rng.choice(replacement_ids, size=n)))
+    return masked, positions, labels
+
+
+def _features(instance: Instance, rng: np.random.Generator, *, tokenizer: WordPieceTokenizer,
+              replacement_ids: np.ndarray, max_seq_length: int, max_predictions: int,
+              masked_lm_prob: float) -> dict[str, np.ndarray]:
+    a, b, label = instance
+    tok = tokenizer
+    tokens = np.asarray([tok.cls_id] + a + [tok.sep_id] + b + [tok.sep_id], np.int32)
+    masked, positions, labels = mask_tokens(
+        tokens, rng, mask_id=tok.mask_id, special_ids=sorted(tok.special_ids),
+        replacement_ids=replacement_ids, masked_lm_prob=masked_lm_prob,
+        max_predictions=max_predictions)
+    length, pad, n = len(tokens), max_seq_length - len(tokens), len(positions)
+    return {
+        "input_ids": np.pad(masked, (0, pad)).astype(np.int32),
+        "token_type_ids": np.asarray([0] * (len(a) + 2) + [1] * (len(b) + 1) + [0] * pad,
+                                     np.int32),
+        "attention_mask": np.asarray([1] * length + [0] * pad, np.int32),
+        "mlm_positions": np.pad(positions, (0, max_predictions - n)).astype(np.int32),
+        "mlm_ids": np.pad(labels, (0, max_predictions - n)).astype(np.int32),
+        "mlm_weights": np.asarray([1] * n + [0] * (max_predictions - n), np.int32),
+        "nsp_label": np.asarray(label, np.int32),
+    }
+
+
+def pretraining_dataset(documents: Sequence[Sequence[str]], tokenizer: WordPieceTokenizer, *,
+                        batch_size: int, max_seq_length: int = 128,
+                        max_predictions_per_seq: int = 20, masked_lm_prob: float = 0.15,
+                        short_seq_prob: float = 0.1, dupe_factor: int = 1,
+                        shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
+                        drop_remainder: bool = True, process_index: int = 0,
+                        process_count: int = 1) -> grain.IterDataset:
+    """MLM+NSP batches (see module doc) from documents of sentence strings, e.g.
+    `tfm.data.sources.documents(load("wikipedia", "train"))`."""
+    b = host_batch_size(batch_size, process_count)
+    tokenized = [[tokenizer.encode(s) for s in doc] for doc in documents]
+    instances = create_instances(tokenized, max_seq_length=max_seq_length,
+                                 short_seq_prob=short_seq_prob, dupe_factor=dupe_factor,
+                                 seed=seed)
+    replacement_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
+    ds = records(instances, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+                 process_index=process_index, process_count=process_count)
+    ds = ds.random_map(functools.partial(
+        _features, tokenizer=tokenizer, replacement_ids=replacement_ids,
+        max_seq_length=max_seq_length, max_predictions=max_predictions_per_seq,
+        masked_lm_prob=masked_lm_prob), seed=seed)
+    return fixed_batches(ds.to_iter_dataset(), b, drop_remainder)
