@@ -1,0 +1,40 @@
+"""Multi-host initialisation.
+
+On TPU pods and SLURM clusters `jax.distributed.initialize()` finds the coordinator, the
+process count and the process id by itself; elsewhere (several processes on one machine,
+plain GPU hosts) pass them explicitly or through TFM_COORDINATOR / TFM_NUM_PROCESSES /
+TFM_PROCESS_ID.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def _is_auto_cluster() -> bool:
+    return "SLURM_JOB_ID" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ or \
+        "CLOUD_TPU_TASK_ID" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids=None) -> None:
+    """Join the multi-host job; a no-op for a single process with nothing to join."""
+    coordinator_address = coordinator_address or os.environ.get("TFM_COORDINATOR")
+    if num_processes is None and "TFM_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["TFM_NUM_PROCESSES"])
+    if process_id is None and "TFM_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["TFM_PROCESS_ID"])
+    if coordinator_address is None and not _is_auto_cluster():
+        return
+    if coordinator_address is not None and (num_processes is None or process_id is None):
+        raise ValueError("initialize: with an explicit coordinator address, num_processes and "
+                         "process_id are needed too")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_device_ids)
+
+
+def is_primary() -> bool:
+    """True on the process that writes logs and checkpoint metadata."""
+    return jax.process_index() == 0

@@ -1,0 +1,64 @@
+"""Logical-axis rule sets: which mesh axes each logical name is sharded over.
+
+Modules name their axes logically ("embed", "heads", "mlp", "vocab", "expert", "batch", …);
+a rule set maps those names to mesh axes. Parallelism styles are rule sets, combined by
+name, e.g. `make_rules("fsdp", "tensor")`:
+
+  data    batch over `data`; params replicated.
+  fsdp    batch over `fsdp`; params and optimizer state sharded over `fsdp` on "embed".
+  tensor  Megatron: "heads"/"kv_heads"/"mlp" over `tensor` — the QKV and up projections are
+          column-parallel (output dim split), the attention-out and down projections
+          row-parallel (input dim split); the vocab table and logits split on "vocab".
+  expert  batch and the "expert" dim of MoE weights over `expert`.
+
+Parameter rules and activation rules differ in one place: "embed" is FSDP-sharded in
+parameters only (activations keep the model dim whole; their batch already uses `fsdp`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tfm.parallel.mesh import AXES
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "data": {"batch": ("data",)},
+    "fsdp": {"batch": ("fsdp",), "embed": ("fsdp",)},
+    "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
+               "vocab": ("tensor",)},
+    "expert": {"batch": ("expert",), "expert": ("expert",)},
+}
+_PARAM_ONLY = ("embed",)
+
+
+def make_rules(*styles: str, activations: bool = False) -> Rules:
+    """Union of the named rule sets; a name mapped by several sets uses all their axes in
+    mesh order (so "batch" under data+fsdp+expert is ("data", "fsdp", "expert"))."""
+    styles = styles or ("data",)
+    unknown = [s for s in styles if s not in RULE_SETS]
+    if unknown:
+        raise ValueError(f"unknown parallelism {unknown}; choose from {sorted(RULE_SETS)}")
+    merged: dict[str, set[str]] = {}
+    for style in styles:
+        for name, axes in RULE_SETS[style].items():
+            merged.setdefault(name, set()).update(axes)
+    if "batch" not in merged:  # every style is at least data parallel over its batch axis
+        merged["batch"] = {"data"}
+    merged["batch"].add("data")
+    if activations:
+        for name in _PARAM_ONLY:
+            merged.pop(name, None)
+    return tuple((name, tuple(a for a in AXES if a in axes)) for name, axes in merged.items())
+
+
+def parse_parallelism(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """"fsdp+tensor" or ("fsdp", "tensor") -> ("fsdp", "tensor")."""
+    parts = spec.split("+") if isinstance(spec, str) else list(spec)
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+def flax_rules(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """The same rules in the form `flax.linen.logical_axis_rules` takes."""
+    return tuple((name, axes if len(axes) > 1 else (axes[0] if axes else None))
+                 for name, axes in rules)

@@ -1,0 +1,155 @@
+"""Orbax checkpoints: the train state plus each host's data-iterator state.
+
+Layout: <workdir>/checkpoints/<step>/{state, data}. `state` is the sharded TrainState
+(restorable onto any mesh: arrays are read straight into the target shardings); `data`
+holds one JSON file per process with its iterator's `get_state()`.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not fit the configured model."""
+
+
+@dataclasses.dataclass
+class DataStateArgs(ocp.args.CheckpointArgs):
+    state: Any = None
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+    """Per-process JSON of an iterator state (dict, or bytes stored base64)."""
+
+    def save(self, directory: epath.Path, args: DataStateArgs):
+        state = args.state
+        if isinstance(state, bytes):
+            state = {"__bytes__": base64.b64encode(state).decode()}
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        (directory / name).write_text(json.dumps(state))
+
+    def restore(self, directory: epath.Path, args: Optional[DataStateArgs] = None):
+        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if not path.exists():
+            raise CheckpointError(f"no data-iterator state for this process at {path} "
+                                  "(was the checkpoint written with a different process count?)")
+        state = json.loads(path.read_text())
+        if isinstance(state, dict) and "__bytes__" in state:
+            state = base64.b64decode(state["__bytes__"])
+        return state
+
+    def metadata(self, directory):
+        return None
+
+    def structure(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+def _paths(tree) -> dict:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_compatible(saved_metadata, abstract_state, where: str) -> None:
+    """Raise CheckpointError naming every leaf whose presence or shape differs."""
+    saved = {k: tuple(v.shape) for k, v in _paths(saved_metadata).items() if hasattr(v, "shape")}
+    wanted = {k: tuple(v.shape) for k, v in _paths(abstract_state).items()}
+    problems = [f"  {k}: missing in checkpoint" for k in wanted if k not in saved]
+    problems += [f"  {k}: in checkpoint but not in the model" for k in saved if k not in wanted]
+    problems += [f"  {k}: checkpoint shape {saved[k]} vs config shape {wanted[k]}"
+                 for k in wanted if k in saved and saved[k] != wanted[k]]
+    if problems:
+        raise CheckpointError(f"checkpoint {where} does not match the configured model:\n"
+                              + "\n".join(problems[:20]))
+
+
+class Checkpointer:
+    """Saves every `every` steps (async), keeps the last `keep`, restores the latest."""
+
+    def __init__(self, directory, *, every: int = 1000, keep: int = 3, async_save: bool = True):
+        self.directory = epath.Path(directory)
+        self.every = every
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=max(every, 1), create=True,
+            enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler()})
+
+    def latest_step(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_state=None, *, force: bool = False) -> bool:
+        items = {"state": ocp.args.StandardSave(state)}
+        if data_state is not None:
+            items["data"] = DataStateArgs(data_state)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore(self, abstract_state, step: Optional[int] = None, *, with_data: bool = True):
+        """(state, data_state or None) at `step` (default latest), onto the shardings of
+        `abstract_state` (a tree of jax.ShapeDtypeStruct with .sharding)."""
+        step = self.latest_step() if step is None else step
+        where = f"{self.directory}/{step}"
+        if step is None or step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
+                                  f"(available: {self.all_steps()})")
+        try:
+            meta = self.manager.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
+            raise CheckpointError(f"checkpoint {where} is unreadable (corrupt or partial): "
+                                  f"{type(e).__name__}: {e}") from e
+        if meta is None:
+            raise CheckpointError(f"checkpoint {where} has no train state (corrupt or partial)")
+        check_compatible(meta, abstract_state, where)
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        has_data = with_data and (self.directory / str(step) / "data").exists()
+        if has_data:
+            items["data"] = DataStateArgs()
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {where} could not be restored (corrupt or "
+                                  f"partial): {type(e).__name__}: {e}") from e
+        return restored["state"], (restored["data"] if has_data else None)
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def average_checkpoints(checkpointer: Checkpointer, abstract_params_state, last_k: int):
+    """Mean of the params of the last `last_k` checkpoints (fp32 accumulation), as in
+    Vaswani et al.'s averaging of the last checkpoints. Returns a params tree."""
+    steps = checkpointer.all_steps()[-last_k:]
+    if len(steps) < last_k:
+        raise CheckpointError(f"asked to average {last_k} checkpoints, found {len(steps)} "
+                              f"in {checkpointer.directory}")
+    total = None
+    for step in steps:
+        state, _ = checkpointer.restore(abstract_params_state, step, with_data=False)
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
+        total = params if total is None else jax.tree.map(jnp.add, total, params)
+    return jax.tree.map(lambda t, ref: (t / len(steps)).astype(ref.dtype), total,
+                        state.params)
+

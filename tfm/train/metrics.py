@@ -1,0 +1,96 @@
+"""Training metrics: model FLOPs and MFU, and a logger writing to the terminal (progress
+bar with ETA), JSONL, TensorBoard and (when installed and asked for) wandb."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+
+# Dense bf16 peak FLOP/s per device, by `device_kind` substring (vendor data sheets).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
+              "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12}
+
+
+def flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: int) -> float:
+    """Training FLOPs per token (PaLM appendix B): 6·N for the matmuls over the weights
+    (forward 2·N, backward 4·N) plus 12·L·(N_heads·H)·T for the attention scores and
+    values (QKᵀ and AV, forward and backward, full T×T blocks)."""
+    return 6.0 * num_params + 12.0 * num_layers * attn_width * seq_len
+
+
+def peak_flops(device=None) -> Optional[float]:
+    kind = (device or jax.devices()[0]).device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+class MetricLogger:
+    """Writes scalars from process 0 only; other processes keep a silent progress count."""
+
+    def __init__(self, workdir: str, total_steps: int, *, initial_step: int = 0,
+                 progress_bar: bool = True, wandb_project: Optional[str] = None,
+                 config: Optional[dict] = None):
+        self.primary = jax.process_index() == 0
+        self.jsonl = self.tb = self.wandb = self.bar = None
+        if not self.primary:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                print("wandb_project set but wandb is not installed; skipping wandb")
+            else:
+                self.wandb = wandb.init(project=wandb_project, dir=workdir, config=config,
+                                        resume="allow")
+        if progress_bar:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total_steps, initial=initial_step, unit="step",
+                            dynamic_ncols=True)
+
+    def write(self, step: int, scalars: dict, prefix: str = "train") -> None:
+        if not self.primary:
+            return
+        scalars = {k: float(v) for k, v in scalars.items()}
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
+        self.jsonl.flush()
+        for k, v in scalars.items():
+            self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in scalars.items()}, step=step)
+        shown = {k: scalars[k] for k in ("loss", "accuracy", "tokens_per_s", "mfu") if k in scalars}
+        text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
+        if self.bar is not None:
+            if prefix == "train":
+                self.bar.set_postfix_str(text)
+            else:
+                self.bar.write(f"step {step} {prefix}: {text}")
+        else:
+            print(f"step {step} {prefix}: {text}", flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def message(self, text: str) -> None:
+        if not self.primary:
+            return
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,59 @@
+"""Optax optimizers and learning-rate schedules from `OptimizerConfig`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tfm.train.config import OptimizerConfig
+
+
+def make_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:
+    """constant | noam (inverse sqrt after linear warmup) | linear | cosine (after warmup)."""
+    peak, warmup = cfg.learning_rate, cfg.warmup_steps
+    if cfg.schedule == "noam":
+        # Vaswani et al.: d^-0.5 * min(s^-0.5, s * w^-1.5); without d, scaled to peak at s=w.
+        scale = peak * (cfg.noam_d_model ** -0.5 if cfg.noam_d_model else warmup ** 0.5)
+
+        def noam(step):
+            s = jnp.maximum(step + 1, 1).astype(jnp.float32)
+            return scale * jnp.minimum(s ** -0.5, s * warmup ** -1.5)
+        return noam
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    else:
+        decay = max((cfg.decay_steps or num_train_steps) - warmup, 1)
+        if cfg.schedule == "linear":
+            main = optax.linear_schedule(peak, peak * cfg.end_lr_factor, decay)
+        else:
+            main = optax.cosine_decay_schedule(peak, decay, alpha=cfg.end_lr_factor)
+    if warmup:
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+    return main
+
+
+def _decay_mask(cfg: OptimizerConfig):
+    if cfg.decay_mask == "all":
+        return None
+    return lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, num_train_steps: int):
+    """(optax transformation with global-norm clipping, schedule)."""
+    lr = make_schedule(cfg, num_train_steps)
+    if cfg.name == "adam":
+        opt = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    elif cfg.name == "adamw":
+        opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, mask=_decay_mask(cfg))
+    elif cfg.name == "lamb":
+        opt = optax.lamb(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay, mask=_decay_mask(cfg))
+    elif cfg.name == "adafactor":
+        opt = optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None,
+                              weight_decay_mask=_decay_mask(cfg))
+    else:
+        opt = optax.sgd(lr)
+    if cfg.clip_grad_norm:
+        opt = optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), opt)
+    return opt, lr
