@@ -2,8 +2,11 @@
 import pickle
 
 import pytest
+import tensorflow_datasets as tfds
 
 from tfm.data import sources, synthetic, tokenizers
+
+tfds.disable_progress_bar()
 
 
 @pytest.fixture(scope="module")
