@@ -1,0 +1,41 @@
+"""cuDNN fused attention through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+GPU only, fp16/bf16. q [B, T, N, H]; k, v [B, S, K, H] (GQA native). Segment ids and ALiBi
+become a materialised mask [B, 1, T, S] and bias [1, N, T, S]; cuDNN has no logit soft-cap
+and no bidirectional window, and those raise ValueError.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from tfm.ops.attention import visibility
+
+
+def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
+              window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
+              scale: float):
+    """softmax(q k^T * scale + masks) v with cuDNN. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H]."""
+    if softcap is not None:
+        raise ValueError("impl='cudnn' has no logit soft-cap; use impl='pallas'")
+    if window is not None and not causal:
+        raise ValueError("impl='cudnn' supports a sliding window only with causal=True; use impl='pallas'")
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"impl='cudnn' needs a GPU backend, not {jax.default_backend()!r}")
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    mask = bias = None
+    if kv_segment_ids is not None:
+        positions = jnp.arange(T)[None], jnp.arange(S)[None]
+        mask = visibility(*positions, q_segment_ids, kv_segment_ids, causal=False, window=None)
+    if alibi_slopes is not None:
+        distance = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(S)[None, :]).astype(jnp.float32)
+        bias = (-alibi_slopes[:, None, None] * distance)[None].astype(q.dtype)  # [1, N, T, S]
+    o = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=None if mask is None else mask[:, None], scale=scale, is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+    if mask is not None:  # rows that see no key give 0, as in every other impl
+        o = o * mask.any(axis=-1)[:, :, None, None].astype(o.dtype)
+    return o
