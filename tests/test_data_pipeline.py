@@ -29,8 +29,7 @@ def translate(data_dir):
 
 @pytest.fixture(scope="module")
 def tok(translate):
-    texts = [sources.as_text(translate[i][k]) for i in range(len(translate)) for k in ("en", "de")]
-    return tokenizers.train_sentencepiece(texts, 250)
+    return tokenizers.train_sentencepiece(sources.texts(translate, ("en", "de")), 250)
 
 
 def _segments(tokens, segment_ids, positions):

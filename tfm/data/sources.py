@@ -17,7 +17,7 @@ import dataclasses
 import importlib
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import tensorflow_datasets as tfds
 
@@ -86,6 +86,11 @@ def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
 def as_text(value: Any) -> str:
     """A TFDS text feature as `str` (bytes in real data, str under mock_data)."""
     return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def texts(source: Sequence[dict], keys: Sequence[str] = ("text",)) -> Iterator[str]:
+    """Every `keys` feature of every example as `str`, e.g. for tokenizer training."""
+    return (as_text(source[i][k]) for i in range(len(source)) for k in keys)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
