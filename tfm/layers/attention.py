@@ -16,9 +16,9 @@ from tfm.ops.attention import alibi_slopes, dot_product_attention
 class Attention(nn.Module):
     """Self- or cross-attention. x [B, T, D] (queries); memory [B, S, D] for cross-attention.
 
-    In decode mode self-attention keeps `cache/{key,value}` [B, L, K, H] and
-    `cache/segment_ids` [B, L]; writing T new entries at `cache/index`. Cross-attention keeps the
-    projected memory `cache/{key,value}` [B, S, K, H] computed once when the cache is made.
+    In decode mode self-attention keeps `cache/cached_{key,value}` [B, L, K, H] and
+    `cache/cached_segment_ids` [B, L]; writing T new entries at `cache/index`. Cross-attention keeps the
+    projected memory `cache/cached_{key,value}` [B, S, K, H] computed once when the cache is made.
     The first decode-mode call creates the cache (zeros, length = the T it was given) and
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
     """
@@ -27,29 +27,26 @@ class Attention(nn.Module):
     causal: bool = False
     cross: bool = False
 
-    def setup(self):
-        cfg = self.config
-        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
-        dt = compute_dtype(cfg)
-        proj = dict(use_bias=cfg.attention_bias, dtype=dt)
-        self.query = Einsum("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "head_dim"),
-                            ("heads", "head_dim"), **proj)
-        self.key = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
-                          ("kv_heads", "head_dim"), **proj)
-        self.value = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
-                            ("kv_heads", "head_dim"), **proj)
-        self.out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), **proj)
-
+    @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
                  kv_positions=None, deterministic: bool = True, decode: bool = False):
         """positions [B, T] are the query positions (RoPE, causal, window, ALiBi)."""
         cfg = self.config
-        q = constrain(self.query(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
+        proj = dict(use_bias=cfg.attention_bias, dtype=compute_dtype(cfg))
+        query = Einsum("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "head_dim"),
+                            ("heads", "head_dim"), name="query", **proj)
+        key = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
+                          ("kv_heads", "head_dim"), name="key", **proj)
+        value = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
+                            ("kv_heads", "head_dim"), name="value", **proj)
+        out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), name="out", **proj)
+        q = constrain(query(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         if self.cross:
-            k, v, kv_segment_ids = self._cross_kv(memory, kv_segment_ids, decode)
+            k, v, kv_segment_ids = self._cross_kv(key, value, memory, kv_segment_ids, decode)
             kv_positions = None
         else:
-            k, v = self.key(x), self.value(x)  # [B, T, K, H]
+            k, v = key(x), value(x)  # [B, T, K, H]
             if cfg.position == "rope":
                 q, k = apply_rope(q, positions, cfg), apply_rope(k, positions, cfg)
             kv_positions = positions
@@ -68,26 +65,26 @@ class Attention(nn.Module):
             softcap=cfg.attn_logit_softcap, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size)
-        return self.out(o)  # [B, T, D]
+        return out(o)  # [B, T, D]
 
-    def _cross_kv(self, memory, memory_segment_ids, decode):
+    def _cross_kv(self, key, value, memory, memory_segment_ids, decode):
         """Projected memory k, v [B, S, K, H]; cached once in decode mode."""
         if not decode:
-            return self.key(memory), self.value(memory), memory_segment_ids
-        if memory_segment_ids is None:
+            return key(memory), value(memory), memory_segment_ids
+        if memory_segment_ids is None and memory is not None:
             memory_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
-        k = self.variable("cache", "key", lambda: self.key(memory))
-        v = self.variable("cache", "value", lambda: self.value(memory))
-        seg = self.variable("cache", "segment_ids", lambda: memory_segment_ids)
+        k = self.variable("cache", "cached_key", lambda: key(memory))
+        v = self.variable("cache", "cached_value", lambda: value(memory))
+        seg = self.variable("cache", "cached_segment_ids", lambda: memory_segment_ids)
         return k.value, v.value, seg.value
 
     def _update_cache(self, k, v, segment_ids):
         """Writes k, v [B, T, K, H] at the cache index; returns the whole cache and its masks."""
         B, T = k.shape[:2]
-        creating = not self.has_variable("cache", "key")
-        ck = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
-        cv = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
-        cseg = self.variable("cache", "segment_ids", jnp.zeros, (B, T), jnp.int32)
+        creating = not self.has_variable("cache", "cached_key")
+        ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        cseg = self.variable("cache", "cached_segment_ids", jnp.zeros, (B, T), jnp.int32)
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
         L = ck.value.shape[1]
         if not creating:
