@@ -4,6 +4,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.layers.common import compute_dtype, param_init
@@ -13,7 +14,10 @@ def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
     """Clear error for ids outside [0, V) when the ids are concrete (outside jit)."""
     if isinstance(tokens, jax.core.Tracer):
         return
-    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name} must lie in [0, {vocab_size}); got values in [{lo}, {hi}]")
 
