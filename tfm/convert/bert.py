@@ -1,0 +1,76 @@
+"""BERT (BertForPreTraining, BertModel) -> tfm EncoderModel.
+
+Post-norm blocks, learned absolute positions, token types, LayerNorm on the summed embeddings.
+BertForPreTraining keeps the MLM head (transform, LayerNorm, tied decoder + bias) and the NSP head
+(pooler + seq_relationship); BertModel converts without heads (its pooler is dropped).
+"""
+from __future__ import annotations
+
+import functools
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.models import EncoderModel
+
+
+def config(hf: HFConfig, heads=()) -> ModelConfig:
+    hf.expect("position_embedding_type", ["absolute"], "absolute")
+    hf.expect("is_decoder", [False], False)
+    hf.expect("add_cross_attention", [False], False)
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=hf.require("hidden_size"), num_heads=hf.require("num_attention_heads"),
+        num_layers=hf.require("num_hidden_layers"), d_ff=hf.require("intermediate_size"),
+        max_len=hf.get("max_position_embeddings", 512), norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12),
+        norm_position="post", final_norm=False, embedding_norm=True, position="learned",
+        activation=hf.activation("hidden_act", "gelu"), type_vocab_size=hf.get("type_vocab_size", 2),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), output_bias="mlm" in heads, heads=tuple(heads),
+        pad_id=hf.pad_id(vocab), dropout_rate=hf.get("hidden_dropout_prob", 0.0),
+        attention_dropout=hf.get("attention_probs_dropout_prob", 0.0))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    qkvo = [linear_pair(w, f"{p}.attention.self.{n}", True) for n in ("query", "key", "value")]
+    qkvo.append(linear_pair(w, f"{p}.attention.output.dense", True))
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "attn_norm": norm(w, f"{p}.attention.output.LayerNorm", cfg.norm),
+            "ffn": {"wi": linear(w, f"{p}.intermediate.dense"), "wo": linear(w, f"{p}.output.dense")},
+            "ffn_norm": norm(w, f"{p}.output.LayerNorm", cfg.norm)}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    if not cfg.heads:
+        w.strip_prefix("bert.")  # BertModel weights saved with or without the "bert." wrapper
+    p = "bert." if cfg.heads else ""
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w(f"{p}embeddings.word_embeddings.weight", (V, D))
+    out = {
+        "embed": {"embedding": embedding},
+        "input": {"position": {"embedding": w(f"{p}embeddings.position_embeddings.weight", (cfg.max_len, D))},
+                  "token_type": {"embedding": w(f"{p}embeddings.token_type_embeddings.weight")},
+                  "norm": norm(w, f"{p}embeddings.LayerNorm", cfg.norm)},
+        "encoder": stack_layers([_layer(w, f"{p}encoder.layer.{i}", cfg) for i in range(cfg.num_layers)],
+                                cfg.scan_layers),
+    }
+    if "nsp" in cfg.heads:
+        out["pooler"] = linear(w, f"{p}pooler.dense")
+        out["nsp"] = linear(w, "cls.seq_relationship")
+    if "mlm" in cfg.heads:
+        out["mlm_transform"] = linear(w, "cls.predictions.transform.dense")
+        out["mlm_norm"] = norm(w, "cls.predictions.transform.LayerNorm", cfg.norm)
+        bias = w("cls.predictions.bias", (V,))
+        w.tied("cls.predictions.decoder.bias", bias, "the MLM decoder bias")
+        out["mlm_output"] = {"bias": bias}
+        if cfg.tie_embeddings:
+            w.tied("cls.predictions.decoder.weight", embedding, "tie_word_embeddings")
+        else:
+            out["mlm_output"]["lm_head"] = {"kernel": w("cls.predictions.decoder.weight", (V, D)).T}
+    return out
+
+
+ARCHITECTURES = {
+    "BertForPreTraining": Converter(EncoderModel, functools.partial(config, heads=("mlm", "nsp")), params,
+                                    ignore=("*position_ids", "*token_type_ids")),
+    "BertModel": Converter(EncoderModel, config, params,
+                           ignore=("*position_ids", "*token_type_ids", "pooler.*", "bert.pooler.*")),
+}

@@ -1,0 +1,229 @@
+"""Shared pieces of the Hugging Face import: reading HF config fields with clear errors,
+tracking which checkpoint tensors were used, and the layout changes every family needs.
+
+Torch layouts: `nn.Linear.weight` is [out, in]; tfm's `Einsum` kernels are [in, out] with the
+head axes split out: query [D, N, H], key/value [D, K, H], out [N, H, D].
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Callable, Dict, Iterable, Optional, Sequence
+
+import numpy as np
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that tfm cannot convert faithfully (a ValueError)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Converter:
+    """How one HF architecture maps onto tfm: its model class, config and params."""
+
+    model_class: type
+    config: Callable[["HFConfig"], object]  # -> tfm ModelConfig
+    params: Callable[["Weights", object], dict]  # (checkpoint tensors, tfm config) -> param tree
+    ignore: Sequence[str] = ()  # glob patterns of tensors that carry no parameters
+
+
+# HF activation names -> tfm activation names (tfm "gelu" is exact erf GELU, "gelu_tanh" the tanh one).
+ACTIVATIONS = {
+    "gelu": "gelu",
+    "relu": "relu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "silu": "silu",
+    "swish": "silu",
+}
+# tfm's gated variants use silu (swiglu) and tanh-GELU (geglu) gates.
+GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+
+
+class HFConfig:
+    """Read-only view of an HF config dict that names the architecture and field in errors."""
+
+    def __init__(self, fields: dict, architecture: str):
+        self.fields = dict(fields)
+        self.architecture = architecture
+
+    def get(self, name: str, default=None):
+        value = self.fields.get(name, default)
+        return default if value is None and default is not None else value
+
+    def require(self, name: str):
+        if self.fields.get(name) is None:
+            raise ConversionError(f"{self.architecture}: config field {name!r} is missing")
+        return self.fields[name]
+
+    def expect(self, name: str, allowed: Sequence, default=None):
+        """The field's value, which must be one of `allowed` (absent = default)."""
+        value = self.fields.get(name, default)
+        if value not in allowed:
+            raise self.unsupported(name, value, f"tfm supports {list(allowed)}")
+        return value
+
+    def unsupported(self, name: str, value, detail: str = "") -> ConversionError:
+        msg = f"{self.architecture}: unsupported config field {name}={value!r}"
+        return ConversionError(msg + (f"; {detail}" if detail else ""))
+
+    def same(self, *names: str):
+        """Fields that tfm keeps as one value (e.g. encoder and decoder widths) must agree."""
+        values = {n: self.require(n) for n in names}
+        if len(set(values.values())) != 1:
+            raise ConversionError(f"{self.architecture}: unsupported config: tfm needs "
+                                  f"{' == '.join(names)}, got {values}")
+        return values[names[0]]
+
+    def activation(self, name: str, default: Optional[str] = None, gated: bool = False) -> str:
+        value = self.fields.get(name, default)
+        act = ACTIVATIONS.get(value)
+        if gated:
+            act = GATED_ACTIVATIONS.get(act)
+        if act is None:
+            allowed = [k for k, v in ACTIVATIONS.items() if not gated or v in GATED_ACTIVATIONS]
+            raise self.unsupported(name, value, f"tfm maps {allowed}")
+        return act
+
+    def pad_id(self, vocab_size: int) -> int:
+        pad = self.fields.get("pad_token_id")
+        return pad if isinstance(pad, int) and 0 <= pad < vocab_size else 0
+
+
+class Weights:
+    """Checkpoint tensors by HF name; remembers which were used so that nothing is dropped silently.
+
+    `ignore` holds glob patterns of tensors that carry no parameters (causal-mask buffers,
+    position ids, rotary caches) or that tfm deliberately does not keep.
+    """
+
+    def __init__(self, tensors: Dict[str, np.ndarray], source: str, ignore: Iterable[str] = ()):
+        self.tensors = {_legacy_name(k): v for k, v in tensors.items()}
+        self.source = source
+        self.ignore = tuple(ignore)
+        self.used = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def __call__(self, key: str, shape: Optional[Sequence[int]] = None) -> np.ndarray:
+        if key not in self.tensors:
+            raise ConversionError(f"{self.source}: checkpoint lacks tensor {key!r}")
+        self.used.add(key)
+        value = self.tensors[key]
+        if shape is not None and tuple(value.shape) != tuple(shape):
+            raise ConversionError(f"{self.source}: tensor {key!r} has shape {tuple(value.shape)}, "
+                                  f"the config implies {tuple(shape)}")
+        return value
+
+    def optional(self, key: str) -> Optional[np.ndarray]:
+        return self(key) if self.has(key) else None
+
+    def tied(self, key: str, reference: np.ndarray, field: str):
+        """A tensor the config declares tied to `reference`: absent (as saved) or equal to it."""
+        if not self.has(key):
+            return
+        value = self(key)
+        if value.shape != reference.shape or not np.array_equal(value, reference):
+            raise ConversionError(f"{self.source}: {field} says {key!r} is tied, but its values differ "
+                                  f"from the tensor it should share; fix {field} in the config")
+
+    def strip_prefix(self, prefix: str):
+        """Accept checkpoints saved with or without a wrapper prefix (e.g. 'bert.')."""
+        if self.tensors and all(k.startswith(prefix) for k in self.tensors if not self._ignored(k)):
+            self.tensors = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in self.tensors.items()}
+
+    def _ignored(self, key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, p) for p in self.ignore)
+
+    def finish(self):
+        unused = sorted(k for k in self.tensors if k not in self.used and not self._ignored(k))
+        if unused:
+            shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+            raise ConversionError(f"{self.source}: tensors with no tfm counterpart (unsupported variant?): "
+                                  f"{shown}")
+
+
+def _legacy_name(key: str) -> str:
+    """Old TF-era LayerNorm names (gamma/beta) -> weight/bias, as transformers' loader does."""
+    if key.endswith(".gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith(".beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+# ---- layouts ------------------------------------------------------------------------------
+
+def dense(weight: np.ndarray, bias: Optional[np.ndarray] = None) -> dict:
+    """torch Linear weight [out, in] (+ bias [out]) -> Einsum {"kernel": [in, out], "bias"}."""
+    out = {"kernel": weight.T}
+    if bias is not None:
+        out["bias"] = bias
+    return out
+
+
+def linear(w: Weights, prefix: str, bias: bool = True) -> dict:
+    """`prefix.weight` / `prefix.bias` of a torch Linear as an Einsum param dict."""
+    return dense(w(f"{prefix}.weight"), w(f"{prefix}.bias") if bias else None)
+
+
+def norm(w: Weights, prefix: str, kind: str) -> dict:
+    """LayerNorm (weight, bias) or RMSNorm (weight) -> Norm {"scale", "bias"}."""
+    out = {"scale": w(f"{prefix}.weight")}
+    if kind == "layernorm":
+        out["bias"] = w(f"{prefix}.bias")
+    return out
+
+
+def attention(q, k, v, o, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """Projections in torch Linear layout, each (weight, bias-or-None) -> Attention params.
+
+    q weight [N*H, D], k/v [K*H, D], o [D, N*H] -> query [D, N, H], key/value [D, K, H], out [N, H, D].
+    """
+    def heads_in(pair, n):
+        weight, bias = pair
+        out = {"kernel": weight.T.reshape(weight.shape[1], n, head_dim)}
+        if bias is not None:
+            out["bias"] = bias.reshape(n, head_dim)
+        return out
+
+    weight, bias = o
+    out = {"kernel": weight.T.reshape(num_heads, head_dim, weight.shape[0])}
+    if bias is not None:
+        out["bias"] = bias
+    return {"query": heads_in(q, num_heads), "key": heads_in(k, num_kv_heads),
+            "value": heads_in(v, num_kv_heads), "out": out}
+
+
+def linear_pair(w: Weights, prefix: str, bias: bool):
+    return w(f"{prefix}.weight"), (w(f"{prefix}.bias") if bias else None)
+
+
+def stack_layers(layers: Sequence[dict], scan: bool) -> dict:
+    """Per-layer param dicts -> `layer_0..` or, for scanned stacks, `layers` stacked on axis 0."""
+    if not scan:
+        return {f"layer_{i}": p for i, p in enumerate(layers)}
+    import jax
+    return {"layers": jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+
+
+def rope(hf: HFConfig, default_theta: float) -> dict:
+    """RoPE fields of an HF config (v5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`)
+    -> ModelConfig kwargs. Only default and linear scaling map onto tfm."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    field = "rope_parameters" if params else "rope_scaling"
+    if kind == "default":
+        out = dict(rope_theta=float(theta))
+    elif kind == "linear":
+        out = dict(rope_theta=float(theta), rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+    else:
+        raise hf.unsupported(f"{field}.rope_type", kind, "tfm maps 'default' and 'linear'")
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise hf.unsupported("partial_rotary_factor", partial, "tfm rotates the whole head")
+    return out

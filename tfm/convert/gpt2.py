@@ -1,0 +1,64 @@
+"""GPT-2 (GPT2LMHeadModel) -> tfm DecoderLM.
+
+Pre-norm, learned positions, tanh-GELU, tied output. GPT-2's `Conv1D` weights are [in, out]
+(the transpose of nn.Linear) and `c_attn` packs q, k, v along the output axis.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, stack_layers
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    hf.expect("scale_attn_weights", [True], True)
+    hf.expect("scale_attn_by_inverse_layer_idx", [False], False)
+    hf.expect("add_cross_attention", [False], False)
+    # reorder_and_upcast_attn only changes the precision of the logits, which tfm keeps in fp32.
+    D = hf.require("n_embd")
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=hf.require("n_head"), num_layers=hf.require("n_layer"),
+        d_ff=hf.get("n_inner") or 4 * D, max_len=hf.get("n_positions", 1024), norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), norm_position="pre", final_norm=True, position="learned",
+        activation=hf.activation("activation_function", "gelu_new"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), pad_id=hf.pad_id(vocab),
+        dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+
+
+def _conv1d(w: Weights, prefix: str):
+    """Conv1D (weight [in, out], bias) -> torch Linear layout (weight [out, in], bias)."""
+    return w(f"{prefix}.weight").T, w(f"{prefix}.bias")
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    weight, bias = _conv1d(w, f"{p}.attn.c_attn")  # [3D, D], [3D]
+    q, k, v = zip(np.split(weight, 3, axis=0), np.split(bias, 3))
+    o = _conv1d(w, f"{p}.attn.c_proj")
+    dense = lambda name: dict(zip(("kernel", "bias"), (w(f"{p}.mlp.{name}.weight"), w(f"{p}.mlp.{name}.bias"))))
+    return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn_norm": norm(w, f"{p}.ln_2", cfg.norm),
+            "ffn": {"wi": dense("c_fc"), "wo": dense("c_proj")}}  # Conv1D is already [in, out]
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("transformer.wte.weight", (V, D))
+    out = {"embed": {"embedding": embedding},
+           "input": {"position": {"embedding": w("transformer.wpe.weight", (cfg.max_len, D))}},
+           "decoder": {**stack_layers([_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)],
+                                      cfg.scan_layers),
+                       "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    return out
+
+
+ARCHITECTURES = {
+    "GPT2LMHeadModel": Converter(DecoderLM, config, params, ignore=("*.attn.bias", "*.attn.masked_bias")),
+}

@@ -1,0 +1,61 @@
+"""Llama (LlamaForCausalLM) -> tfm DecoderLM; its pieces also serve Mixtral.
+
+Pre-norm RMSNorm, RoPE in the rotate-halves layout (HF checkpoints are already permuted for it),
+GQA, SwiGLU, untied output by default.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from tfm.config import ModelConfig
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope,
+                                stack_layers)
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig, default_theta: float = 10_000.0, **extra) -> ModelConfig:
+    """Decoder fields shared by the Llama family; `extra` adds the variant's own (MoE, window)."""
+    D, N = hf.require("hidden_size"), hf.require("num_attention_heads")
+    vocab = hf.require("vocab_size")
+    kw = dict(
+        vocab_size=vocab, d_model=D, num_heads=N, num_kv_heads=hf.get("num_key_value_heads", N),
+        head_dim=hf.get("head_dim", D // N), num_layers=hf.require("num_hidden_layers"),
+        d_ff=hf.require("intermediate_size"), max_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), norm_position="pre", final_norm=True, position="rope",
+        activation=hf.activation("hidden_act", "silu", gated=True),
+        attention_bias=bool(hf.get("attention_bias", False)), ffn_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab),
+        attention_dropout=hf.get("attention_dropout", 0.0), **rope(hf, default_theta))
+    return ModelConfig(**{**kw, **extra})
+
+
+def dense_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    b = cfg.ffn_bias
+    return {"wi_gate": linear(w, f"{p}.mlp.gate_proj", b), "wi_up": linear(w, f"{p}.mlp.up_proj", b),
+            "wo": linear(w, f"{p}.mlp.down_proj", b)}
+
+
+def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:
+    b = cfg.attention_bias
+    qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v", "o")]
+    return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
+            "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
+            "ffn": ffn(w, p, cfg)}
+
+
+def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("model.embed_tokens.weight", (V, D))
+    layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
+    out = {"embed": {"embedding": embedding},
+           "decoder": {**stack_layers(layers, cfg.scan_layers), "final_norm": norm(w, "model.norm", cfg.norm)}}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    return out
+
+
+IGNORE = ("*rotary_emb.inv_freq",)
+ARCHITECTURES = {"LlamaForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}

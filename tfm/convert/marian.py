@@ -1,0 +1,90 @@
+"""Marian (MarianMTModel) -> tfm EncoderDecoder.
+
+Post-norm blocks (LayerNorm eps 1e-5), sinusoidal positions in the sin-then-cos layout (Marian's
+`embed_positions` tables are checked against tfm's, not stored), optional sqrt(D) embedding scale,
+one shared source/target embedding, `final_logits_bias` -> the output bias.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tfm.config import ModelConfig
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
+                                stack_layers)
+from tfm.layers.embeddings import sinusoidal_table
+from tfm.models import EncoderDecoder
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    # Fields of older BART-style configs that Marian checkpoints leave off; tfm maps only "off".
+    for name in ("normalize_before", "add_final_layer_norm", "normalize_embedding", "add_bias_logits"):
+        hf.expect(name, [False, None], None)
+    vocab = hf.require("vocab_size")
+    if hf.get("decoder_vocab_size", vocab) != vocab:
+        raise hf.unsupported("decoder_vocab_size", hf.get("decoder_vocab_size"),
+                             f"tfm needs one vocabulary (vocab_size={vocab})")
+    share = bool(hf.get("share_encoder_decoder_embeddings", True))
+    return ModelConfig(
+        vocab_size=vocab, d_model=hf.require("d_model"),
+        num_heads=hf.same("encoder_attention_heads", "decoder_attention_heads"),
+        num_layers=hf.require("encoder_layers"), num_decoder_layers=hf.require("decoder_layers"),
+        d_ff=hf.same("encoder_ffn_dim", "decoder_ffn_dim"), max_len=hf.get("max_position_embeddings", 1024),
+        norm="layernorm", norm_eps=1e-5, norm_position="post", final_norm=False, position="sinusoidal",
+        activation=hf.activation("activation_function", "gelu"), scale_embeddings=bool(hf.get("scale_embedding", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), share_source_target_embeddings=share,
+        output_bias=True, pad_id=hf.pad_id(vocab), dropout_rate=hf.get("dropout", 0.0),
+        attention_dropout=hf.get("attention_dropout", 0.0))
+
+
+def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    qkvo = [linear_pair(w, f"{p}.{n}_proj", True) for n in ("q", "k", "v", "out")]
+    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+    out = {"self_attn": _attention(w, f"{p}.self_attn", cfg),
+           "attn_norm": norm(w, f"{p}.self_attn_layer_norm", cfg.norm),
+           "ffn": {"wi": linear(w, f"{p}.fc1"), "wo": linear(w, f"{p}.fc2")},
+           "ffn_norm": norm(w, f"{p}.final_layer_norm", cfg.norm)}
+    if cross:
+        out["cross_attn"] = _attention(w, f"{p}.encoder_attn", cfg)
+        out["cross_norm"] = norm(w, f"{p}.encoder_attn_layer_norm", cfg.norm)
+    return out
+
+
+def _check_positions(w: Weights, side: str, cfg: ModelConfig):
+    key = f"model.{side}.embed_positions.weight"
+    if w.has(key):
+        table = w(key)
+        expected = np.asarray(sinusoidal_table(np.arange(table.shape[0]), cfg.d_model))
+        if table.shape[1] != cfg.d_model or not np.allclose(table, expected, atol=1e-5):
+            raise ConversionError(f"{w.source}: {key} is not the sin-then-cos sinusoidal table tfm computes")
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    if cfg.share_source_target_embeddings:
+        target = source = w("model.shared.weight", (V, D))
+        w.tied("model.encoder.embed_tokens.weight", source, "share_encoder_decoder_embeddings")
+        w.tied("model.decoder.embed_tokens.weight", source, "share_encoder_decoder_embeddings")
+        out = {"embed": {"embedding": source}}
+    else:
+        source = w("model.encoder.embed_tokens.weight", (V, D))
+        target = w("model.decoder.embed_tokens.weight", (V, D))
+        w.tied("model.shared.weight", source, "share_encoder_decoder_embeddings=False (shared is the encoder's)")
+        out = {"source_embed": {"embedding": source}, "target_embed": {"embedding": target}}
+    for side in ("encoder", "decoder"):
+        _check_positions(w, side, cfg)
+    out["encoder"] = stack_layers([_layer(w, f"model.encoder.layers.{i}", cfg, False)
+                                   for i in range(cfg.num_layers)], cfg.scan_layers)
+    out["decoder"] = stack_layers([_layer(w, f"model.decoder.layers.{i}", cfg, True)
+                                   for i in range(cfg.decoder_layers)], cfg.scan_layers)
+    out["output"] = {"bias": w("final_logits_bias", (1, V))[0]}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", target, "tie_word_embeddings")
+    else:
+        out["output"]["lm_head"] = {"kernel": w("lm_head.weight", (V, D)).T}
+    return out
+
+
+ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params)}

@@ -1,0 +1,46 @@
+"""Mixtral (MixtralForCausalLM) -> tfm DecoderLM with a dropless top-k MoE feed-forward.
+
+The Llama mapping plus: router `gate` [E, D], experts w1 (gate), w3 (up), w2 (down), and a
+sliding attention window. Accepts the Hub layout (`block_sparse_moe.experts.{e}.w1.weight`,
+what save_pretrained writes) and the fused in-memory layout of transformers 5
+(`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tfm.config import ModelConfig
+from tfm.convert import llama
+from tfm.convert.common import Converter, HFConfig, Weights
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    E = hf.require("num_local_experts")
+    return llama.config(hf, default_theta=1e6, num_experts=E, experts_per_token=hf.get("num_experts_per_tok", 2),
+                        capacity_factor=None, router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                        sliding_window=hf.get("sliding_window"), max_len=hf.get("max_position_embeddings", 4096 * 32))
+
+
+def moe_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
+    if w.has(f"{p}.mlp.experts.gate_up_proj"):  # transformers 5 in-memory layout
+        router = w(f"{p}.mlp.gate.weight", (E, D))
+        gate_up = w(f"{p}.mlp.experts.gate_up_proj", (E, 2 * F, D))
+        gate, up = gate_up[:, :F], gate_up[:, F:]  # [E, F, D] each
+        down = w(f"{p}.mlp.experts.down_proj", (E, D, F))
+    else:  # Hub / save_pretrained layout
+        q = f"{p}.block_sparse_moe"
+        router = w(f"{q}.gate.weight", (E, D))
+        expert = lambda name, shape: np.stack([w(f"{q}.experts.{e}.{name}.weight", shape) for e in range(E)])
+        gate, up, down = expert("w1", (F, D)), expert("w3", (F, D)), expert("w2", (D, F))
+    return {"router": {"kernel": router.T},  # [D, E]
+            "wi_gate": gate.transpose(0, 2, 1), "wi_up": up.transpose(0, 2, 1),  # [E, D, F]
+            "wo": down.transpose(0, 2, 1)}  # [E, F, D]
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    return llama.params(w, cfg, ffn=moe_ffn)
+
+
+ARCHITECTURES = {"MixtralForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE)}
