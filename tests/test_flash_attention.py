@@ -206,3 +206,23 @@ def test_block_sizes_backend_checks():
         fa.flash_attention(q, q, q, block_sizes=(64, 64))
     with pytest.raises(ValueError, match="backend must be one of"):
         fa.flash_attention(q, q, q, backend="ipu")
+
+
+def test_auto_picks_xla_on_cpu_and_for_dropout_or_positions():
+    from tfm.ops import select
+    q = jnp.zeros((2, 128, 4, 16))
+    assert select.choose_impl(q, q) == "xla"
+    assert select.choose_impl(jnp.zeros((8, 8192, 16, 64)), jnp.zeros((8, 8192, 16, 64))) == "chunked"
+    assert select.choose_impl(q, q, dropout_rate=0.1) == "xla"
+    assert select.choose_impl(q, q, positions_given=True) == "xla"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(softcap=5.0), "soft-cap"),
+    (dict(window=4), "only with causal"),
+    (dict(causal=True), "needs a GPU"),
+])
+def test_cudnn_rejects_what_it_cannot_do(kwargs, message):
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        attention.dot_product_attention(q, q, q, impl="cudnn", **kwargs)
