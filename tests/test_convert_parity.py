@@ -184,6 +184,18 @@ def test_pytorch_bin_and_sharded_safetensors(decoder, tmp_path):
         jax.tree.map(np.testing.assert_array_equal, params, ref_params)
 
 
+def test_gpt2_reorder_and_upcast_attn_is_accepted():
+    """reorder_and_upcast_attn only changes logit precision, which tfm keeps in fp32 anyway."""
+    torch.manual_seed(5)
+    hf = randomize(tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                                   reorder_and_upcast_attn=True, **EAGER)))
+    _, params, model = from_hf(hf)
+    ids = tokens(10)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits
+    assert max_abs(model.apply({"params": params}, jnp.asarray(ids)), ref) < TOL
+
+
 # ---- Marian ---------------------------------------------------------------------------------
 
 MARIAN = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

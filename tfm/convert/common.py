@@ -215,14 +215,15 @@ def rope(hf: HFConfig, default_theta: float) -> dict:
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     scaling = {**legacy, **params}
-    kind = scaling.get("rope_type", scaling.get("type")) or "default"
-    field = "rope_parameters" if params else "rope_scaling"
+    key = "rope_type" if "rope_type" in scaling else "type"
+    kind = scaling.get(key) or "default"
+    field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
     if kind == "default":
         out = dict(rope_theta=float(theta))
     elif kind == "linear":
         out = dict(rope_theta=float(theta), rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
     else:
-        raise hf.unsupported(f"{field}.rope_type", kind, "tfm maps 'default' and 'linear'")
+        raise hf.unsupported(field, kind, "tfm maps 'default' and 'linear'")
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise hf.unsupported("partial_rotary_factor", partial, "tfm rotates the whole head")
