@@ -400,10 +400,13 @@ def _dkv_grid_kernel(*refs, cfg: _Config):
 # lse, delta [B, N, T, 1] fp32; q_seg [B, T, 1]; kv_seg [B, 1, S]; slopes [N, 1, 1].
 # --------------------------------------------------------------------------------------
 
-def _compiler_params(cfg: _Config, backend: str, num_sequential: int, num_axes: int):
-    if cfg.interpret:
+def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequential: int = 0):
+    """TPU: grid-axis semantics (the last `num_sequential` axes accumulate). GPU: Triton
+    parameters, which also select the Triton lowering (pallas_call on GPU would otherwise
+    pick Mosaic GPU)."""
+    if interpret:
         return None
-    if cfg.driver == "grid":
+    if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
         semantics = ("parallel",) * (num_axes - num_sequential) + ("arbitrary",) * num_sequential
         return pltpu.CompilerParams(dimension_semantics=semantics)
@@ -467,7 +470,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
         functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
         out_specs=(q_spec, pl.BlockSpec((None, None, bq, 1), q_map)), scratch_shapes=scratch,
-        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
         interpret=cfg.interpret, name="flash_attention_fwd",
     )(q, k, v, *extra_args)
 
@@ -502,7 +505,7 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
         functools.partial(kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=grid, in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
         out_specs=q_spec, scratch_shapes=scratch,
-        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
         interpret=cfg.interpret, name="flash_attention_dq",
     )(q, k, v, do, lse, delta, *extra_args)
 
@@ -545,7 +548,7 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
         out_specs=(kv_spec, kv_spec), scratch_shapes=scratch,
-        compiler_params=_compiler_params(cfg, backend, len(grid) - 3, len(grid)),
+        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
         interpret=cfg.interpret, name="flash_attention_dkv",
     )(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
 
