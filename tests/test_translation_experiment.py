@@ -10,6 +10,7 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     config.synthetic_pairs = 600
     config.eval_examples = 16
     config.log_every = 20
+    config.optimizer.warmup_steps = 10
     scores = train.train_and_evaluate(config, str(tmp_path))
     assert 0.0 <= scores["sacrebleu"] <= 100.0 and 0.0 <= scores["tokenized_bleu"] <= 100.0
     assert len(scores["samples"]) == 16
