@@ -153,8 +153,8 @@ def test_decoder_logits(decoder, source):
         assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_theta, cfg.head_size) == ("linear", 2.0, 500.0, 16)
 
 
-def test_scanned_layers_and_bf16_override(decoder):
-    """Runtime overrides keep the math: scanned layers give the same logits."""
+def test_runtime_overrides(decoder):
+    """Runtime overrides keep the math: scanned layers give the same logits; dtype is the compute dtype."""
     _, hf, _ = decoder
     ids = tokens(5)
     _, params, model = from_hf(hf)
@@ -163,6 +163,7 @@ def test_scanned_layers_and_bf16_override(decoder):
     a = model.apply({"params": params}, jnp.asarray(ids))
     b = scanned_model.apply({"params": scanned}, jnp.asarray(ids))
     assert max_abs(a, b) < 1e-5
+    assert from_hf(hf, dtype="bfloat16")[0].dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("decoder", ["gpt2"], indirect=True)

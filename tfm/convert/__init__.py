@@ -31,14 +31,14 @@ SUPPORTED = tuple(sorted(CONVERTERS))
 __all__ = ["from_hf", "ConversionError", "SUPPORTED", "CONVERTERS"]
 
 
-def from_hf(model_or_path, *, architecture: Optional[str] = None, dtype=jnp.float32,
+def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jnp.float32,
             **config_overrides) -> Tuple[ModelConfig, dict, nn.Module]:
     """Converts a Hugging Face model to tfm.
 
     model_or_path: a transformers PyTorch model, or a directory with config.json and
       model.safetensors / pytorch_model.bin (sharded checkpoints with their index too).
     architecture: the HF class name, when config.json does not say (its `architectures`).
-    dtype: dtype of the returned params (float32 by default, like tfm's own init).
+    param_dtype: dtype of the returned params (float32, like tfm's own init).
     config_overrides: tfm-only ModelConfig fields such as dtype="bfloat16", scan_layers=True,
       attention_impl="chunked", remat_policy=...; fields that change the math are refused.
     Returns (config, params, model): params is a plain pytree of jnp arrays for
@@ -56,7 +56,7 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, dtype=jnp.floa
     weights = Weights(tensors, source, converter.ignore)
     params = converter.params(weights, config)
     weights.finish()
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), params)
     model = converter.model_class(config)
     _check_tree(model, config, params, source)
     return config, params, model

@@ -48,8 +48,8 @@ class HFConfig:
         self.architecture = architecture
 
     def get(self, name: str, default=None):
-        value = self.fields.get(name, default)
-        return default if value is None and default is not None else value
+        value = self.fields.get(name)
+        return default if value is None else value
 
     def require(self, name: str):
         if self.fields.get(name) is None:
