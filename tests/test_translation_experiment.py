@@ -6,7 +6,7 @@ from experiments.translation.configs import base
 
 def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     config = base.get_config("runlocal")
-    config.num_train_steps = 40
+    config.num_train_steps = 60
     config.synthetic_pairs = 600
     config.eval_examples = 16
     config.log_every = 20
@@ -14,7 +14,7 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     scores = train.train_and_evaluate(config, str(tmp_path))
     assert 0.0 <= scores["sacrebleu"] <= 100.0 and 0.0 <= scores["tokenized_bleu"] <= 100.0
     assert len(scores["samples"]) == 16
-    assert scores["final_loss"] < 5.0  # from ln(256) = 5.5 at initialisation
+    assert scores["final_loss"] < 4.8  # ln(256) = 5.55 at initialisation
     assert (tmp_path / "spm_256.model").exists()
 
 
