@@ -13,6 +13,7 @@ import numpy as np
 import sacrebleu
 
 from tfm import decode
+from tfm.parallel import distributed
 from tfm.data import pipeline, sources, synthetic, tokenizers
 from tfm.models import EncoderDecoder, presets
 from tfm.parallel.mesh import MeshConfig
@@ -104,6 +105,7 @@ def main():
     flags.mark_flags_as_required(["config", "workdir"])
 
     def run(_):
+        distributed.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
         scores = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
         print(f"BLEU: sacreBLEU {scores['sacrebleu']:.2f}, tokenized {scores['tokenized_bleu']:.2f}")
 
