@@ -43,7 +43,8 @@ class BlockSizes:
     """Tile sizes: forward (block_q, block_kv) and backward (block_q_bwd, block_kv_bwd).
 
     All are powers of two >= 8 (the Triton lowering needs powers of two). Backward sizes
-    default to the forward ones. TPU additionally needs block_kv multiples of 128.
+    default to the forward ones. TPU also needs block_kv, block_q_bwd and block_kv_bwd to be
+    multiples of 128 (they become lane dimensions); `check_backend` says so.
     """
     block_q: int = 128
     block_kv: int = 128
