@@ -21,22 +21,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the configured model."""
 
 
-@dataclasses.dataclass
-class DataStateArgs(ocp.args.CheckpointArgs):
-    state: Any = None
-
-
 class DataStateHandler(ocp.CheckpointHandler):
     """Per-process JSON of an iterator state (dict, or bytes stored base64)."""
 
-    def save(self, directory: epath.Path, args: DataStateArgs):
+    def save(self, directory: epath.Path, args):
         state = args.state
         if isinstance(state, bytes):
             state = {"__bytes__": base64.b64encode(state).decode()}
         name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
         (directory / name).write_text(json.dumps(state))
 
-    def restore(self, directory: epath.Path, args: Optional[DataStateArgs] = None):
+    def restore(self, directory: epath.Path, args=None):
         path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
         if not path.exists():
             raise CheckpointError(f"no data-iterator state for this process at {path} "
@@ -59,8 +54,22 @@ class DataStateHandler(ocp.CheckpointHandler):
         pass
 
 
+@ocp.args.register_with_handler(DataStateHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class DataStateArgs(ocp.args.CheckpointArgs):
+    state: Any = None
+
+
+def _key(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
 def _paths(tree) -> dict:
-    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    """{"params/decoder/…/kernel": leaf}, the same for dataclass and dict trees."""
+    return {"/".join(map(_key, p)): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def check_compatible(saved_metadata, abstract_state, where: str) -> None:

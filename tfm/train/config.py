@@ -46,7 +46,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    moe_aux_weight: float = 0.01
+    moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
     mesh: MeshConfig = MeshConfig()
     parallelism: str = "data"        # rule sets joined by "+", e.g. "fsdp+tensor"
     on_nonfinite: str = "stop"       # "stop": raise naming the step; "skip": drop the update

@@ -2,8 +2,9 @@
 
 Batches are dicts of fixed-shape arrays with the batch on dim 0:
   LMTask (DecoderLM)          inputs, targets [B, T]; optional weights, segment_ids, positions.
-  MLMTask (EncoderModel)      tokens, token_type_ids, segment_ids [B, T]; mlm_positions,
-                              mlm_targets, mlm_weights [B, P]; nsp_labels [B].
+  MLMTask (EncoderModel)      input_ids, token_type_ids, attention_mask [B, T] (1 = token);
+                              mlm_positions, mlm_ids, mlm_weights [B, P]; nsp_label [B]
+                              (the keys of `tfm.data.pretraining`).
   Seq2SeqTask (EncoderDecoder) inputs [B, S]; targets_in, targets [B, T]; optional weights,
                               {inputs,targets}_{segment_ids,positions}.
 
@@ -24,7 +25,7 @@ from tfm.train.losses import cross_entropy
 class Task:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    moe_aux_weight: float = 0.01
+    moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
 
     # --- per family -------------------------------------------------------------------
     def model_kwargs(self, batch: dict) -> dict:
@@ -104,20 +105,22 @@ class LMTask(Task):
 
 class MLMTask(Task):
     def model_kwargs(self, batch):
-        return {"tokens": batch["tokens"], "token_type_ids": batch.get("token_type_ids"),
-                "segment_ids": batch.get("segment_ids"), "mlm_positions": batch["mlm_positions"]}
+        mask = batch.get("attention_mask")
+        return {"tokens": batch["input_ids"], "token_type_ids": batch.get("token_type_ids"),
+                "segment_ids": None if mask is None else mask.astype(jnp.int32),
+                "mlm_positions": batch["mlm_positions"]}
 
     def weights(self, batch):
-        return {"mlm": _weights_or_ones(batch, "mlm_weights", "mlm_targets"),
-                "nsp": jnp.ones(batch["nsp_labels"].shape, jnp.float32)}
+        return {"mlm": _weights_or_ones(batch, "mlm_weights", "mlm_ids"),
+                "nsp": jnp.ones(batch["nsp_label"].shape, jnp.float32)}
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)
-        return {"mlm": self._ce(out["mlm_logits"], batch["mlm_targets"], w["mlm"]),
-                "nsp": cross_entropy(out["nsp_logits"], batch["nsp_labels"], w["nsp"])}
+        return {"mlm": self._ce(out["mlm_logits"], batch["mlm_ids"], w["mlm"]),
+                "nsp": cross_entropy(out["nsp_logits"], batch["nsp_label"], w["nsp"])}
 
     def num_tokens(self, batch):
-        return int(batch["tokens"].size)
+        return int(batch["input_ids"].size)
 
 
 class Seq2SeqTask(Task):

@@ -1,0 +1,110 @@
+"""A tiny, deterministic training job for the fault and multi-host tests (run as a script
+or imported). Data: a stateful iterator over a fixed random LM token array, so a resumed
+run sees exactly the batches an uninterrupted one would.
+
+python tests/train_job.py --workdir W --steps 12 [--sleep 0.2] [--nan_at 4] [--multihost I]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+BATCH, LENGTH, VOCAB = 8, 16, 64
+
+
+class TokenBatches:
+    """Process-local LM batches from a seeded array; get_state/set_state = batch index."""
+
+    def __init__(self, process_index=0, process_count=1, sleep=0.0, nan_at=None):
+        rng = np.random.default_rng(1234)
+        self.tokens = rng.integers(1, VOCAB, (64, BATCH, LENGTH + 1)).astype(np.int32)
+        rows = BATCH // process_count
+        self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        self.index, self.sleep, self.nan_at = 0, sleep, nan_at
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        time.sleep(self.sleep)
+        t = self.tokens[self.index % len(self.tokens), self.rows]
+        weights = np.ones(t[:, 1:].shape, np.float32)
+        if self.nan_at is not None and self.index + 1 == self.nan_at:
+            weights[0, 0] = np.nan
+        self.index += 1
+        return {"inputs": t[:, :-1], "targets": t[:, 1:], "weights": weights}
+
+    def get_state(self):
+        return {"index": self.index}
+
+    def set_state(self, state):
+        self.index = state["index"]
+
+
+def config(steps, *, mesh=(("data", 2), ("fsdp", 4)), checkpoint_every=2, on_nonfinite="stop",
+           async_checkpoint=True):
+    from tfm.parallel import MeshConfig
+    from tfm.train import OptimizerConfig, TrainConfig
+    return TrainConfig(num_train_steps=steps, batch_size=BATCH, mesh=MeshConfig(**dict(mesh)),
+                       parallelism="data+fsdp", optimizer=OptimizerConfig(learning_rate=1e-2),
+                       log_every=1, checkpoint_every=checkpoint_every, keep_checkpoints=2,
+                       async_checkpoint=async_checkpoint, progress_bar=False,
+                       on_nonfinite=on_nonfinite)
+
+
+def run(workdir, steps, *, data=None, **kw):
+    from tfm.models import DecoderLM
+    from tfm.models.presets import tiny
+    from tfm.train import LMTask, train_and_evaluate
+    return train_and_evaluate(config(steps, **kw), workdir, model=DecoderLM(tiny("decoder")),
+                              task=LMTask(), train_data=data or TokenBatches())
+
+
+def flat_params(state) -> dict:
+    import jax
+    from jax.experimental import multihost_utils
+    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for p, x in leaves}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--multihost", type=int, default=None, help="process id of 2")
+    p.add_argument("--port", type=int, default=0)
+    a = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pid, count = 0, 1
+    if a.multihost is not None:
+        from tfm.parallel import initialize
+        initialize(f"127.0.0.1:{a.port}", num_processes=2, process_id=a.multihost)
+        pid, count = a.multihost, 2
+    import jax
+    result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep))
+    params = flat_params(result.state)
+    out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
+           "step": int(result.state.step)}
+    if a.multihost is not None:  # restore what was just saved and compare
+        from tfm.train import Checkpointer
+        ckpt = Checkpointer(os.path.join(a.workdir, "checkpoints"))
+        restored, data_state = ckpt.restore(result.trainer.abstract_state)
+        ckpt.close()
+        same = all(np.array_equal(params[k], v) for k, v in flat_params(restored).items())
+        out.update(restored_equal=bool(same), data_state=data_state)
+    if jax.process_index() == 0 or a.multihost is not None:
+        tag = "" if a.multihost is None else f".{pid}"
+        np.savez(os.path.join(a.workdir, f"params{tag}.npz"), **params)
+        with open(os.path.join(a.workdir, f"result{tag}.json"), "w") as f:
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
