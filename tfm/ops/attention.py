@@ -219,7 +219,7 @@ def check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, 
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
     if N % k.shape[2]:
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({k.shape[2]})")
-    if (q_segment_ids is None) != (kv_segment_ids is None) and q_segment_ids is not None:
+    if q_segment_ids is not None and kv_segment_ids is None:
         raise ValueError("q_segment_ids given without kv_segment_ids")
     for name, ids, length in (("q_segment_ids", q_segment_ids, T), ("kv_segment_ids", kv_segment_ids, k.shape[1]),
                               ("q_positions", q_positions, T), ("kv_positions", kv_positions, k.shape[1])):
