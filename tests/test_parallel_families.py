@@ -1,0 +1,16 @@
+"""Sharded training equals single-device training: BERT encoder, encoder-decoder, MoE."""
+import numpy as np
+import pytest
+
+from parallel_cases import losses
+
+TOL = 1e-5  # fp32, absolute on the loss
+CASES = [(f, m) for f in ("encoder", "encdec") for m in ("data2_tensor4", "fsdp4_tensor2")] + \
+        [("moe", "expert4_data2")]
+
+
+@pytest.mark.parametrize("family,mesh", CASES)
+def test_sharded_losses_match_single_device(family, mesh):
+    ref, got = np.array(losses(family, "single")), np.array(losses(family, mesh))
+    assert ref[0] - ref[-1] > 0.05, f"the reference run should learn: {ref}"
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)

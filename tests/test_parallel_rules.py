@@ -1,0 +1,88 @@
+"""Mesh shapes, rule sets, and the parameter PartitionSpecs each rule set yields (eval_shape
+only: nothing compiles)."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
+from tfm.parallel import MeshConfig, logical_to_spec, make_mesh, make_rules
+from tfm.train import LMTask, TrainConfig, Trainer
+
+LM_BATCH = {"inputs": np.ones((8, 16), np.int32), "targets": np.ones((8, 16), np.int32)}
+
+
+def test_mesh_infers_one_axis_and_names_problems():
+    assert MeshConfig(data=-1, tensor=4).resolve(8) == ((2, 1, 1, 4), (1, 1, 1, 1))
+    assert MeshConfig(data=-1, num_slices=2).resolve(8) == ((4, 1, 1, 1), (2, 1, 1, 1))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="needs 6 devices"):
+        MeshConfig(data=2, tensor=3).resolve(8)
+    with pytest.raises(ValueError, match="not divisible"):
+        MeshConfig(data=-1, tensor=3).resolve(8)
+
+
+def test_rule_sets_combine_in_mesh_order():
+    rules = dict(make_rules("fsdp", "tensor", "expert", "data"))
+    assert rules["batch"] == ("data", "fsdp", "expert")
+    assert rules["embed"] == ("fsdp",) and rules["mlp"] == ("tensor",)
+    assert "embed" not in dict(make_rules("fsdp", activations=True))
+    with pytest.raises(ValueError, match="unknown parallelism"):
+        make_rules("pipeline")
+
+
+def test_logical_to_spec_skips_used_and_indivisible_axes():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    rules = make_rules("fsdp", "tensor")
+    assert logical_to_spec(("embed", "mlp"), (32, 64), mesh, rules) == P("fsdp", "tensor")
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (32, 2, 8), mesh, rules) == P("fsdp")
+    assert logical_to_spec(("batch", "length"), (8, 16), mesh, rules) == P("fsdp")
+
+
+def _specs(family, mesh_cfg, parallelism):
+    cfg = TrainConfig(batch_size=8, mesh=mesh_cfg, parallelism=parallelism)
+    tr = Trainer(DecoderLM(tiny(family)), LMTask(), cfg).setup(LM_BATCH)
+    flat = lambda t: {jax.tree_util.keystr(p): s.spec
+                      for p, s in jax.tree_util.tree_flatten_with_path(t)[0]}
+    return flat(tr.param_shardings), flat(tr.state_shardings.opt_state)
+
+
+# (family, mesh, rules) -> expected spec for params whose path ends with the key.
+EXPECTED = {
+    ("decoder", MeshConfig(data=8), "data"): {
+        "['ffn']['wi']['kernel']": P(), "['embed']['embedding']": P()},
+    ("decoder", MeshConfig(data=1, fsdp=8), "fsdp"): {
+        "['ffn']['wi']['kernel']": P("fsdp"), "['ffn']['wo']['kernel']": P(None, "fsdp"),
+        "['self_attn']['out']['kernel']": P(None, None, "fsdp"),
+        "['embed']['embedding']": P(None, "fsdp"), "['ffn']['wi']['bias']": P()},
+    ("decoder", MeshConfig(data=2, tensor=4), "data+tensor"): {
+        "['ffn']['wi']['kernel']": P(None, "tensor"), "['ffn']['wo']['kernel']": P("tensor"),
+        "['self_attn']['query']['kernel']": P(None, "tensor"),
+        "['self_attn']['out']['kernel']": P("tensor"), "['embed']['embedding']": P("tensor")},
+    ("decoder", MeshConfig(data=1, fsdp=4, tensor=2), "fsdp+tensor"): {
+        "['ffn']['wi']['kernel']": P("fsdp", "tensor"), "['ffn']['wo']['kernel']": P("tensor", "fsdp"),
+        "['embed']['embedding']": P("tensor", "fsdp")},
+    ("moe", MeshConfig(data=2, expert=4), "data+expert"): {
+        "['ffn']['wi_gate']": P("expert"), "['ffn']['wo']": P("expert"),
+        "['ffn']['router']['kernel']": P()},
+}
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: f"{k[0]}-{k[2]}")
+def test_param_and_optimizer_specs_per_rule_set(key):
+    family, mesh_cfg, parallelism = key
+    params, opt = _specs(family, mesh_cfg, parallelism)
+    for suffix, want in EXPECTED[key].items():
+        hits = {k: s for k, s in params.items() if k.endswith(suffix)}
+        assert hits, f"no param ends with {suffix}"
+        for name, spec in hits.items():
+            assert spec == want, f"{name}: {spec} != {want}"
+            mirrored = [s for k, s in opt.items() if k.endswith(name) and "mu" in k]
+            assert mirrored == [want], f"Adam mu of {name}: {mirrored}"
+    if parallelism == "data":
+        assert all(s == P() for s in params.values())
