@@ -14,7 +14,7 @@ def main():
     workdir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="tfm_demo_")
     print(f"workdir: {workdir}")
     scores = train.train_and_evaluate(base.get_config("runlocal"), workdir)
-    print(f"\nfinal training loss {scores['final_loss']:.3f}; greedy decoding took {scores['decode_seconds']:.1f}s")
+    print(f"\nfinal training loss {scores['final_loss']:.3f}; beam-search decoding took {scores['decode_seconds']:.1f}s")
     print(f"BLEU on {len(scores['samples'])} held-out sentences: sacreBLEU {scores['sacrebleu']:.1f}, "
           f"tokenized {scores['tokenized_bleu']:.1f}\n")
     for src, hyp, ref in scores["samples"][:5]:

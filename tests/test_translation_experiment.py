@@ -11,9 +11,11 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     config.eval_examples = 16
     config.log_every = 20
     config.optimizer.warmup_steps = 10
+    config.checkpoint_every, config.keep_checkpoints, config.average_last = 30, 2, 2
     scores = train.train_and_evaluate(config, str(tmp_path))
     assert 0.0 <= scores["sacrebleu"] <= 100.0 and 0.0 <= scores["tokenized_bleu"] <= 100.0
     assert len(scores["samples"]) == 16
+    assert scores["averaged_checkpoints"] == 2  # steps 30 and 60
     assert scores["final_loss"] < 4.8  # ln(256) = 5.55 at initialisation
     assert (tmp_path / "spm_256.model").exists()
 

@@ -127,3 +127,85 @@ def translate_greedy(model: EncoderDecoder, params, inputs, max_new_tokens: int,
     bos = jnp.full((inputs.shape[0], 1), bos_id, jnp.int32)
     return generate(step_fn(model, params), cache, bos, max_new_tokens, jax.random.PRNGKey(0), greedy=True,
                     eos_id=eos_id, pad_id=pad_id)
+
+
+def length_penalty(length, alpha: float):
+    """GNMT length normalisation ((5 + length) / 6) ** alpha (Wu et al. 2016; alpha 0.6 in Vaswani et al.)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+_CACHE_BATCH_AXIS = {"cached_key": -4, "cached_value": -4, "cached_segment_ids": -2}
+
+
+def _gather_beams(cache, rows):
+    """Reorders the B*W cache rows: rows int [B*W] -> cache rows[i] at row i (any layer stacking)."""
+    def gather(path, leaf):
+        axis = _CACHE_BATCH_AXIS.get(getattr(path[-1], "key", None))
+        return leaf if axis is None else jnp.take(leaf, rows, axis=leaf.ndim + axis)
+    return jax.tree_util.tree_map_with_path(gather, cache)
+
+
+def beam_search(step: StepFn, cache: dict, bos: jax.Array, max_len: int, *, beam_size: int, eos_id: int,
+                alpha: float = 0.6, pad_id: int = 0) -> Tuple[jax.Array, jax.Array]:
+    """Beam search from bos [B] on a cache made for B * beam_size rows (row b * W + w is beam w).
+
+    Keeps W alive and W finished hypotheses per example; a hypothesis finishes when it emits eos_id
+    and is scored by log-probability / length_penalty. Returns (tokens [B, W, max_len] best first,
+    padded with pad_id after eos; scores [B, W]). Unfinished hypotheses at max_len compete with
+    their penalised scores.
+    """
+    B, W = bos.shape[0], beam_size
+    neg = jnp.asarray(-1e9, jnp.float32)
+    seqs = jnp.full((B, W, max_len), pad_id, jnp.int32)
+    alive_logp = jnp.where(jnp.arange(W) == 0, 0.0, neg)[None].repeat(B, 0)  # one live beam at start
+    done_seqs, done_scores = seqs, jnp.full((B, W), neg)
+    last = jnp.broadcast_to(bos[:, None], (B, W))
+
+    def body(i, state):
+        seqs, alive_logp, done_seqs, done_scores, last, cache = state
+        logits, cache = step(cache, last.reshape(B * W, 1))
+        V = logits.shape[-1]
+        logp = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32)).reshape(B, W, V)
+        cand = (alive_logp[..., None] + logp).reshape(B, W * V)
+        top_logp, top = jax.lax.top_k(cand, 2 * W)  # enough to keep W alive after eos
+        beam, token = top // V, (top % V).astype(jnp.int32)
+        cand_seqs = jnp.take_along_axis(seqs, beam[..., None], axis=1).at[:, :, i].set(token)
+        is_eos = token == eos_id
+        # finished: merge the new eos candidates with those kept so far
+        new_done = jnp.where(is_eos, top_logp / length_penalty(i + 1, alpha), neg)
+        scores = jnp.concatenate([done_scores, new_done], 1)
+        keep_scores, keep = jax.lax.top_k(scores, W)
+        done_seqs = jnp.take_along_axis(jnp.concatenate([done_seqs, cand_seqs], 1), keep[..., None], axis=1)
+        # alive: the best W candidates that did not end
+        alive_scores, pick = jax.lax.top_k(jnp.where(is_eos, neg, top_logp), W)
+        seqs = jnp.take_along_axis(cand_seqs, pick[..., None], axis=1)
+        rows = (jnp.arange(B)[:, None] * W + jnp.take_along_axis(beam, pick, axis=1)).reshape(B * W)
+        return (seqs, alive_scores, done_seqs, keep_scores, jnp.take_along_axis(token, pick, axis=1),
+                _gather_beams(cache, rows))
+
+    state = (seqs, alive_logp, done_seqs, done_scores, last, cache)
+    seqs, alive_logp, done_seqs, done_scores, _, _ = jax.lax.fori_loop(0, max_len, body, state)
+    # hypotheses still alive at max_len compete with the finished ones
+    scores = jnp.concatenate([done_scores, alive_logp / length_penalty(max_len, alpha)], 1)
+    best, order = jax.lax.top_k(scores, W)
+    tokens = jnp.take_along_axis(jnp.concatenate([done_seqs, seqs], 1), order[..., None], axis=1)
+    return tokens, best
+
+
+def translate(model: EncoderDecoder, params, inputs, max_new_tokens: int, *, bos_id: int, eos_id: int,
+              inputs_segment_ids=None, beam_size: int = 1, alpha: float = 0.6, pad_id: int = 0) -> jax.Array:
+    """EncoderDecoder output for inputs [B, S] -> best hypothesis [B, max_new_tokens]:
+    greedy when beam_size == 1, else beam search with GNMT length penalty alpha."""
+    if beam_size == 1:
+        return translate_greedy(model, params, inputs, max_new_tokens, bos_id=bos_id, eos_id=eos_id,
+                                inputs_segment_ids=inputs_segment_ids, pad_id=pad_id)
+    if inputs_segment_ids is None:
+        inputs_segment_ids = jnp.ones(inputs.shape, jnp.int32)
+    repeat = lambda x: jnp.repeat(x, beam_size, axis=0)
+    encoded = model.apply({"params": params}, inputs, inputs_segment_ids, method=EncoderDecoder.encode)
+    cache = init_cache(model, params, inputs.shape[0] * beam_size, max_new_tokens, repeat(encoded),
+                       repeat(inputs_segment_ids))
+    bos = jnp.full((inputs.shape[0],), bos_id, jnp.int32)
+    tokens, _ = beam_search(step_fn(model, params), cache, bos, max_new_tokens, beam_size=beam_size,
+                            eos_id=eos_id, alpha=alpha, pad_id=pad_id)
+    return tokens[:, 0]

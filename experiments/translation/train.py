@@ -17,6 +17,7 @@ from tfm.parallel import distributed
 from tfm.data import pipeline, sources, synthetic, tokenizers
 from tfm.models import EncoderDecoder, presets
 from tfm.parallel.mesh import MeshConfig
+from tfm.train.checkpoint import Checkpointer, average_checkpoints
 from tfm.train.config import OptimizerConfig, TrainConfig
 from tfm.train.tasks import Seq2SeqTask
 from tfm.train.trainer import train_and_evaluate as run_training
@@ -49,10 +50,11 @@ def train_config(config) -> TrainConfig:
         keep_checkpoints=config.keep_checkpoints)
 
 
-def translate(model, params, tok, sentences, max_len: int, batch_size: int = 64) -> list[str]:
-    """Greedy translations of English sentences."""
-    step = jax.jit(lambda p, x, s: decode.translate_greedy(model, p, x, max_len, bos_id=tok.bos_id,
-                                                           eos_id=tok.eos_id, inputs_segment_ids=s))
+def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
+              batch_size: int = 64) -> list[str]:
+    """Translations of English sentences (beam search; greedy when beam_size is 1)."""
+    step = jax.jit(lambda p, x, s: decode.translate(model, p, x, max_len, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                    inputs_segment_ids=s, beam_size=beam_size, alpha=alpha))
     out = []
     for i in range(0, len(sentences), batch_size):
         chunk = sentences[i:i + batch_size]
@@ -65,11 +67,11 @@ def translate(model, params, tok, sentences, max_len: int, batch_size: int = 64)
     return out
 
 
-def bleu(model, params, tok, examples, max_len: int) -> dict:
+def bleu(model, params, tok, examples, max_len: int, beam_size: int, alpha: float) -> dict:
     """sacreBLEU (13a) and tokenized BLEU (the paper's convention, on whitespace tokens)."""
     src = [sources.as_text(ex["en"]) for ex in examples]
     refs = [sources.as_text(ex["de"]) for ex in examples]
-    hyps = translate(model, params, tok, src, max_len)
+    hyps = translate(model, params, tok, src, max_len, beam_size=beam_size, alpha=alpha)
     return {"sacrebleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
             "tokenized_bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="intl").score,
             "samples": list(zip(src, hyps, refs))}
@@ -88,10 +90,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
     eval_examples = [evaluation[i] for i in range(min(config.eval_examples, len(evaluation)))]
     result = run_training(tcfg, workdir, model=model, task=Seq2SeqTask(label_smoothing=config.label_smoothing),
                           train_data=data, config_dict=config.to_dict())
-    params = result.state.params
+    params, averaged = result.state.params, 1
+    if config.average_last > 1:
+        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+        averaged = min(config.average_last, len(checkpointer.all_steps()))
+        if averaged > 1:
+            params = average_checkpoints(checkpointer, result.trainer.abstract_state, averaged)
+        checkpointer.close()
     start = time.perf_counter()
-    scores = bleu(model, params, tok, eval_examples, config.decode_length)
+    scores = bleu(model, params, tok, eval_examples, config.decode_length, config.beam_size, config.alpha)
     scores["decode_seconds"] = time.perf_counter() - start
+    scores["averaged_checkpoints"] = averaged
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
     return scores
 

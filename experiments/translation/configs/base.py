@@ -22,6 +22,8 @@ def get_config(runlocal: str = "") -> ml_collections.ConfigDict:
     c.max_length = 256
     c.eval_examples = 3003  # all of newstest2014
     c.decode_length = 256
+    c.beam_size = 4  # paper: beam 4, length penalty alpha 0.6
+    c.alpha = 0.6
 
     c.model = ml_collections.ConfigDict(dict(preset="transformer_base", overrides={}))
 
