@@ -166,8 +166,10 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def _check_finite(step: int, metrics: dict, checkpointer: Checkpointer) -> None:
-    if float(metrics["finite"]) == 1.0:
+def _check_finite(step: int, metrics: dict, checkpointer: Checkpointer, skip: bool) -> None:
+    """Raise FloatingPointError for a non-finite step (unless skipping: then the step
+    already left the state unchanged and its metrics show finite=0)."""
+    if skip or float(metrics["finite"]) == 1.0:
         return
     good = checkpointer.all_steps()
     raise FloatingPointError(
@@ -229,6 +231,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     fpt = flops_per_token(trainer.num_params) if flops_per_token else None
     peak = config.peak_flops_per_device or peak_flops()
     history, eval_history, preempted = [], [], False
+    skip = config.on_nonfinite == "skip"
     previous = None  # (step, metrics) of the last step, checked one step late
     window_start, window_steps = time.perf_counter(), 0
 
@@ -245,7 +248,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                 pending_first = None
                 state, metrics = trainer.train_step(state, trainer.global_batch(local))
                 if previous is not None:
-                    _check_finite(*previous, checkpointer)
+                    _check_finite(*previous, checkpointer, skip)
                 previous = (step, metrics)
                 window_steps += 1
                 logger.advance()
@@ -261,7 +264,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                     window_start, window_steps = time.perf_counter(), 0
                 stopping = stop.received is not None
                 if stopping or step % max(config.checkpoint_every, 1) == 0 and config.checkpoint_every:
-                    _check_finite(step, metrics, checkpointer)
+                    _check_finite(step, metrics, checkpointer, skip)
                     data = iterator.get_state() if hasattr(iterator, "get_state") else None
                     checkpointer.save(step, state, data, force=stopping)
                 if config.eval_every and step % config.eval_every == 0:
@@ -271,7 +274,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                     preempted = True
                     break
             if previous is not None:
-                _check_finite(*previous, checkpointer)
+                _check_finite(*previous, checkpointer, skip)
             if not preempted:
                 step = int(state.step)
                 if config.checkpoint_every and step not in checkpointer.all_steps():
