@@ -1,0 +1,93 @@
+"""Checkpoints: restore onto another mesh, averaging, and clear errors for missing, corrupt
+and mismatched checkpoints (none of which deletes anything)."""
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import train_job
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
+from tfm.parallel import MeshConfig
+from tfm.train import Checkpointer, CheckpointError, LMTask, Trainer, average_checkpoints
+
+EXAMPLE = next(train_job.TokenBatches())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("ckpt"))
+    result = train_job.run(workdir, 4, async_checkpoint=False)
+    return workdir, result
+
+
+def _trainer(mesh, parallelism="data+fsdp", **model_overrides):
+    cfg = train_job.config(4, mesh=mesh)
+    cfg = type(cfg)(**{**cfg.__dict__, "parallelism": parallelism})
+    return Trainer(DecoderLM(tiny("decoder", **model_overrides)), LMTask(), cfg).setup(EXAMPLE)
+
+
+def _ckpt(workdir):
+    return Checkpointer(os.path.join(workdir, "checkpoints"))
+
+
+def test_restore_onto_a_different_mesh(run):
+    workdir, result = run
+    trainer = _trainer((("data", 1), ("fsdp", 2), ("tensor", 4)), "fsdp+tensor")
+    state, data_state = _ckpt(workdir).restore(trainer.abstract_state)
+    assert int(state.step) == 4 and data_state == {"index": 4}
+    wi = state.params["decoder"]["layer_0"]["ffn"]["wi"]["kernel"]
+    assert wi.sharding.spec == P("fsdp", "tensor") and dict(wi.sharding.mesh.shape)["tensor"] == 4
+    want, got = train_job.flat_params(result.state), train_job.flat_params(state)
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+def test_average_of_last_checkpoints(run):
+    workdir, _ = run
+    trainer = _trainer((("data", 8),))
+    ckpt = _ckpt(workdir)
+    assert ckpt.all_steps() == [2, 4]
+    states = [ckpt.restore(trainer.abstract_state, s)[0] for s in (2, 4)]
+    avg = average_checkpoints(ckpt, trainer.abstract_state, 2)
+    for a, s2, s4 in zip(jax.tree.leaves(avg), *(jax.tree.leaves(s.params) for s in states)):
+        np.testing.assert_allclose(np.asarray(a), (np.asarray(s2) + np.asarray(s4)) / 2, rtol=1e-6)
+    with pytest.raises(CheckpointError, match="average 3 checkpoints, found 2"):
+        average_checkpoints(ckpt, trainer.abstract_state, 3)
+
+
+def test_missing_and_mismatched_checkpoints_raise_clear_errors(run):
+    workdir, _ = run
+    ckpt = _ckpt(workdir)
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 99 .*available: \[2, 4\]"):
+        ckpt.restore(_trainer((("data", 8),)).abstract_state, 99)
+    wide = _trainer((("data", 8),), d_model=48)
+    with pytest.raises(CheckpointError, match=r"ffn/wi/kernel: checkpoint shape \(32, 64\) vs config shape \(48, 64\)"):
+        ckpt.restore(wide.abstract_state)
+    with pytest.raises(CheckpointError, match="does not match"):  # same through the loop
+        _resume_with(workdir, d_model=48)
+    assert ckpt.all_steps() == [2, 4]
+
+
+def _resume_with(workdir, **model_overrides):
+    from tfm.train import train_and_evaluate
+    return train_and_evaluate(train_job.config(6), workdir,
+                              model=DecoderLM(tiny("decoder", **model_overrides)),
+                              task=LMTask(), train_data=train_job.TokenBatches())
+
+
+def test_corrupt_checkpoint_raises_and_deletes_nothing(run, tmp_path):
+    workdir, _ = run
+    shutil.copytree(os.path.join(workdir, "checkpoints"), tmp_path / "checkpoints")
+    state_dir = tmp_path / "checkpoints" / "4" / "state"
+    for root, _, files in os.walk(state_dir):
+        for f in files:
+            if not f.startswith("_"):
+                open(os.path.join(root, f), "wb").close()  # truncate the array data
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match="checkpoint .*/4 .*(corrupt|unreadable)"):
+        _resume_with(str(tmp_path))
+    assert sorted(str(p) for p in tmp_path.rglob("*") if "metrics" not in str(p)
+                  and "tensorboard" not in str(p)) == [p for p in before]
