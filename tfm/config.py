@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
+from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
+
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
 ROPE_SCALINGS = (None, "linear", "ntk")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
-ATTENTION_IMPLS = ("xla", "chunked", "pallas", "cudnn", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification")

@@ -23,6 +23,13 @@ def activation_fn(name: str):
     return _ACTIVATIONS[name]
 
 
+def hidden_activation(config: ModelConfig, up):
+    """act(up("wi")), or gate(up("wi_gate")) * up("wi_up") for SwiGLU/GeGLU; `up(name)` projects D -> F."""
+    if config.activation in GATED_ACTIVATIONS:
+        return _GATE_FN[GATED_ACTIVATIONS[config.activation]](up("wi_gate")) * up("wi_up")
+    return activation_fn(config.activation)(up("wi"))
+
+
 class Mlp(nn.Module):
     """[B, T, D] -> [B, T, D]: wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) for SwiGLU/GeGLU."""
 
@@ -34,11 +41,7 @@ class Mlp(nn.Module):
         D, F = cfg.d_model, cfg.d_ff
         kw = dict(use_bias=cfg.ffn_bias, dtype=compute_dtype(cfg))
         up = lambda name: Einsum("BTD,DF->BTF", (D, F), ("embed", "mlp"), ("mlp",), name=name, **kw)(x)
-        if cfg.activation in GATED_ACTIVATIONS:
-            h = _GATE_FN[GATED_ACTIVATIONS[cfg.activation]](up("wi_gate")) * up("wi_up")
-        else:
-            h = activation_fn(cfg.activation)(up("wi"))
-        h = constrain(h, ("batch", "length", "mlp"))  # [B, T, F]
+        h = constrain(hidden_activation(cfg, up), ("batch", "length", "mlp"))  # [B, T, F]
         return Einsum("BTF,FD->BTD", (F, D), ("mlp", "embed"), ("embed",), name="wo", **kw)(h)
 
 
@@ -98,9 +101,6 @@ class MoeMlp(nn.Module):
             return self.param(name, param_init(init, axes), shape, jnp.float32).astype(dt)
 
         up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weight(name, (E, D, F), ("expert", "embed", "mlp")))
-        if cfg.activation in GATED_ACTIVATIONS:
-            h = _GATE_FN[GATED_ACTIVATIONS[cfg.activation]](up("wi_gate")) * up("wi_up")
-        else:
-            h = activation_fn(cfg.activation)(up("wi"))
+        h = hidden_activation(cfg, up)  # [B, E, C, F]
         ye = jnp.einsum("BECF,EFD->BECD", h, weight("wo", (E, F, D), ("expert", "mlp", "embed")))
         return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)
