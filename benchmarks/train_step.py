@@ -1,0 +1,105 @@
+"""One jitted train step (forward, backward, AdamW) vs the same-size Hugging Face PyTorch
+model on the same CPU, side by side: BERT-base MLM+NSP (8 x 128), GPT-2-small LM (8 x 256),
+Transformer-base (8 x 64 -> 64). On a GPU also prints MFU for GPT-2 small/medium at 1024 (bf16).
+
+    python -m benchmarks.train_step [--steps 3] [--only gpt2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
+from tfm.parallel import MeshConfig
+from tfm.train import LMTask, MLMTask, OptimizerConfig, Seq2SeqTask, TrainConfig, Trainer
+from tfm.train.metrics import flops_per_token, peak_flops
+
+
+def _jax_case(name, B, T):
+    r = np.random.default_rng(0)
+    ids = lambda *s: r.integers(5, 1000, s).astype(np.int32)
+    if name == "bert":
+        batch = {"input_ids": ids(B, T), "token_type_ids": np.zeros((B, T), np.int32),
+                 "attention_mask": np.ones((B, T), np.int32), "mlm_positions": ids(B, 20) % T,
+                 "mlm_ids": ids(B, 20), "mlm_weights": np.ones((B, 20), np.float32),
+                 "nsp_label": np.zeros((B,), np.int32)}
+        return EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0)), MLMTask(), batch
+    if name.startswith("gpt2"):
+        cfg = (presets.gpt2_medium if name == "gpt2_medium" else presets.gpt2_small)(dropout_rate=0.0)
+        return DecoderLM(cfg), LMTask(), {"inputs": ids(B, T), "targets": ids(B, T)}
+    return (EncoderDecoder(presets.transformer_base(dropout_rate=0.0)), Seq2SeqTask(),
+            {"inputs": ids(B, T), "targets_in": ids(B, T), "targets": ids(B, T)})
+
+
+def time_jax(name, B, T, steps, dtype="float32"):
+    model, task, batch = _jax_case(name, B, T)
+    if dtype != "float32":
+        model = type(model)(model.config.replace(dtype=dtype))
+    cfg = TrainConfig(batch_size=B, mesh=MeshConfig(data=1), optimizer=OptimizerConfig())
+    trainer = Trainer(model, task, cfg, None).setup(batch)
+    state, gb = trainer.init_state(), trainer.global_batch(batch)
+    state, m = trainer.train_step(state, gb)
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = trainer.train_step(state, gb)
+    jax.block_until_ready(m)
+    return (time.perf_counter() - t0) / steps, trainer
+
+
+def time_torch(name, B, T, steps):
+    import torch
+    import transformers as hf
+    g = torch.Generator().manual_seed(0)
+    ids = lambda *s: torch.randint(5, 1000, s, generator=g)
+    if name == "bert":
+        model = hf.BertForPreTraining(hf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        kw = dict(input_ids=ids(B, T), labels=ids(B, T), next_sentence_label=torch.zeros(B, dtype=torch.long))
+    elif name == "gpt2":
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        kw = dict(input_ids=ids(B, T), labels=ids(B, T))
+    else:
+        model = hf.MarianMTModel(hf.MarianConfig(vocab_size=37000, d_model=512, encoder_layers=6,
+                                                 decoder_layers=6, encoder_attention_heads=8,
+                                                 decoder_attention_heads=8, encoder_ffn_dim=2048,
+                                                 decoder_ffn_dim=2048, dropout=0.0))
+        kw = dict(input_ids=ids(B, T), labels=ids(B, T))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        opt.zero_grad()
+        model(**kw).loss.backward()
+        opt.step()
+    step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--only", default="bert,gpt2,transformer")
+    a = p.parse_args()
+    cases = {"bert": (8, 128), "gpt2": (8, 256), "transformer": (8, 64)}
+    print(f"device: {jax.devices()[0].device_kind}; {a.steps} timed steps after one warm-up")
+    print(f"{'model':<14}{'batch':>10}{'tfm (s)':>10}{'HF torch (s)':>14}{'torch/tfm':>11}")
+    for name in a.only.split(","):
+        B, T = cases[name]
+        t_jax, _ = time_jax(name, B, T, a.steps)
+        t_torch = time_torch(name, B, T, a.steps)
+        print(f"{name:<14}{f'{B}x{T}':>10}{t_jax:>10.3f}{t_torch:>14.3f}{t_torch / t_jax:>11.2f}", flush=True)
+    if jax.default_backend() == "gpu":
+        for name in ("gpt2", "gpt2_medium"):
+            t, tr = time_jax(name, 8, 1024, a.steps, dtype="bfloat16")
+            cfg = tr.model.config
+            fpt = flops_per_token(tr.num_params, cfg.num_layers, cfg.d_model, 1024)
+            print(f"{name} bf16 8x1024: {t:.3f} s/step, MFU {fpt * 8 * 1024 / t / peak_flops():.1%}")
+
+
+if __name__ == "__main__":
+    main()
