@@ -26,7 +26,7 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
     if label_smoothing:
         ce -= low * (jnp.sum(log_p, axis=-1) - target_lp)
         # Entropy of the smoothed target: subtracted so the minimum loss is 0.
-        ce -= confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20)
+        ce += confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return {"ce": jnp.sum(ce * weights), "z": z_loss * jnp.sum(log_z ** 2 * weights),
             "correct": jnp.sum(correct * weights), "weight": jnp.sum(weights)}
