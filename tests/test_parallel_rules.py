@@ -1,13 +1,16 @@
 """Mesh shapes, rule sets, and the parameter PartitionSpecs each rule set yields (eval_shape
-only: nothing compiles)."""
+only), plus one compiled check that expert parallelism moves tokens rather than weights."""
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tfm.layers.feedforward import MoeMlp
 from tfm.models import DecoderLM
 from tfm.models.presets import tiny
-from tfm.parallel import MeshConfig, logical_to_spec, make_mesh, make_rules
+from tfm.parallel import MeshConfig, flax_rules, logical_to_spec, make_mesh, make_rules, param_shardings
 from tfm.train import LMTask, TrainConfig, Trainer
 
 LM_BATCH = {"inputs": np.ones((8, 16), np.int32), "targets": np.ones((8, 16), np.int32)}
@@ -86,3 +89,21 @@ def test_param_and_optimizer_specs_per_rule_set(key):
             assert mirrored == [want], f"Adam mu of {name}: {mirrored}"
     if parallelism == "data":
         assert all(s == P() for s in params.values())
+
+
+def test_expert_parallel_moves_tokens_not_expert_weights():
+    """Under data=2 x expert=4 the dispatched tokens [B, E, C, D] are split over `expert`, so the
+    compiled MoE layer gathers activations but never the [E, D, F] expert weights."""
+    assert dict(make_rules("data", "expert"))["expert_batch"] == ("data",)
+    cfg = tiny("moe")  # E 4, D 32, F 64
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    layer, x = MoeMlp(cfg), jnp.ones((8, 16, cfg.d_model))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("data", "expert", activations=True))):
+        boxed = layer.init(jax.random.PRNGKey(0), x)
+        shardings = param_shardings(boxed, mesh, make_rules("data", "expert"))
+        f = jax.jit(lambda p, x: layer.apply(p, x, mutable=["losses"])[0],
+                    in_shardings=(shardings, NamedSharding(mesh, P(("data", "expert")))))
+        hlo = f.lower(nn.meta.unbox(boxed), x).compile().as_text()
+    gathered = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert gathered, "expected token all-gathers inside the expert group"
+    assert not [line for line in gathered if "[4,32,64]" in line or "[4,64,32]" in line], gathered

@@ -94,7 +94,7 @@ class MoeMlp(nn.Module):
         dispatch, combine, aux = route(router(x), cfg, expert_capacity(x.shape[1], cfg))
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
         xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
-        xe = constrain(xe, ("batch", "expert", None, "embed"))
+        xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
 
         def weight(name, shape, axes):
             init = nn.initializers.normal(stddev=shape[1] ** -0.5)
@@ -103,4 +103,5 @@ class MoeMlp(nn.Module):
         up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weight(name, (E, D, F), ("expert", "embed", "mlp")))
         h = hidden_activation(cfg, up)  # [B, E, C, F]
         ye = jnp.einsum("BECF,EFD->BECD", h, weight("wo", (E, F, D), ("expert", "mlp", "embed")))
+        ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
         return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)

@@ -9,7 +9,9 @@ name, e.g. `make_rules("fsdp", "tensor")`:
   tensor  Megatron: "heads"/"kv_heads"/"mlp" over `tensor` — the QKV and up projections are
           column-parallel (output dim split), the attention-out and down projections
           row-parallel (input dim split); the vocab table and logits split on "vocab".
-  expert  batch and the "expert" dim of MoE weights over `expert`.
+  expert  batch and the "expert" dim of MoE weights over `expert`. Inside the MoE layer the
+          dispatched activations [B, E, C, D] name their batch "expert_batch" (the batch axes
+          less `expert`), so E is split over `expert` and XLA moves tokens all-to-all.
 
 Parameter rules and activation rules differ in one place: "embed" is FSDP-sharded in
 parameters only (activations keep the model dim whole; their batch already uses `fsdp`).
@@ -46,6 +48,7 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     if "batch" not in merged:  # every style is at least data parallel over its batch axis
         merged["batch"] = {"data"}
     merged["batch"].add("data")
+    merged["expert_batch"] = merged["batch"] - {"expert"}
     if activations:
         for name in _PARAM_ONLY:
             merged.pop(name, None)
