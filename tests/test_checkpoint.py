@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 import train_job
 from tfm.models import DecoderLM
 from tfm.models.presets import tiny
-from tfm.parallel import MeshConfig
 from tfm.train import Checkpointer, CheckpointError, LMTask, Trainer, average_checkpoints
 
 EXAMPLE = next(train_job.TokenBatches())

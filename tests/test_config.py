@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.config import ModelConfig
 from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
 
 

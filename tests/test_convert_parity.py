@@ -4,7 +4,6 @@ Each architecture: one tiny random model whose every parameter is perturbed (so 
 unit norm scales and zero logit biases cannot hide a mapping mistake), converted once from the
 live model and once from its `save_pretrained` directory. Tolerance: max-abs 1e-4.
 """
-import json
 import os
 import shutil
 

@@ -1,10 +1,11 @@
 """experiments/lm: the tiny config learns the generated corpus well below its unigram
-entropy; sampling on the KV cache (greedy, temperature, top-k, top-p) inside jit."""
+entropy; sampling on the KV cache inside jit (the filters themselves: tests/test_decode.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import common
 from experiments.lm import train
 from experiments.lm.configs import gpt2_small, llama, tiny
 from tfm import decode
@@ -37,20 +38,9 @@ def test_top_k_one_equals_greedy(result):
         np.testing.assert_array_equal(top1, greedy)
 
 
-def test_top_p_excludes_the_tail():
-    probs = jnp.asarray([[0.5, 0.3, 0.15, 0.05]])
-    kept = jnp.isfinite(decode.filter_logits(jnp.log(probs), top_p=0.75))
-    np.testing.assert_array_equal(kept, [[True, True, False, False]])  # 0.5 + 0.3 reach 0.75
-    draws = jax.vmap(lambda k: decode.choose(jnp.log(probs), k, greedy=False, temperature=1.0,
-                                             top_k=None, top_p=0.75))(
-        jax.random.split(jax.random.PRNGKey(0), 400))
-    assert set(np.unique(draws).tolist()) == {0, 1}
-    assert abs(float(jnp.mean(draws == 0)) - 0.5 / 0.8) < 0.08
-
-
 def test_every_config_loads():
     for module in (tiny, gpt2_small, llama):
         for arg in ("", "runlocal"):
             c = module.get_config(arg)
-            train.train_config(c)
+            common.train_config(c)
             train.model_config(c, c.vocab_size)

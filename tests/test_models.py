@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from tfm import decode
-from tfm.config import ModelConfig
 from tfm.layers.embeddings import apply_rope
 from tfm.layers.feedforward import route
 from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import decode, parallel
-from tfm.data import pipeline, sources, synthetic, tokenizers
+from experiments import common
+from tfm import decode
+from tfm.data import pipeline, sources, synthetic
 from tfm.models import DecoderLM
 from tfm.models import presets
-from tfm.train import LMTask, OptimizerConfig, TrainConfig, flops_per_token
+from tfm.train import LMTask, flops_per_token
 from tfm.train import train_and_evaluate as train_loop
 
 
@@ -29,16 +30,6 @@ def _split_texts(config, split: str, data_dir: str) -> list[dict]:
         docs = sources.load("synthetic_docs", split, data_dir=data_dir)
         return [{"text": s} for d in sources.texts(docs) for s in d.split("\n") if s]
     return sources.load(config.dataset, split, data_dir=data_dir or None)
-
-
-def _tokenizer(config, train, workdir):
-    path = os.path.join(workdir, "spm.model")
-    if os.path.exists(path):
-        return tokenizers.SentencePieceTokenizer.load(path)
-    os.makedirs(workdir, exist_ok=True)
-    return tokenizers.train_sentencepiece(
-        sources.texts(train), config.vocab_size,
-        path=path if jax.process_index() == 0 else None)
 
 
 def unigram_entropy(texts, tokenizer) -> float:
@@ -59,23 +50,12 @@ def model_config(config, vocab_size: int):
     return getattr(presets, config.model)(**overrides)
 
 
-def train_config(config) -> TrainConfig:
-    opt = OptimizerConfig(name=config.optimizer, learning_rate=config.learning_rate,
-                          b2=config.b2, weight_decay=config.weight_decay,
-                          schedule=config.schedule, warmup_steps=config.warmup_steps)
-    return TrainConfig(num_train_steps=config.num_train_steps, batch_size=config.batch_size,
-                       optimizer=opt, mesh=parallel.MeshConfig(**dict(config.mesh)),
-                       parallelism=config.parallelism, log_every=config.log_every,
-                       eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-                       progress_bar=config.get("progress_bar", True))
-
-
 def train_and_evaluate(config, workdir: str):
     """Train, evaluate and sample; returns the TrainResult with `.unigram_entropy` and
     `.samples` added."""
     data_dir = config.data_dir or os.path.join(workdir, "data")
     train, valid = _split_texts(config, "train", data_dir), _split_texts(config, "validation", data_dir)
-    tok = _tokenizer(config, train, workdir)
+    tok = common.sentencepiece(workdir, sources.texts(train), config.vocab_size)
     entropy = unigram_entropy(sources.texts(train), tok)
     mcfg = model_config(config, tok.vocab_size)
     model = DecoderLM(mcfg)
@@ -92,7 +72,7 @@ def train_and_evaluate(config, workdir: str):
     def fpt(num_params):
         return flops_per_token(num_params, mcfg.num_layers, mcfg.d_model, config.seq_len)
 
-    result = train_loop(train_config(config), workdir, model=model, task=LMTask(),
+    result = train_loop(common.train_config(config), workdir, model=model, task=LMTask(),
                         train_data=iter(train_data), eval_fn=eval_fn, flops_per_token=fpt,
                         config_dict=config.to_dict())
     prompt = jnp.asarray([[tok.bos_id] + tok.encode(config.sample_prompt)], jnp.int32)
@@ -113,20 +93,5 @@ def train_and_evaluate(config, workdir: str):
     return result
 
 
-def main():
-    from absl import app, flags, logging
-    from ml_collections import config_flags
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-    flags.DEFINE_string("workdir", None, "checkpoints, logs and the tokenizer go here")
-    flags.mark_flags_as_required(["config", "workdir"])
-
-    def run(argv):
-        del argv
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-        parallel.initialize()
-        train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-    app.run(run)
-
-
 if __name__ == "__main__":
-    main()
+    common.main(train_and_evaluate)

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -12,13 +11,11 @@ import jax
 import numpy as np
 import sacrebleu
 
+from experiments import common
 from tfm import decode
-from tfm.parallel import distributed
-from tfm.data import pipeline, sources, synthetic, tokenizers
+from tfm.data import pipeline, sources, synthetic
 from tfm.models import EncoderDecoder, presets
-from tfm.parallel.mesh import MeshConfig
 from tfm.train.checkpoint import Checkpointer, average_checkpoints
-from tfm.train.config import OptimizerConfig, TrainConfig
 from tfm.train.tasks import Seq2SeqTask
 from tfm.train.trainer import train_and_evaluate as run_training
 
@@ -32,22 +29,7 @@ def load_data(config, workdir):
                                       test=config.eval_examples)
     train = sources.load(config.dataset, "train", data_dir=data_dir)
     evaluation = sources.load(config.dataset, "test", data_dir=data_dir)
-    vocab_path = os.path.join(workdir, f"spm_{config.vocab_size}.model")
-    if os.path.exists(vocab_path):
-        tok = tokenizers.SentencePieceTokenizer.load(vocab_path)
-    else:
-        tok = tokenizers.train_sentencepiece(sources.texts(train, ("en", "de")), config.vocab_size,
-                                             path=vocab_path)
-    return train, evaluation, tok
-
-
-def train_config(config) -> TrainConfig:
-    return TrainConfig(
-        num_train_steps=config.num_train_steps, batch_size=config.batch_size, seed=config.seed,
-        optimizer=OptimizerConfig(**config.optimizer.to_dict()), label_smoothing=config.label_smoothing,
-        mesh=MeshConfig(**config.mesh.to_dict()), parallelism=config.parallelism, log_every=config.log_every,
-        eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints)
+    return train, evaluation, common.sentencepiece(workdir, sources.texts(train, ("en", "de")), config.vocab_size)
 
 
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
@@ -83,7 +65,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train, evaluation, tok = load_data(config, workdir)
     model_cfg = getattr(presets, config.model.preset)(tok.vocab_size, **config.model.overrides)
     model = EncoderDecoder(model_cfg)
-    tcfg = train_config(config)
+    tcfg = common.train_config(config)
     data = pipeline.seq2seq_dataset(train, tok, batch_size=config.batch_size, max_length=config.max_length,
                                     seed=config.seed, process_index=jax.process_index(),
                                     process_count=jax.process_count())
@@ -105,21 +87,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return scores
 
 
-def main():
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-    flags.DEFINE_string("workdir", None, "checkpoints, logs and vocabulary")
-    flags.mark_flags_as_required(["config", "workdir"])
-
-    def run(_):
-        distributed.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
-        scores = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-        print(f"BLEU: sacreBLEU {scores['sacrebleu']:.2f}, tokenized {scores['tokenized_bleu']:.2f}")
-
-    app.run(run)
+def report(scores):
+    print(f"BLEU: sacreBLEU {scores['sacrebleu']:.2f}, tokenized {scores['tokenized_bleu']:.2f} "
+          f"(average of {scores['averaged_checkpoints']} checkpoints)")
 
 
 if __name__ == "__main__":
-    main()
+    common.main(train_and_evaluate, report)

@@ -20,7 +20,7 @@ import flax.linen as nn
 
 from tfm.config import ModelConfig
 from tfm.convert import bert, gpt2, llama, marian, mixtral
-from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
+from tfm.convert.common import ConversionError, HFConfig, Weights
 from tfm.convert.loading import from_directory, from_model
 from tfm.models import EncoderDecoder
 

@@ -1,8 +1,6 @@
 """Multi-head attention (MHA / GQA / MQA) with a fixed-shape KV cache for decoding."""
 from __future__ import annotations
 
-from typing import Optional
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

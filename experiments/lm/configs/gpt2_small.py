@@ -19,10 +19,7 @@ def get_config(arg: str = ""):
     c.seq_len = 256
     c.batch_size = 256
     c.num_train_steps = 100_000
-    c.learning_rate = 6e-4
-    c.warmup_steps = 2000
-    c.weight_decay = 0.1
-    c.b2 = 0.95
+    c.optimizer.update(learning_rate=6e-4, warmup_steps=2000, weight_decay=0.1, b2=0.95)
     c.model_overrides.dtype = "bfloat16"
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.parallelism = "fsdp"

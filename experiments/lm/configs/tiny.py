@@ -20,12 +20,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.seq_len = 32
     c.batch_size = 32
     c.num_train_steps = 300
-    c.optimizer = "adamw"
-    c.learning_rate = 3e-3
-    c.warmup_steps = 20
-    c.schedule = "cosine"
-    c.weight_decay = 0.01
-    c.b2 = 0.98
+    c.optimizer = ml_collections.ConfigDict(dict(  # tfm.train.OptimizerConfig fields
+        name="adamw", learning_rate=3e-3, warmup_steps=20, schedule="cosine", weight_decay=0.01, b2=0.98))
     c.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
     c.parallelism = "data"
     c.log_every = 50
