@@ -22,9 +22,11 @@ def _jax_case(name, B, T):
     r = np.random.default_rng(0)
     ids = lambda *s: r.integers(5, 1000, s).astype(np.int32)
     if name == "bert":
+        # MLM on every position: HF's BertForPreTraining scores all T tokens, so tfm does too
         batch = {"input_ids": ids(B, T), "token_type_ids": np.zeros((B, T), np.int32),
-                 "attention_mask": np.ones((B, T), np.int32), "mlm_positions": ids(B, 20) % T,
-                 "mlm_ids": ids(B, 20), "mlm_weights": np.ones((B, 20), np.float32),
+                 "attention_mask": np.ones((B, T), np.int32),
+                 "mlm_positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+                 "mlm_ids": ids(B, T), "mlm_weights": np.ones((B, T), np.float32),
                  "nsp_label": np.zeros((B,), np.int32)}
         return EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0)), MLMTask(), batch
     if name.startswith("gpt2"):
@@ -65,7 +67,8 @@ def time_torch(name, B, T, steps):
         model = hf.MarianMTModel(hf.MarianConfig(vocab_size=37000, d_model=512, encoder_layers=6,
                                                  decoder_layers=6, encoder_attention_heads=8,
                                                  decoder_attention_heads=8, encoder_ffn_dim=2048,
-                                                 decoder_ffn_dim=2048, dropout=0.0))
+                                                 decoder_ffn_dim=2048, dropout=0.0, pad_token_id=0,
+                                                 decoder_start_token_id=0, eos_token_id=1))
         kw = dict(input_ids=ids(B, T), labels=ids(B, T))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
