@@ -1,10 +1,13 @@
 """Two JAX processes x 4 CPU devices on localhost (jax.distributed, gloo) train 3 steps,
-save and restore; losses equal the single-process 8-device run."""
+save and restore; losses equal the single-process 8-device run. A SIGTERM to one host stops both
+at the same step."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -41,3 +44,27 @@ def test_two_processes_match_one(tmp_path):
         if "['key']['bias']" in k:  # zero true gradient (softmax shift): Adam amplifies fp noise
             continue
         np.testing.assert_allclose(params[k], v, atol=TOL, rtol=0, err_msg=k)
+
+
+def test_sigterm_on_one_host_stops_both_at_the_same_step(tmp_path):
+    """Preemption reaches one host: both agree after the step, save it, and exit cleanly
+    (without the agreement the other host would block in the next collective)."""
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [subprocess.Popen([sys.executable, JOB, "--workdir", str(tmp_path), "--steps", "60",
+                               "--sleep", "0.2", "--multihost", str(i), "--port", str(port)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    deadline = time.time() + 180
+    while not (tmp_path / "checkpoints" / "4").exists():
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "run did not reach step 4"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    results = [json.loads((tmp_path / f"result.{i}.json").read_text()) for i in range(2)]
+    assert results[0]["preempted"] and results[1]["preempted"]
+    assert results[0]["step"] == results[1]["step"] < 60
+    assert all(r["restored_equal"] for r in results)
+    assert "preemption signal on another process at step" in logs[0]  # process 0 logs; 1 got the signal

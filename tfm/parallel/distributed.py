@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 
 def _is_auto_cluster() -> bool:
@@ -38,3 +39,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def is_primary() -> bool:
     """True on the process that writes logs and checkpoint metadata."""
     return jax.process_index() == 0
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is true on any (one small all-gather when multi-host).
+
+    The trainer asks this after each step, so a preemption signal that reaches one host makes
+    all hosts save the same step and stop together instead of hanging in the next collective.
+    """
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))

@@ -262,7 +262,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                     history.append({"step": step, **{k: float(v) for k, v in scalars.items()}})
                     logger.write(step, scalars)
                     window_start, window_steps = time.perf_counter(), 0
-                stopping = stop.received is not None
+                stopping = parallel.any_process(stop.received is not None)
                 if stopping or step % max(config.checkpoint_every, 1) == 0 and config.checkpoint_every:
                     _check_finite(step, metrics, checkpointer, skip)
                     data = iterator.get_state() if hasattr(iterator, "get_state") else None
@@ -270,7 +270,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                 if config.eval_every and step % config.eval_every == 0:
                     run_eval(step)
                 if stopping:
-                    logger.message(f"{stop.received} at step {step}: checkpoint saved, exiting")
+                    why = stop.received or "preemption signal on another process"
+                    logger.message(f"{why} at step {step}: checkpoint saved, exiting")
                     preempted = True
                     break
             if previous is not None:
