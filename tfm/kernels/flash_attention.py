@@ -440,37 +440,48 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     return args, specs
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
-    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32."""
-    B, N, T, H = q.shape
-    S, G, bq, bk = k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
+def _query_major_specs(q_shape, S: int, cfg: _Config):
+    """Grid and BlockSpecs shared by the forward and dQ calls: the grid runs over query blocks
+    (the TPU "grid" driver adds a sequential key-block axis that skips masked-out blocks).
+    -> grid, q_map, kv_spec, (q_seg_spec, kv_seg_spec), slope_spec."""
+    B, N, T, H = q_shape
+    G, bq, bk = cfg.groups, cfg.block_q, cfg.block_kv
     nq, nk = T // bq, S // bk
-    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T, 1), jnp.float32))
     if cfg.driver == "loop":
-        grid, scratch, kernel = (B, N, nq), (), _fwd_loop_kernel
         q_map = lambda b, n, i: (b, n, i, 0)
         kv_spec = pl.BlockSpec((None, None, S, H), lambda b, n, i: (b, _div(n, G), 0, 0))
         seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0)),
                      pl.BlockSpec((None, 1, S), lambda b, n, i: (b, 0, 0)))
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
+        return (B, N, nq), q_map, kv_spec, seg_specs, slope_spec
+
+    def kv_block(i, j):
+        return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+
+    q_map = lambda b, n, i, j: (b, n, i, 0)
+    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
+    seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
+    slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
+    return (B, N, nq, nk), q_map, kv_spec, seg_specs, slope_spec
+
+
+def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32."""
+    B, N, T, H = q.shape
+    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg)
+    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T, 1), jnp.float32))
+    if cfg.driver == "loop":
+        scratch, kernel = (), _fwd_loop_kernel
     else:
-        grid, kernel = (B, N, nq, nk), _fwd_grid_kernel
-        scratch = (_vmem((bq, 1)), _vmem((bq, 1)), _vmem((bq, H)))
-
-        def kv_block(i, j):
-            return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
-
-        q_map = lambda b, n, i, j: (b, n, i, 0)
-        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
-        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
-                     pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
-        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
-    q_spec = pl.BlockSpec((None, None, bq, H), q_map)
+        kernel = _fwd_grid_kernel
+        scratch = (_vmem((cfg.block_q, 1)), _vmem((cfg.block_q, 1)), _vmem((cfg.block_q, H)))  # m, l, acc
+    q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
     extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
-        out_specs=(q_spec, pl.BlockSpec((None, None, bq, 1), q_map)), scratch_shapes=scratch,
+        out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch_shapes=scratch,
         compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
         interpret=cfg.interpret, name="flash_attention_fwd",
     )(q, k, v, *extra_args)
@@ -478,29 +489,14 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
 
 def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
     """-> dq [B, N, T, H]."""
-    B, N, T, H = q.shape
-    S, G, bq, bk = k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
-    nq, nk = T // bq, S // bk
+    H = q.shape[3]
+    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg)
     if cfg.driver == "loop":
-        grid, scratch, kernel = (B, N, nq), (), _dq_loop_kernel
-        q_map = lambda b, n, i: (b, n, i, 0)
-        kv_spec = pl.BlockSpec((None, None, S, H), lambda b, n, i: (b, _div(n, G), 0, 0))
-        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i: (b, i, 0)),
-                     pl.BlockSpec((None, 1, S), lambda b, n, i: (b, 0, 0)))
-        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
+        scratch, kernel = (), _dq_loop_kernel
     else:
-        grid, scratch, kernel = (B, N, nq, nk), (_vmem((bq, H)),), _dq_grid_kernel
-
-        def kv_block(i, j):
-            return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
-
-        q_map = lambda b, n, i, j: (b, n, i, 0)
-        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
-        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
-                     pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
-        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
-    q_spec = pl.BlockSpec((None, None, bq, H), q_map)
-    row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
+        scratch, kernel = (_vmem((cfg.block_q, H)),), _dq_grid_kernel
+    q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
+    row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
     extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
