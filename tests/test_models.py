@@ -201,3 +201,22 @@ def test_bert_heads_shapes_and_mlm_positions():
     assert out["logits"].shape == (2, 3) and out["hidden"].shape == (2, 10, 32)
     full = model.apply({"params": params}, x)["mlm_logits"]
     np.testing.assert_allclose(out["mlm_logits"][1, 1], full[1, 9], atol=1e-5)
+
+
+LOGICAL_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "layers", "length", None}
+
+
+@pytest.mark.parametrize("family, model_cls, n_inputs", [
+    ("decoder", DecoderLM, 1), ("moe", DecoderLM, 1), ("encoder", EncoderModel, 1), ("encdec", EncoderDecoder, 2)])
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_parameter_carries_logical_axis_names(family, model_cls, n_inputs, scan):
+    cfg = presets.tiny(family, scan_layers=scan)
+    if family == "encoder":
+        cfg = cfg.replace(heads=("mlm", "nsp", "classification"))
+    x = jnp.ones((1, 4), jnp.int32)
+    boxed = jax.eval_shape(lambda: model_cls(cfg).init(RNG, *[x] * n_inputs)["params"])
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda v: isinstance(v, nn.Partitioned))
+    assert leaves and all(isinstance(v, nn.Partitioned) for v in leaves)
+    for v in leaves:
+        assert len(v.names) == v.value.ndim and set(v.names) <= LOGICAL_NAMES, v.names
+    assert any("layers" in v.names for v in leaves) == scan
