@@ -6,13 +6,18 @@ sample translations. Takes a few minutes on two CPU cores.
 import sys
 import tempfile
 
+import tensorflow_datasets as tfds
+from absl import logging
+
 from experiments.translation import train
 from experiments.translation.configs import base
 
 
 def main():
     workdir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="tfm_demo_")
-    print(f"workdir: {workdir}")
+    print(f"workdir: {workdir}\ngenerating the En->De corpus and training the vocabulary (nothing is downloaded)...")
+    tfds.disable_progress_bar()
+    logging.set_verbosity(logging.WARNING)
     scores = train.train_and_evaluate(base.get_config("runlocal"), workdir)
     print(f"\nfinal training loss {scores['final_loss']:.3f}; beam-search decoding took {scores['decode_seconds']:.1f}s")
     print(f"BLEU on {len(scores['samples'])} held-out sentences: sacreBLEU {scores['sacrebleu']:.1f}, "
