@@ -21,7 +21,7 @@ test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: install
-	$(PY) -m benchmarks.attention --smoke
+	$(PY) -m benchmarks.attention --smoke --plot benchmarks/attention_smoke.png
 	$(PY) -m benchmarks.train_step
 
 clean:

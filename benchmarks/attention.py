@@ -2,6 +2,7 @@
 
     python -m benchmarks.attention            # full sweep (GPU/TPU): B*L = 16k tokens, N*H = 2048
     python -m benchmarks.attention --smoke    # CPU: tiny shapes, Pallas in interpret mode
+    ... --plot attention.png                  # also draw TFLOP/s and peak memory against L
 
 TFLOP/s follow the FlashAttention-2 convention: forward 4*B*L*L*N*H, halved when causal;
 backward 2.5x forward, so forward+backward counts 3.5x. Peak memory is XLA's compiled
@@ -72,17 +73,54 @@ def measure(impl: str, shape: Shape, backward: bool, dtype, iters: int):
     return seconds * 1e3, flops(shape, backward) / seconds / 1e12, peak
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """TFLOP/s and peak memory against L: one panel pair per (pass, causal), a line per impl and H."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["pass"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    for col, (pass_, causal) in enumerate(panels):
+        for (impl, H) in sorted({(r["impl"], r["H"]) for r in rows}):
+            line = sorted((r["L"], r["tflops"], r["peak"]) for r in rows
+                          if (r["impl"], r["H"], r["pass"], r["causal"]) == (impl, H, pass_, causal))
+            if not line:
+                continue
+            L, tflops, peak = zip(*line)
+            style = dict(marker="o", label=f"{impl} H={H}", linestyle="-" if H == 128 else "--")
+            axes[0, col].plot(L, tflops, **style)
+            if None not in peak:
+                axes[1, col].plot(L, peak, **style)
+        axes[0, col].set_title(f"{pass_}, {'causal' if causal else 'bidirectional'}")
+        axes[0, col].set_ylabel("TFLOP/s")
+        axes[1, col].set_ylabel("peak MiB")
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length L")
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; Pallas interpreted on CPU")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--iters", type=int, default=None, help="timed steps per point (default 10, smoke 2)")
+    parser.add_argument("--plot", default=None, help="write a PNG of TFLOP/s and peak memory against L")
     args = parser.parse_args(argv)
     iters = args.iters or (2 if args.smoke else 10)
     impls = args.impls.split(",")
     device = jax.devices()[0]
-    print(f"# attention benchmark  {datetime.date.today()}  jax {jax.__version__}  device: {device.device_kind}"
-          f" ({jax.default_backend()})  dtype bf16  iters {iters}" + ("  SMOKE: interpret mode, no meaning for speed" if args.smoke else ""))
+    header = (f"attention benchmark  {datetime.date.today()}  jax {jax.__version__}  device: {device.device_kind}"
+              f" ({jax.default_backend()})  dtype bf16  iters {iters}"
+              + ("  SMOKE: interpret mode, no meaning for speed" if args.smoke else ""))
+    print("# " + header)
+    rows = []
     print(f"{'impl':8} {'pass':8} {'H':>4} {'L':>6} {'B':>4} {'N':>4} {'causal':>6} {'ms':>10} {'TFLOP/s':>9} {'peak MiB':>9}")
     for shape in sweep(args.smoke):
         for backward in (False, True):
@@ -95,6 +133,10 @@ def main(argv=None):
                     continue
                 peak_text = "n/a" if peak is None else f"{peak:.1f}"
                 print(f"{label} {ms:10.2f} {tflops:9.3f} {peak_text:>9}", flush=True)
+                rows.append(dict(impl=impl, H=shape.H, L=shape.L, causal=shape.causal, tflops=tflops, peak=peak,
+                                 **{"pass": "fwd+bwd" if backward else "fwd"}))
+    if args.plot:
+        plot(rows, args.plot, header)
 
 
 if __name__ == "__main__":
