@@ -12,9 +12,10 @@ from tfm.layers.common import compute_dtype, param_init
 
 def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
     """Clear error for ids outside [0, V) when the ids are concrete (outside jit)."""
-    if isinstance(tokens, jax.core.Tracer):
-        return
-    ids = np.asarray(tokens)
+    try:
+        ids = np.asarray(tokens)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced inside jit: out-of-range ids then embed as NaN (jnp.take fills), and training stops on NaN
     if ids.size == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
