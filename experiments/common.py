@@ -22,6 +22,16 @@ def sentencepiece(workdir: str, texts: Iterable[str], vocab_size: int) -> tokeni
     return tokenizers.train_sentencepiece(texts, vocab_size, path=path if jax.process_index() == 0 else None)
 
 
+def on_first_process(prepare: Callable[[], object]) -> None:
+    """Runs `prepare` (e.g. writing a generated dataset) on process 0 only; every process waits
+    until it is done, so hosts sharing a filesystem never write the same files at once."""
+    if jax.process_index() == 0:
+        prepare()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("tfm: data prepared")
+
+
 def train_config(config) -> TrainConfig:
     """TrainConfig from an experiment config: `optimizer` holds OptimizerConfig fields and `mesh`
     MeshConfig fields; the other names match TrainConfig's."""

@@ -26,7 +26,7 @@ from tfm.train import train_and_evaluate as train_loop
 def _split_texts(config, split: str, data_dir: str) -> list[dict]:
     """[{"text": sentence}, ...]; the synthetic documents are split into sentences."""
     if config.dataset == "synthetic_docs":
-        synthetic.prepare_documents(data_dir)
+        common.on_first_process(lambda: synthetic.prepare_documents(data_dir))
         docs = sources.load("synthetic_docs", split, data_dir=data_dir)
         return [{"text": s} for d in sources.texts(docs) for s in d.split("\n") if s]
     return sources.load(config.dataset, split, data_dir=data_dir or None)

@@ -24,9 +24,8 @@ def load_data(config, workdir):
     """(train source, eval source, tokenizer); generates the local corpus when asked to."""
     data_dir = config.data_dir or os.path.join(workdir, "data")
     if config.dataset == "synthetic_translate":
-        n = config.synthetic_pairs
-        synthetic.prepare_translation(data_dir, train=n, validation=config.eval_examples,
-                                      test=config.eval_examples)
+        common.on_first_process(lambda: synthetic.prepare_translation(
+            data_dir, train=config.synthetic_pairs, validation=config.eval_examples, test=config.eval_examples))
     train = sources.load(config.dataset, "train", data_dir=data_dir)
     evaluation = sources.load(config.dataset, "test", data_dir=data_dir)
     return train, evaluation, common.sentencepiece(workdir, sources.texts(train, ("en", "de")), config.vocab_size)
