@@ -119,16 +119,6 @@ def sample_lm(model: DecoderLM, params, prompt, max_new_tokens: int, rng, **kwar
     return generate(step_fn(model, params), cache, prompt, max_new_tokens, rng, **kwargs)
 
 
-def translate_greedy(model: EncoderDecoder, params, inputs, max_new_tokens: int, *, bos_id: int, eos_id: int,
-                     inputs_segment_ids=None, pad_id: int = 0) -> jax.Array:
-    """Greedy EncoderDecoder output for inputs [B, S] -> [B, max_new_tokens]."""
-    encoded = model.apply({"params": params}, inputs, inputs_segment_ids, method=EncoderDecoder.encode)
-    cache = init_cache(model, params, inputs.shape[0], max_new_tokens, encoded, inputs_segment_ids)
-    bos = jnp.full((inputs.shape[0], 1), bos_id, jnp.int32)
-    return generate(step_fn(model, params), cache, bos, max_new_tokens, jax.random.PRNGKey(0), greedy=True,
-                    eos_id=eos_id, pad_id=pad_id)
-
-
 def length_penalty(length, alpha: float):
     """GNMT length normalisation ((5 + length) / 6) ** alpha (Wu et al. 2016; alpha 0.6 in Vaswani et al.)."""
     return ((5.0 + length) / 6.0) ** alpha
@@ -196,16 +186,17 @@ def translate(model: EncoderDecoder, params, inputs, max_new_tokens: int, *, bos
               inputs_segment_ids=None, beam_size: int = 1, alpha: float = 0.6, pad_id: int = 0) -> jax.Array:
     """EncoderDecoder output for inputs [B, S] -> best hypothesis [B, max_new_tokens]:
     greedy when beam_size == 1, else beam search with GNMT length penalty alpha."""
-    if beam_size == 1:
-        return translate_greedy(model, params, inputs, max_new_tokens, bos_id=bos_id, eos_id=eos_id,
-                                inputs_segment_ids=inputs_segment_ids, pad_id=pad_id)
+    B = inputs.shape[0]
     if inputs_segment_ids is None:
         inputs_segment_ids = jnp.ones(inputs.shape, jnp.int32)
-    repeat = lambda x: jnp.repeat(x, beam_size, axis=0)
     encoded = model.apply({"params": params}, inputs, inputs_segment_ids, method=EncoderDecoder.encode)
-    cache = init_cache(model, params, inputs.shape[0] * beam_size, max_new_tokens, repeat(encoded),
-                       repeat(inputs_segment_ids))
-    bos = jnp.full((inputs.shape[0],), bos_id, jnp.int32)
-    tokens, _ = beam_search(step_fn(model, params), cache, bos, max_new_tokens, beam_size=beam_size,
+    repeat = lambda x: jnp.repeat(x, beam_size, axis=0)  # one cache row per beam
+    cache = init_cache(model, params, B * beam_size, max_new_tokens, repeat(encoded), repeat(inputs_segment_ids))
+    step = step_fn(model, params)
+    if beam_size == 1:
+        bos = jnp.full((B, 1), bos_id, jnp.int32)
+        return generate(step, cache, bos, max_new_tokens, jax.random.PRNGKey(0), greedy=True, eos_id=eos_id,
+                        pad_id=pad_id)
+    tokens, _ = beam_search(step, cache, jnp.full((B,), bos_id, jnp.int32), max_new_tokens, beam_size=beam_size,
                             eos_id=eos_id, alpha=alpha, pad_id=pad_id)
     return tokens[:, 0]
