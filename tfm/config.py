@@ -7,8 +7,9 @@ Impossible combinations raise `ValueError` naming the field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
+from tfm.kernels.flash_attention import BlockSizes
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 
 NORMS = ("layernorm", "rmsnorm")
@@ -56,6 +57,9 @@ class ModelConfig:
     attn_logit_softcap: Optional[float] = None
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
+    # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
+    # block_kv_bwd]); stored as a BlockSizes. None = the kernel's per-backend default.
+    attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
 
     # Feed-forward
     activation: str = "relu"
@@ -119,6 +123,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.attention_dropout > 0 and self.attention_impl != "xla":
             raise ValueError("ModelConfig.attention_dropout > 0 needs attention_impl='xla'")
+        object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))
+        if self.attention_block_sizes is not None and self.attention_impl not in ("pallas", "auto"):
+            raise ValueError(f"ModelConfig.attention_block_sizes is used by attention_impl 'pallas' or "
+                             f"'auto' only; attention_impl={self.attention_impl!r} would ignore it")
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} must be in "
@@ -147,3 +155,15 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _block_sizes(value) -> Optional[BlockSizes]:
+    """ModelConfig.attention_block_sizes as a (frozen, hashable) BlockSizes, or None."""
+    if value is None or isinstance(value, BlockSizes):
+        return value
+    try:
+        if isinstance(value, (tuple, list)):
+            return BlockSizes(*value)
+        return BlockSizes(**dict(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ModelConfig.attention_block_sizes={value!r}: {e}") from None

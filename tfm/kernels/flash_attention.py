@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-_NEG_INF = -1e30  # finite, as in tfm.ops.attention: masked logits never make NaN
+_NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
 
 

@@ -62,7 +62,8 @@ class Attention(nn.Module):
             alibi_slopes=alibi_slopes(cfg.num_heads) if cfg.position == "alibi" and not self.cross else None,
             softcap=cfg.attn_logit_softcap, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size)
+            impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
+            block_sizes=cfg.attention_block_sizes)
         return out(o)  # [B, T, D]
 
     def _cross_kv(self, key, value, memory, memory_segment_ids, decode):

@@ -2,16 +2,20 @@
 
 GPU only, fp16/bf16. q [B, T, N, H]; k, v [B, S, K, H] (GQA native). Segment ids and ALiBi
 become a materialised mask [B, 1, T, S] and bias [1, N, T, S]; cuDNN has no logit soft-cap
-and no bidirectional window, and those raise ValueError.
+and no bidirectional window, and those raise ValueError. Under a mesh the call runs per
+device, like the pallas backend (`tfm.ops.shard.per_device`: batch and heads split, T and
+S whole).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from tfm.ops.attention import visibility
+from tfm.ops.masks import visibility
+from tfm.ops.shard import per_device
 
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
@@ -24,6 +28,12 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
         raise ValueError("impl='cudnn' supports a sliding window only with causal=True; use impl='pallas'")
     if jax.default_backend() != "gpu":
         raise ValueError(f"impl='cudnn' needs a GPU backend, not {jax.default_backend()!r}")
+    kernel = functools.partial(_cudnn, causal=causal, window=window, scale=scale)
+    return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
+
+
+def _cudnn(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, *, causal, window, scale):
+    """One device's call: q [B, T, N, H]; k, v [B, S, K, H]; alibi_slopes [N] -> [B, T, N, H]."""
     B, T, N, _ = q.shape
     S = k.shape[1]
     mask = bias = None

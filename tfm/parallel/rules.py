@@ -65,3 +65,12 @@ def flax_rules(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], 
     """The same rules in the form `flax.linen.logical_axis_rules` takes."""
     return tuple((name, axes if len(axes) > 1 else (axes[0] if axes else None))
                  for name, axes in rules)
+
+
+def from_flax_rules(rules) -> Rules:
+    """Rules in the form `flax.linen.logical_axis_rules` takes (a name may map to one mesh
+    axis, several, or None) back to `Rules`; the first rule for a name wins, as in flax."""
+    table: dict[str, tuple[str, ...]] = {}
+    for name, axes in rules or ():
+        table.setdefault(name, (axes,) if isinstance(axes, str) else tuple(axes or ()))
+    return tuple(table.items())

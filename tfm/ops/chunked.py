@@ -1,0 +1,125 @@
+"""The chunked backend: blockwise online softmax over key chunks, pure JAX.
+
+O(T + S) memory in both passes (the backward recomputes each chunk's probabilities from the
+saved log-sum-exp), and it runs on every backend: the fallback for long sequences on CPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tfm.ops.masks import NEG_INF, scores, visibility
+
+
+def _pad_axis(x, axis, multiple, value=0):
+    pad = -x.shape[axis] % multiple
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _chunks(x, chunk, axis=1):
+    """Split axis into [num_chunks, ...] leading for lax.scan."""
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (shape[axis] // chunk, chunk) + shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _chunk_logits(qg, kc, kv_pos_c, kv_seg_c, q_pos, q_seg, slopes, cfg):
+    """Masked logits [B, K, G, T, c] and visibility for one key chunk."""
+    causal, window, softcap, scale = cfg
+    s = scores(qg, kc, scale, softcap, slopes, q_pos, kv_pos_c)
+    visible = visibility(q_pos, kv_pos_c, q_seg, kv_seg_c, causal=causal, window=window)[:, None, None]
+    return jnp.where(visible, s, NEG_INF), visible
+
+
+def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    """Returns o [B, T, K, G, H] (q dtype) and lse [B, K, G, T] (fp32)."""
+    B, T, K, G, H = qg.shape
+    xs = (_chunks(k, chunk), _chunks(v, chunk), _chunks(kv_pos, chunk), _chunks(kv_seg, chunk))
+
+    def step(carry, x):
+        m, l, acc = carry
+        kc, vc, kv_pos_c, kv_seg_c = x
+        s, visible = _chunk_logits(qg, kc, kv_pos_c, kv_seg_c, q_pos, q_seg, slopes, cfg)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None]) * visible
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "BKGTS,BSKH->BKGTH", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, H), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, xs)
+    safe_l = jnp.where(l == 0.0, 1.0, l)
+    o = acc / safe_l[..., None]
+    lse = jnp.where(l == 0.0, jnp.inf, m + jnp.log(safe_l))  # +inf: exp(s - lse) = 0 for empty rows
+    return jnp.einsum("BKGTH->BTKGH", o).astype(qg.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)[0]
+
+
+def _core_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    o, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
+
+
+def _core_bwd(cfg, chunk, residuals, do):
+    """Flash-style backward: recompute each chunk's probabilities from the saved lse."""
+    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
+    causal, window, softcap, scale = cfg
+    do32 = do.astype(jnp.float32)
+    delta = jnp.einsum("BTKGH,BTKGH->BKGT", do32, o.astype(jnp.float32))
+    xs = (_chunks(k, chunk), _chunks(v, chunk), _chunks(kv_pos, chunk), _chunks(kv_seg, chunk))
+
+    def step(dq, x):
+        kc, vc, kv_pos_c, kv_seg_c = x
+        s, visible = _chunk_logits(qg, kc, kv_pos_c, kv_seg_c, q_pos, q_seg, slopes, cfg)
+        p = jnp.exp(s - lse[..., None]) * visible  # [B, K, G, T, c]
+        dv = jnp.einsum("BKGTS,BTKGH->BSKH", p, do32)
+        dp = jnp.einsum("BTKGH,BSKH->BKGTS", do32, vc.astype(jnp.float32))
+        ds = p * (dp - delta[..., None])
+        if softcap is not None:  # d/dx [c tanh(x/c)] = 1 - tanh^2 = 1 - (capped / c)^2
+            raw = jnp.einsum("BTKGH,BSKH->BKGTS", qg, kc, preferred_element_type=jnp.float32) * scale
+            ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
+        ds = ds * scale
+        dq = dq + jnp.einsum("BKGTS,BSKH->BTKGH", ds, kc.astype(jnp.float32))
+        dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, qg.astype(jnp.float32))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(k.shape)  # [n, B, c, K, H] -> [B, S, K, H]
+    return (dq.astype(qg.dtype), unchunk(dk).astype(k.dtype), unchunk(dv).astype(v.dtype),
+            None, None, None, None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
+              chunk_size):
+    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], keys in chunks of chunk_size."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    chunk = min(chunk_size, S)
+    if kv_seg is None:
+        kv_seg = jnp.ones((B, S), jnp.int32)
+        q_seg = None
+    # Pad keys to a multiple of the chunk with segment 0 (invisible).
+    k, v = _pad_axis(k, 1, chunk), _pad_axis(v, 1, chunk)
+    kv_seg = _pad_axis(jnp.broadcast_to(kv_seg, (B, S)), 1, chunk)
+    kv_pos = _pad_axis(jnp.broadcast_to(kv_pos, (B, S)), 1, chunk)
+    q_pos = jnp.broadcast_to(q_pos, (B, T))
+    cfg = (causal, window, softcap, scale)
+    qg = q.reshape(B, T, K, N // K, H)
+    o = _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    return o.reshape(B, T, N, H)

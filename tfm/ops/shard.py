@@ -1,0 +1,86 @@
+"""Opaque attention kernels meet the mesh: `shard_map` over the batch and head axes.
+
+XLA's SPMD partitioner cannot split a Pallas or cuDNN call: inside a sharded `jit` it would
+gather q, k and v and run the whole attention on every device. `per_device` maps the kernel
+over the mesh axes that the active logical rules give "batch" and "heads", so each device
+runs it on its own [B/b, T, N/n, H] shard. The sequence axes T and S stay whole on every
+device (no context parallelism; a rule for "length" is not used here).
+
+The mesh is the one `jax.set_mesh` makes current and the rules those of
+`flax.linen.logical_axis_rules`; the trainer holds both while it traces the model
+(`Trainer.context`). With no mesh, a one-device mesh, or no rule that splits B or N, the
+kernel is called directly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tfm.parallel.rules import from_flax_rules
+from tfm.parallel.sharding import logical_to_spec
+
+
+def _axes_size(mesh, axes) -> int:
+    """Devices along a PartitionSpec entry (None, one axis name or a tuple of them)."""
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def _repeat_kv(x, shards: int):
+    """k or v [B, S, K, H] with each kv head repeated so that `shards` divides the heads.
+
+    K -> K * r with r = shards / gcd(K, shards); r divides G whenever `shards` divides N, and
+    query head n still meets its kv head (n // (G / r) in the repeated heads is a copy of
+    n // G). The gradient of the repeat sums the copies back.
+    """
+    K = x.shape[2]
+    if K % shards == 0:
+        return x
+    return jnp.repeat(x, shards // math.gcd(K, shards), axis=2)
+
+
+def _batch_and_head_axes(q_shape, mesh, free_axes):
+    """PartitionSpec entries for B and N of q [B, T, N, H] under the active rules (axes that
+    do not divide a dim are left out, as for every other activation)."""
+    rules = tuple((name, tuple(a for a in axes if a in free_axes))
+                  for name, axes in from_flax_rules(nn.get_logical_axis_rules()))
+    spec = tuple(logical_to_spec(("batch", None, "heads"), q_shape[:3], mesh, rules)) + (None,) * 3
+    return spec[0], spec[2]
+
+
+def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=None, alibi_slopes=None):
+    """kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes) -> o, run on each device's shard.
+
+    q [B, T, N, H]; k, v [B, S, K, H]; segment ids [B, T] / [B, S] or None; alibi_slopes [N] or
+    None; o [B, T, N, H]. The kernel gets [B/b, T, N/n, H], [B/b, S, K', H] with K' = K/n, or,
+    when n does not divide K (GQA with fewer kv heads than the head axis), each kv head
+    repeated just enough that it does; segment ids [B/b, .] and slopes [N/n].
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    free_axes = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)  # not yet mapped
+    batch, heads = None, None
+    if _axes_size(mesh, free_axes) > 1:
+        batch, heads = _batch_and_head_axes(q.shape, mesh, free_axes)
+    if batch is None and heads is None:
+        return kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
+    shards = _axes_size(mesh, heads)
+    operands = (q, _repeat_kv(k, shards), _repeat_kv(v, shards), q_segment_ids, kv_segment_ids, alibi_slopes)
+    heads_spec = P(batch, None, heads)
+    specs = (heads_spec, heads_spec, heads_spec, P(batch), P(batch), P(heads))
+    present = [i for i, x in enumerate(operands) if x is not None]
+
+    def body(*shards):
+        local = [None] * len(operands)
+        for i, x in zip(present, shards):
+            local[i] = x
+        return kernel(*local)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs[i] for i in present),
+                           out_specs=heads_spec, axis_names=frozenset(free_axes), check_vma=False)
+    return mapped(*(operands[i] for i in present))

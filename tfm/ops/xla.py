@@ -1,0 +1,28 @@
+"""The reference backend: plain jnp, materialising the [B, N, T, S] logits.
+
+Readable rather than fast; every other backend is tested against it, and it alone
+implements attention dropout and explicit (KV-cache) positions.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tfm.ops.masks import NEG_INF, scores, visibility
+
+
+def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
+              dropout_rate, dropout_rng):
+    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H]. q_pos [B|1, T], kv_pos [B|1, S]."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    s = scores(qg, k, scale, softcap, slopes, q_pos, kv_pos)  # [B, K, G, T, S]
+    visible = visibility(q_pos, kv_pos, q_seg, kv_seg, causal=causal, window=window)[:, None, None]
+    s = jnp.where(visible, s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1) * visible  # fully masked rows -> 0
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, p.shape)
+        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
+    o = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v)
+    return o.reshape(B, T, N, H)
