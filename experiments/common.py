@@ -1,15 +1,128 @@
-"""Plumbing every experiment shares: the vocabulary, the TrainConfig from an ml_collections
-config, and the command-line entry point."""
+"""What every experiment shares: one config schema, the vocabulary, the entry point.
+
+An experiment config is an ml_collections ConfigDict made by `new_config(Settings, Task)`:
+its keys are exactly
+  - every TrainConfig field at the top level (`optimizer` and `mesh` nested), defaults
+    from the dataclasses themselves;
+  - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields);
+  - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight);
+  - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets.
+The dict is locked, so a misspelt key fails where it is written (in the config file or as
+`--config.KEY=VALUE`); `resolve` checks the same for plain dicts and builds the dataclasses.
+"""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
-from typing import Callable, Iterable
+import typing
+from typing import Any, Callable, Iterable
 
 import jax
+import ml_collections
 
 from tfm import parallel
+from tfm.config import ModelConfig
 from tfm.data import tokenizers
-from tfm.train import OptimizerConfig, TrainConfig
+from tfm.models import presets
+from tfm.train import TrainConfig
+
+_NESTED = {"optimizer", "mesh"}  # TrainConfig fields that are dataclasses themselves
+
+
+def _field_type(hint):
+    """The concrete type of a field annotation (Optional[X] -> X)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union else hint
+
+
+def _config_of(cls, *, with_defaults: bool = True, into=None) -> ml_collections.ConfigDict:
+    """A ConfigDict (or `into`) with one typed entry per field of dataclass `cls`."""
+    c = ml_collections.ConfigDict() if into is None else into
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            c[f.name] = _config_of(hints[f.name])
+            continue
+        value = f.default if with_defaults and f.default is not dataclasses.MISSING else None
+        c[f.name] = ml_collections.FieldReference(value, field_type=_field_type(hints[f.name]))
+    return c
+
+
+def new_config(settings_cls, task_cls) -> ml_collections.ConfigDict:
+    """The locked schema of an experiment (module doc); the recipe fills in its values."""
+    c = _config_of(settings_cls, with_defaults=False, into=_config_of(TrainConfig))
+    c.model = ml_collections.ConfigDict({"preset": ml_collections.FieldReference(None, field_type=str),
+                                         "overrides": ml_collections.ConfigDict()})
+    c.task = _config_of(task_cls)
+    c.lock()
+    c.model.overrides.unlock()  # any ModelConfig field; checked by presets.build
+    return c
+
+
+def _build(cls, values: dict, where: str):
+    """Dataclass `cls` from `values`, naming any unknown or unset key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    _check_keys(values, names, where)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        if dataclasses.is_dataclass(hints[f.name]):
+            value = _build(hints[f.name], dict(value), f"{where}.{f.name}")
+        elif value is None and f.default is dataclasses.MISSING:
+            raise ValueError(f"{where}.{f.name} is not set")
+        kwargs[f.name] = value
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{where}: {missing} not set")
+    return cls(**kwargs)
+
+
+def _check_keys(values, valid, where: str) -> None:
+    for key in values:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where}.{key} is not a config key{hint}; valid keys: {sorted(valid)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A resolved experiment config: `model(vocab_size)` builds its ModelConfig."""
+    train: TrainConfig
+    task: Any
+    settings: Any
+    preset: str
+    overrides: dict
+    raw: dict
+
+    def model(self, vocab_size: int) -> ModelConfig:
+        return presets.build(self.preset, vocab_size, self.overrides)
+
+    def record(self, model_config: ModelConfig) -> dict:
+        """The resolved config for workdir/config.json: every key, and the ModelConfig built."""
+        return {**self.raw, "model_config": dataclasses.asdict(model_config)}
+
+
+def resolve(config, settings_cls, task_cls) -> Experiment:
+    """The dataclasses behind an experiment config (a ConfigDict or a plain dict)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    train_keys = [f.name for f in dataclasses.fields(TrainConfig)]
+    settings_keys = [f.name for f in dataclasses.fields(settings_cls)]
+    _check_keys(raw, train_keys + settings_keys + ["model", "task"], "config")
+    model = dict(raw.get("model") or {})
+    _check_keys(model, ["preset", "overrides"], "config.model")
+    if not model.get("preset"):
+        raise ValueError(f"config.model.preset is not set; choose from {sorted(presets.PRESETS)}")
+    return Experiment(
+        train=_build(TrainConfig, {k: raw[k] for k in train_keys if k in raw}, "config"),
+        task=_build(task_cls, dict(raw.get("task") or {}), "config.task"),
+        settings=_build(settings_cls, {k: raw[k] for k in settings_keys if k in raw}, "config"),
+        preset=model["preset"], overrides=dict(model.get("overrides") or {}), raw=raw)
 
 
 def sentencepiece(workdir: str, texts: Iterable[str], vocab_size: int) -> tokenizers.SentencePieceTokenizer:
@@ -32,20 +145,9 @@ def on_first_process(prepare: Callable[[], object]) -> None:
         multihost_utils.sync_global_devices("tfm: data prepared")
 
 
-def train_config(config) -> TrainConfig:
-    """TrainConfig from an experiment config: `optimizer` holds OptimizerConfig fields and `mesh`
-    MeshConfig fields; the other names match TrainConfig's."""
-    return TrainConfig(
-        num_train_steps=config.num_train_steps, batch_size=config.batch_size, seed=config.get("seed", 0),
-        optimizer=OptimizerConfig(**config.optimizer.to_dict()),
-        label_smoothing=config.get("label_smoothing", 0.0),
-        mesh=parallel.MeshConfig(**config.mesh.to_dict()), parallelism=config.parallelism,
-        log_every=config.log_every, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.get("keep_checkpoints", 3), progress_bar=config.get("progress_bar", True))
-
-
 def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda result: None):
-    """`--config=FILE[:arg] --workdir=DIR`: join the multi-host job, train, report."""
+    """`--config=FILE[:arg] --workdir=DIR [--config.KEY=VALUE ...]`: join the multi-host job,
+    train, report."""
     from absl import app, flags, logging
     from ml_collections import config_flags
 

@@ -8,7 +8,9 @@ import pytest
 from experiments import common
 from experiments.lm import train
 from experiments.lm.configs import gpt2_small, llama, tiny
+from experiments.lm.settings import LMSettings
 from tfm import decode
+from tfm.train import LMTask
 
 
 @pytest.fixture(scope="module")
@@ -42,5 +44,4 @@ def test_every_config_loads():
     for module in (tiny, gpt2_small, llama):
         for arg in ("", "runlocal"):
             c = module.get_config(arg)
-            common.train_config(c)
-            train.model_config(c, c.vocab_size)
+            common.resolve(c, LMSettings, LMTask).model(c.vocab_size)

@@ -22,6 +22,6 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
 
 def test_base_config_is_the_paper_setting():
     c = base.get_config()
-    assert (c.model.preset, c.vocab_size, c.label_smoothing) == ("transformer_base", 37_000, 0.1)
+    assert (c.model.preset, c.vocab_size, c.task.label_smoothing) == ("transformer_base", 37_000, 0.1)
     assert (c.optimizer.b1, c.optimizer.b2, c.optimizer.eps) == (0.9, 0.98, 1e-9)
     assert (c.optimizer.schedule, c.optimizer.warmup_steps, c.num_train_steps) == ("noam", 4000, 100_000)

@@ -2,7 +2,7 @@
 or imported). Data: a stateful iterator over a fixed random LM token array, so a resumed
 run sees exactly the batches an uninterrupted one would.
 
-python tests/train_job.py --workdir W --steps 12 [--sleep 0.2] [--nan_at 4] [--multihost I]
+python tests/train_job.py --workdir W --steps 12 [--sleep 0.2] [--slow] [--multihost I]
 """
 from __future__ import annotations
 
@@ -47,22 +47,54 @@ class TokenBatches:
 
 
 def config(steps, *, mesh=(("data", 2), ("fsdp", 4)), checkpoint_every=2, on_nonfinite="stop",
-           async_checkpoint=True):
+           async_checkpoint=True, log_every=1):
     from tfm.parallel import MeshConfig
     from tfm.train import OptimizerConfig, TrainConfig
     return TrainConfig(num_train_steps=steps, batch_size=BATCH, mesh=MeshConfig(**dict(mesh)),
                        parallelism="data+fsdp", optimizer=OptimizerConfig(learning_rate=1e-2),
-                       log_every=1, checkpoint_every=checkpoint_every, keep_checkpoints=2,
+                       log_every=log_every, checkpoint_every=checkpoint_every, keep_checkpoints=2,
                        async_checkpoint=async_checkpoint, progress_bar=False,
                        on_nonfinite=on_nonfinite)
 
 
-def run(workdir, steps, *, data=None, **kw):
+def run(workdir, steps, *, data=None, task=None, hooks=None, **kw):
     from tfm.models import DecoderLM
     from tfm.models.presets import tiny
     from tfm.train import LMTask, train_and_evaluate
     return train_and_evaluate(config(steps, **kw), workdir, model=DecoderLM(tiny("decoder")),
-                              task=LMTask(), train_data=data or TokenBatches())
+                              task=task or LMTask(), train_data=data or TokenBatches(), hooks=hooks)
+
+
+def slow_task():
+    """LMTask whose step also runs ~100 ms of matmuls, so the device is the bottleneck."""
+    import jax
+    import jax.numpy as jnp
+    from tfm.train import LMTask
+
+    class SlowLMTask(LMTask):
+        def loss(self, *args, **kwargs):
+            objective, metrics = super().loss(*args, **kwargs)
+            x = jnp.full((256, 256), 1e-3) * jax.lax.stop_gradient(objective)
+            x = jax.lax.fori_loop(0, 12, lambda i, x: jnp.tanh(x @ x), x)
+            return objective + 1e-30 * jnp.mean(x), metrics
+
+    return SlowLMTask()
+
+
+def dispatch_probe():
+    """A hook (put first) recording the most steps whose results were not yet ready right
+    after a step was dispatched: 3 means the host was two steps ahead of the device."""
+    from tfm.train import Hook
+
+    class InFlight(Hook):
+        def __init__(self):
+            self.outputs, self.most = [], 0
+
+        def after_step(self, run, step, metrics):
+            self.outputs.append(metrics["loss"])
+            self.most = max(self.most, sum(not x.is_ready() for x in self.outputs[-4:]))
+
+    return InFlight()
 
 
 def flat_params(state) -> dict:
@@ -78,6 +110,7 @@ def main():
     p.add_argument("--workdir", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--slow", action="store_true", help="device-bound steps; record the dispatch lead")
     p.add_argument("--multihost", type=int, default=None, help="process id of 2")
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
@@ -88,11 +121,14 @@ def main():
         initialize(f"127.0.0.1:{a.port}", num_processes=2, process_id=a.multihost)
         pid, count = a.multihost, 2
     import jax
-    result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep))
+    probe = dispatch_probe() if a.slow else None
+    slow = dict(task=slow_task(), hooks=lambda hooks: [probe, *hooks], log_every=100,
+                checkpoint_every=0) if a.slow else {}
+    result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep), **slow)
     params = flat_params(result.state)
     out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
-           "step": int(result.state.step)}
-    if a.multihost is not None:  # restore what was just saved and compare
+           "step": int(result.state.step), "most_in_flight": probe.most if probe else None}
+    if a.multihost is not None and not a.slow:  # restore what was just saved and compare
         from tfm.train import Checkpointer
         ckpt = Checkpointer(os.path.join(a.workdir, "checkpoints"))
         restored, data_state = ckpt.restore(result.trainer.abstract_state)

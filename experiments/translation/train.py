@@ -12,23 +12,26 @@ import numpy as np
 import sacrebleu
 
 from experiments import common
+from experiments.translation.settings import TranslationSettings
 from tfm import decode
 from tfm.data import pipeline, sources, synthetic
-from tfm.models import EncoderDecoder, presets
+from tfm.models import EncoderDecoder
 from tfm.train.checkpoint import Checkpointer, average_checkpoints
 from tfm.train.tasks import Seq2SeqTask
 from tfm.train.trainer import train_and_evaluate as run_training
 
 
-def load_data(config, workdir):
-    """(train source, eval source, tokenizer); generates the local corpus when asked to."""
-    data_dir = config.data_dir or os.path.join(workdir, "data")
-    if config.dataset == "synthetic_translate":
+def load_data(settings, workdir):
+    """(train, validation, test sources, tokenizer); generates the local corpus when asked to."""
+    data_dir = settings.data_dir or os.path.join(workdir, "data")
+    if settings.dataset == "synthetic_translate":
+        n = settings.eval_examples
         common.on_first_process(lambda: synthetic.prepare_translation(
-            data_dir, train=config.synthetic_pairs, validation=config.eval_examples, test=config.eval_examples))
-    train = sources.load(config.dataset, "train", data_dir=data_dir)
-    evaluation = sources.load(config.dataset, "test", data_dir=data_dir)
-    return train, evaluation, common.sentencepiece(workdir, sources.texts(train, ("en", "de")), config.vocab_size)
+            data_dir, train=settings.synthetic_pairs, validation=n, test=n))
+    train, validation, test = (sources.load(settings.dataset, split, data_dir=data_dir)
+                               for split in ("train", "validation", "test"))
+    tok = common.sentencepiece(workdir, sources.texts(train, ("en", "de")), settings.vocab_size)
+    return train, validation, test, tok
 
 
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
@@ -59,30 +62,44 @@ def bleu(model, params, tok, examples, max_len: int, beam_size: int, alpha: floa
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
-    """Trains per `config` in `workdir` (resuming if checkpoints exist); returns final metrics."""
+    """Trains per `config` in `workdir` (resuming if checkpoints exist), evaluating loss (and
+    BLEU when eval_bleu_examples > 0) on the validation split; returns the test-set BLEU."""
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask)
+    s, tcfg = exp.settings, exp.train
     os.makedirs(workdir, exist_ok=True)
-    train, evaluation, tok = load_data(config, workdir)
-    model_cfg = getattr(presets, config.model.preset)(tok.vocab_size, **config.model.overrides)
+    train, validation, test, tok = load_data(s, workdir)
+    model_cfg = exp.model(tok.vocab_size)
     model = EncoderDecoder(model_cfg)
-    tcfg = common.train_config(config)
-    data = pipeline.seq2seq_dataset(train, tok, batch_size=config.batch_size, max_length=config.max_length,
-                                    seed=config.seed, process_index=jax.process_index(),
-                                    process_count=jax.process_count())
-    eval_examples = [evaluation[i] for i in range(min(config.eval_examples, len(evaluation)))]
-    result = run_training(tcfg, workdir, model=model, task=Seq2SeqTask(label_smoothing=config.label_smoothing),
-                          train_data=data, config_dict=config.to_dict())
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    data = pipeline.seq2seq_dataset(train, tok, batch_size=tcfg.batch_size, max_length=s.max_length,
+                                    seed=tcfg.seed, **shard)
+    held_out = [validation[i] for i in range(min(s.eval_examples, len(validation)))]
+
+    def eval_data():
+        return pipeline.seq2seq_dataset(held_out, tok, batch_size=tcfg.batch_size, max_length=s.max_length,
+                                        shuffle=False, num_epochs=1, drop_remainder=False, **shard)
+
+    def eval_bleu(trainer, params, step):
+        scores = bleu(model, params, tok, held_out[:s.eval_bleu_examples], s.decode_length, s.beam_size, s.alpha)
+        return {k: scores[k] for k in ("sacrebleu", "tokenized_bleu")}
+
+    result = run_training(tcfg, workdir, model=model, task=exp.task, train_data=data, eval_data=eval_data,
+                          eval_extra=eval_bleu if s.eval_bleu_examples else None,
+                          config_dict=exp.record(model_cfg))
     params, averaged = result.state.params, 1
-    if config.average_last > 1:
-        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-        averaged = min(config.average_last, len(checkpointer.all_steps()))
+    if s.average_last > 1:
+        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tcfg.keep_checkpoints)
+        averaged = min(s.average_last, len(checkpointer.all_steps()))
         if averaged > 1:
             params = average_checkpoints(checkpointer, result.trainer.abstract_state, averaged)
         checkpointer.close()
     start = time.perf_counter()
-    scores = bleu(model, params, tok, eval_examples, config.decode_length, config.beam_size, config.alpha)
+    test_examples = [test[i] for i in range(min(s.eval_examples, len(test)))]
+    scores = bleu(model, params, tok, test_examples, s.decode_length, s.beam_size, s.alpha)
     scores["decode_seconds"] = time.perf_counter() - start
     scores["averaged_checkpoints"] = averaged
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
+    scores["eval_history"] = result.eval_history
     return scores
 
 

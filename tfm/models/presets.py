@@ -1,6 +1,10 @@
 """Named configurations: the published sizes and tiny CPU variants of each family."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Optional
+
 from tfm.config import ModelConfig
 
 
@@ -75,3 +79,27 @@ def tiny(family: str, **overrides) -> ModelConfig:
     else:
         raise ValueError(f"unknown family {family!r}; choose decoder, llama, moe, encoder or encdec")
     return cfg.replace(**overrides)
+
+
+PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
+                                   gpt2_medium, llama)}
+PRESETS.update({f"tiny_{family}": functools.partial(tiny, family)
+                for family in ("decoder", "llama", "moe", "encoder", "encdec")})
+
+
+def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> ModelConfig:
+    """The named preset with the tokenizer's vocabulary and ModelConfig fields overridden.
+
+    This is how every experiment picks its model (config keys `model.preset`, `model.overrides`).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"model.preset {preset!r} unknown; choose from {sorted(PRESETS)}")
+    overrides = dict(overrides or {})
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"model.overrides {unknown} are not ModelConfig fields; valid: {sorted(fields)}")
+    if "vocab_size" in overrides:
+        raise ValueError("model.overrides.vocab_size: the vocabulary size comes from the tokenizer "
+                         "(set the experiment's vocab_size instead)")
+    return PRESETS[preset](vocab_size=vocab_size, **overrides)

@@ -90,7 +90,7 @@ class Checkpointer:
 
     def __init__(self, directory, *, every: int = 1000, keep: int = 3, async_save: bool = True):
         self.directory = epath.Path(directory)
-        self.every = every
+        self.every, self.async_save = every, async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=max(every, 1), create=True,
             enable_async_checkpointing=async_save)

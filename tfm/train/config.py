@@ -1,4 +1,4 @@
-"""Frozen training configuration."""
+"""Frozen training configuration, every field validated with a message that names it."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +8,11 @@ from tfm.parallel.mesh import MeshConfig
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "adafactor", "sgd")
 SCHEDULES = ("constant", "noam", "linear", "cosine")
+
+
+def _require(ok: bool, owner: str, field: str, value, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{owner}.{field} must be {what}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,41 +32,59 @@ class OptimizerConfig:
     clip_grad_norm: Optional[float] = 1.0
 
     def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.name!r} unknown; choose from {OPTIMIZERS}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r} unknown; choose from {SCHEDULES}")
-        if self.decay_mask not in ("kernels", "all"):
-            raise ValueError(f"decay_mask must be 'kernels' or 'all', got {self.decay_mask!r}")
+        check = lambda ok, field, what: _require(ok, "OptimizerConfig", field, getattr(self, field), what)
+        check(self.name in OPTIMIZERS, "name", f"one of {OPTIMIZERS}")
+        check(self.schedule in SCHEDULES, "schedule", f"one of {SCHEDULES}")
+        check(self.decay_mask in ("kernels", "all"), "decay_mask", "'kernels' or 'all'")
+        check(self.learning_rate > 0, "learning_rate", "> 0")
+        check(0 <= self.b1 < 1, "b1", "in [0, 1)")
+        check(0 <= self.b2 < 1, "b2", "in [0, 1)")
+        check(self.eps >= 0, "eps", ">= 0")
+        check(self.weight_decay >= 0, "weight_decay", ">= 0")
+        check(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        check(self.decay_steps is None or self.decay_steps >= 1, "decay_steps", "None or >= 1")
+        check(0 <= self.end_lr_factor <= 1, "end_lr_factor", "in [0, 1]")
+        check(self.noam_d_model is None or self.noam_d_model >= 1, "noam_d_model", "None or >= 1")
+        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "None or > 0")
         if self.schedule == "noam" and self.warmup_steps < 1:
-            raise ValueError("the noam schedule needs warmup_steps >= 1")
+            raise ValueError("OptimizerConfig.warmup_steps must be >= 1 for the noam schedule")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """How to train; the loss weights (label smoothing, z-loss, MoE aux) belong to the Task."""
+
     num_train_steps: int = 1000
     batch_size: int = 8              # global, across all hosts
     microbatches: int = 1            # gradient accumulation: batch_size / microbatches per pass
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
     mesh: MeshConfig = MeshConfig()
     parallelism: str = "data"        # rule sets joined by "+", e.g. "fsdp+tensor"
     on_nonfinite: str = "stop"       # "stop": raise naming the step; "skip": drop the update
     log_every: int = 50
     eval_every: int = 0              # 0: only at the end
+    keep_best: Optional[str] = None  # eval metric whose best value's checkpoint is kept in best/
+    keep_best_mode: str = "max"      # "max" or "min" for keep_best
     checkpoint_every: int = 1000     # 0: no periodic checkpoints
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
+    preemption_check_every: int = 10  # multi-host: steps between agreements on a stop signal
     progress_bar: bool = True
     wandb_project: Optional[str] = None  # log to wandb when set and installed
     peak_flops_per_device: Optional[float] = None  # for MFU; default from the device kind
 
     def __post_init__(self):
+        check = lambda ok, field, what: _require(ok, "TrainConfig", field, getattr(self, field), what)
+        for field in ("num_train_steps", "batch_size", "microbatches", "log_every", "keep_checkpoints",
+                      "preemption_check_every"):
+            check(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "an integer >= 1")
+        for field in ("eval_every", "checkpoint_every"):
+            check(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field, "an integer >= 0")
+        check(self.on_nonfinite in ("stop", "skip"), "on_nonfinite", "'stop' or 'skip'")
+        check(self.keep_best_mode in ("max", "min"), "keep_best_mode", "'max' or 'min'")
+        check(self.peak_flops_per_device is None or self.peak_flops_per_device > 0,
+              "peak_flops_per_device", "None or > 0")
         if self.batch_size % self.microbatches:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by "
-                             f"microbatches {self.microbatches}")
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+            raise ValueError(f"TrainConfig.batch_size {self.batch_size} is not divisible by "
+                             f"TrainConfig.microbatches {self.microbatches}")

@@ -69,10 +69,12 @@ def make_train_step(model, task, tx, schedule, *, microbatches: int = 1,
 
 
 def make_eval_step(model, task):
-    """eval_step(params, batch) -> metrics (full-batch means, deterministic forward)."""
+    """eval_step(params, batch) -> (metrics as full-batch means, the batch's count of the
+    first loss term's weights, e.g. target tokens), deterministic forward."""
     def eval_step(params, batch):
         totals = task.weight_totals(batch)
         _, metrics = task.loss(model, params, batch, jax.random.PRNGKey(0), totals,
                                deterministic=True)
-        return metrics
+        first = next(iter(task.weights(batch).values()))
+        return metrics, jnp.sum(first.astype(jnp.float32))
     return eval_step

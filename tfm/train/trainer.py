@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
-import signal
-import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import flax.linen as nn
 import jax
@@ -17,9 +16,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm import parallel
-from tfm.train.checkpoint import Checkpointer
+from tfm.train.checkpoint import Checkpointer, CheckpointError
 from tfm.train.config import TrainConfig
-from tfm.train.metrics import MetricLogger, peak_flops
+from tfm.train.hooks import Hook, default_hooks
+from tfm.train.metrics import MetricLogger
 from tfm.train.optim import make_optimizer
 from tfm.train.state import TrainState
 from tfm.train.step import make_eval_step, make_train_step
@@ -90,7 +90,7 @@ class Trainer:
             return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                               opt_state=self.tx.init(params), rng=train_rng)
 
-        self._init_batch = init_batch
+        self._init_batch, self.example_batch = init_batch, example_batch
         self._init = jax.jit(init_state, static_argnums=0, out_shardings=self.state_shardings)
         step_fn = make_train_step(
             self.model, self.task, self.tx, self.schedule,
@@ -113,7 +113,7 @@ class Trainer:
         with self.context():
             return self._step(state, batch)
 
-    def eval_step(self, params, batch: dict) -> dict:
+    def eval_step(self, params, batch: dict) -> tuple[dict, jax.Array]:
         with self.context():
             return self._eval(params, batch)
 
@@ -121,15 +121,17 @@ class Trainer:
         return parallel.global_batch(local_batch, self.batch_sharding)
 
     def evaluate(self, params, local_batches: Iterable[dict]) -> dict:
-        """Mean of per-batch eval metrics over the given process-local batches."""
-        totals, n = None, 0
+        """Eval metrics over the given process-local batches, each batch's means weighted by
+        its count of the task's first loss term (target tokens), so padding does not skew them."""
+        totals, weight = None, 0.0
         for b in local_batches:
-            m = self.eval_step(params, self.global_batch(b))
+            m, w = self.eval_step(params, self.global_batch(b))
+            m = jax.tree.map(lambda x: x * w, m)
             totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
-            n += 1
-        if not n:
+            weight += w
+        if totals is None:
             raise ValueError("evaluate: the eval iterator yielded no batches")
-        return {k: float(v) / n for k, v in totals.items()}
+        return {k: float(v) / float(weight) for k, v in totals.items()}
 
 
 @dataclasses.dataclass
@@ -141,57 +143,92 @@ class TrainResult:
     trainer: Trainer
 
 
-class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+@dataclasses.dataclass
+class Run:
+    """What the loop and its hooks share (see tfm.train.hooks)."""
+    config: TrainConfig
+    workdir: str
+    trainer: Trainer
+    checkpointer: Checkpointer
+    logger: MetricLogger
+    batches: Iterator[dict]     # process-local batches still to train on
+    iterator: Any               # the caller's iterator (its get_state() is checkpointed)
+    state: TrainState
+    step: int                   # steps done so far
+    stop_reason: Optional[str] = None
+    history: list = dataclasses.field(default_factory=list)
+    eval_history: list = dataclasses.field(default_factory=list)
 
-    def __init__(self):
-        self.received = None
-        self.previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    def data_state(self):
+        return self.iterator.get_state() if hasattr(self.iterator, "get_state") else None
 
 
-def _check_finite(step: int, metrics: dict, checkpointer: Checkpointer, skip: bool) -> None:
-    """Raise FloatingPointError for a non-finite step (unless skipping: then the step
-    already left the state unchanged and its metrics show finite=0)."""
-    if skip or float(metrics["finite"]) == 1.0:
-        return
-    good = checkpointer.all_steps()
-    raise FloatingPointError(
-        f"non-finite loss or gradient at step {step} (loss={float(metrics['loss'])}, "
-        f"grad_norm={float(metrics['grad_norm'])}); stopped without saving. Last good "
-        f"checkpoint: {good[-1] if good else 'none'} in {checkpointer.directory}. "
-        "Set on_nonfinite='skip' to drop such updates instead.")
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
-def _restore_data(iterator, data_state, skip_batches: int, logger: MetricLogger):
-    if data_state is not None and hasattr(iterator, "set_state"):
-        iterator.set_state(data_state)
-        return
-    if skip_batches:
-        logger.message(f"data iterator has no saved state: skipping {skip_batches} batches")
-        for _ in range(skip_batches):
-            next(iterator)
+def config_changes(old: dict, new: dict) -> list[str]:
+    """"key: old -> new" for every flattened key whose value differs."""
+    old, new = _flat(old), _flat(new)
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
+    """Trainer set up from the first batch; state restored from the latest checkpoint or
+    initialised; the config recorded in workdir/config.json (a changed one beside it)."""
+    iterator = iter(train_data)
+    first = next(iterator)
+    trainer = Trainer(model, task, config, mesh).setup(first)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
+                                keep=config.keep_checkpoints, async_save=config.async_checkpoint)
+    record = os.path.join(workdir, "config.json")
+    changes = []
+    if config_dict is not None and os.path.exists(record):
+        with open(record) as f:
+            changes = config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
+    data_state, start = None, checkpointer.latest_step() or 0
+    if start:
+        try:
+            state, data_state = checkpointer.restore(trainer.abstract_state)
+        except CheckpointError as e:
+            if changes:
+                raise CheckpointError(f"{e}\nThe config changed since {record} was written:\n  "
+                                      + "\n  ".join(changes)) from e
+            raise
+    else:
+        state = trainer.init_state()
+    logger = MetricLogger(workdir, config.num_train_steps, initial_step=start,
+                          progress_bar=config.progress_bar, wandb_project=config.wandb_project,
+                          config=config_dict)
+    if config_dict is not None and jax.process_index() == 0:
+        path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
+        if path == record or changes:
+            with open(path, "w") as f:
+                json.dump(config_dict, f, indent=2, default=str)
+        if changes:
+            logger.message(f"config changed since {record} (new one in {path}):\n  " + "\n  ".join(changes))
+    batches = itertools.chain([first], iterator)
+    if start:
+        logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
+        batches = iterator
+        if data_state is not None and hasattr(iterator, "set_state"):
+            iterator.set_state(data_state)
+        elif start > 1:
+            logger.message(f"data iterator has no saved state: skipping {start - 1} batches")
+            for _ in range(start - 1):  # `first` was one of them
+                next(iterator)
+    return Run(config, workdir, trainer, checkpointer, logger, batches, iterator, state, start)
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
-                       eval_fn: Optional[Callable[[Trainer, Any, int], dict]] = None,
+                       eval_data: Optional[Callable[[], Iterable[dict]]] = None,
+                       eval_extra: Optional[Callable[[Trainer, Any, int], dict]] = None,
                        flops_per_token: Optional[Callable[[int], float]] = None,
+                       hooks: Optional[Callable[[list[Hook]], list[Hook]]] = None,
                        mesh: Optional[jax.sharding.Mesh] = None,
                        config_dict: Optional[dict] = None) -> TrainResult:
     """Train `model` on `task` for config.num_train_steps, resuming from the latest
@@ -200,90 +237,32 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     train_data: iterator of process-local numpy batch dicts (this host's rows of the global
       batch); its state is checkpointed when it has get_state()/set_state(), otherwise a
       resumed run skips the batches already seen.
-    eval_fn(trainer, params, step) -> metrics dict, every config.eval_every steps and at the end.
+    eval_data() -> a fresh iterable of process-local eval batches; eval_extra(trainer, params,
+      step) -> more eval metrics (BLEU, ...). Both every config.eval_every steps and at the end.
     flops_per_token(num_params) -> training FLOPs per token, for MFU.
+    hooks(default_hooks) -> the hook list to use (add to it, reorder, replace).
+    config_dict: the resolved config, recorded in workdir/config.json.
     """
-    iterator = iter(train_data)
-    first = next(iterator)
-    trainer = Trainer(model, task, config, mesh).setup(first)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                every=config.checkpoint_every, keep=config.keep_checkpoints,
-                                async_save=config.async_checkpoint)
-    if jax.process_index() == 0 and config_dict is not None:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_dict, f, indent=2, default=str)
-    if checkpointer.latest_step() is not None:
-        state, data_state = checkpointer.restore(trainer.abstract_state)
-        start = int(state.step)
-        pending_first = None
-    else:
-        state, data_state, start = trainer.init_state(), None, 0
-        pending_first = first
-    logger = MetricLogger(workdir, config.num_train_steps, initial_step=start,
-                          progress_bar=config.progress_bar, wandb_project=config.wandb_project,
-                          config=config_dict)
-    if start:
-        logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
-        _restore_data(iterator, data_state, start - 1, logger)  # `first` was consumed
-    tokens_per_step = task.num_tokens({k: np.zeros((config.batch_size,) + np.shape(v)[1:])
-                                       for k, v in first.items()})
-    fpt = flops_per_token(trainer.num_params) if flops_per_token else None
-    peak = config.peak_flops_per_device or peak_flops()
-    history, eval_history, preempted = [], [], False
-    skip = config.on_nonfinite == "skip"
-    previous = None  # (step, metrics) of the last step, checked one step late
-    window_start, window_steps = time.perf_counter(), 0
-
-    def run_eval(step):
-        if eval_fn is not None:
-            m = eval_fn(trainer, state.params, step)
-            eval_history.append({"step": step, **m})
-            logger.write(step, m, prefix="eval")
-
+    run = _resume(config, workdir, model, task, train_data, mesh, config_dict)
+    shapes = {k: np.zeros((config.batch_size,) + np.shape(v)[1:]) for k, v in run.trainer.example_batch.items()}
+    fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
+    all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
+                              eval_data=eval_data, eval_extra=eval_extra)
+    all_hooks = hooks(all_hooks) if hooks else all_hooks
     try:
-        with _StopSignal() as stop:
-            for step in range(start + 1, config.num_train_steps + 1):
-                local = pending_first if pending_first is not None else next(iterator)
-                pending_first = None
-                state, metrics = trainer.train_step(state, trainer.global_batch(local))
-                if previous is not None:
-                    _check_finite(*previous, checkpointer, skip)
-                previous = (step, metrics)
-                window_steps += 1
-                logger.advance()
-                if step % config.log_every == 0 or step == config.num_train_steps:
-                    scalars = jax.device_get(metrics)
-                    elapsed = time.perf_counter() - window_start
-                    scalars["step_time"] = elapsed / window_steps
-                    scalars["tokens_per_s"] = tokens_per_step * window_steps / elapsed
-                    if fpt and peak:
-                        scalars["mfu"] = fpt * scalars["tokens_per_s"] / (peak * jax.device_count())
-                    history.append({"step": step, **{k: float(v) for k, v in scalars.items()}})
-                    logger.write(step, scalars)
-                    window_start, window_steps = time.perf_counter(), 0
-                stopping = parallel.any_process(stop.received is not None)
-                if stopping or step % max(config.checkpoint_every, 1) == 0 and config.checkpoint_every:
-                    _check_finite(step, metrics, checkpointer, skip)
-                    data = iterator.get_state() if hasattr(iterator, "get_state") else None
-                    checkpointer.save(step, state, data, force=stopping)
-                if config.eval_every and step % config.eval_every == 0:
-                    run_eval(step)
-                if stopping:
-                    why = stop.received or "preemption signal on another process"
-                    logger.message(f"{why} at step {step}: checkpoint saved, exiting")
-                    preempted = True
-                    break
-            if previous is not None:
-                _check_finite(*previous, checkpointer, skip)
-            if not preempted:
-                step = int(state.step)
-                if config.checkpoint_every and step not in checkpointer.all_steps():
-                    data = iterator.get_state() if hasattr(iterator, "get_state") else None
-                    checkpointer.save(step, state, data, force=True)
-                if not config.eval_every or step % config.eval_every:
-                    run_eval(step)
+        for hook in all_hooks:
+            hook.start(run)
+        while run.step < config.num_train_steps and not run.stop_reason:
+            batch = run.trainer.global_batch(next(run.batches))
+            run.state, metrics = run.trainer.train_step(run.state, batch)
+            run.step += 1
+            for hook in all_hooks:
+                hook.after_step(run, run.step, metrics)
+        for hook in all_hooks:
+            hook.end(run)
     finally:
-        checkpointer.close()
-        logger.close()
-    return TrainResult(state, history, eval_history, preempted, trainer)
+        for hook in all_hooks:
+            hook.close()
+        run.checkpointer.close()
+        run.logger.close()
+    return TrainResult(run.state, run.history, run.eval_history, bool(run.stop_reason), run.trainer)

@@ -7,19 +7,17 @@ Runtime:   not yet measured on this codebase.
 Expected:  lm1b validation loss below the GPT-2-small config at equal tokens (Llama
            architecture changes); not yet reproduced here.
 """
-from experiments.lm.configs import gpt2_small, tiny
+from experiments.lm.configs import gpt2_small
 
 
 def get_config(arg: str = ""):
     c = gpt2_small.get_config()
-    c.model = "llama"
-    c.model_overrides.update(d_model=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                             d_ff=2048, vocab_size=32_000, max_len=1024)
+    c.model.preset = "llama"
+    c.model.overrides.update(d_model=768, num_layers=12, num_heads=12, num_kv_heads=4, d_ff=2048, max_len=1024)
     c.mesh.fsdp, c.mesh.tensor = -1, 2
     c.parallelism = "fsdp+tensor"
     if arg == "runlocal":
-        c.update(tiny.get_config())
-        c.model = "tiny:llama"
-        c.model_overrides = type(c.model_overrides)()
-        c.num_train_steps = 20
+        gpt2_small.shrink(c)
+        c.model.overrides.num_kv_heads = 2
+        c.mesh.tensor = 1  # one CPU device
     return c

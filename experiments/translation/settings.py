@@ -1,0 +1,20 @@
+"""The translation experiment's own config keys (beside TrainConfig, model and task)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationSettings:
+    dataset: str             # tfm.data.sources name: "wmt14" or "synthetic_translate"
+    synthetic_pairs: int     # size of the generated corpus (synthetic_translate only)
+    vocab_size: int          # shared SentencePiece vocabulary
+    max_length: int          # longest source/target in tokens; longer pairs are dropped
+    eval_examples: int       # held-out pairs for eval loss (validation) and final BLEU (test)
+    eval_bleu_examples: int  # validation pairs decoded for BLEU at each eval; 0: none
+    decode_length: int
+    beam_size: int           # 1: greedy
+    alpha: float             # GNMT length penalty
+    average_last: int        # final BLEU with the average of the last k checkpoints
+    data_dir: Optional[str] = None  # default <workdir>/data

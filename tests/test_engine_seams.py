@@ -1,0 +1,231 @@
+"""The engine's seams: one experiment config schema whose every key reaches the trainer, the
+loop's hooks (evaluation, best checkpoint, config record), and a host that runs ahead."""
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+import train_job
+from experiments import common
+from experiments.lm.configs import gpt2_small, llama, tiny
+from experiments.lm.settings import LMSettings
+from experiments.translation.configs import base
+from experiments.translation.settings import TranslationSettings
+from tfm.models import DecoderLM
+from tfm.train import Checkpointer, CheckpointError, Hook, LMTask, Seq2SeqTask, train_and_evaluate
+
+RECIPES = [(tiny, LMSettings, LMTask), (gpt2_small, LMSettings, LMTask), (llama, LMSettings, LMTask),
+           (base, TranslationSettings, Seq2SeqTask)]
+
+
+def _keys(d, prefix=""):
+    out = set()
+    for k, v in d.items():
+        nested = isinstance(v, dict) and k != "overrides"
+        out |= _keys(v, f"{prefix}{k}.") if nested else {prefix + k}
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r[0].__name__.split(".")[-1])
+def test_runlocal_only_shrinks_and_every_recipe_resolves(recipe):
+    module, settings, task = recipe
+    full, local = module.get_config(), module.get_config("runlocal")
+    assert _keys(full.to_dict()) == _keys(local.to_dict())
+    assert set(full.model.overrides) <= set(local.model.overrides)
+    assert full.model.preset == local.model.preset
+    for c in (full, local):
+        exp = common.resolve(c, settings, task)
+        assert exp.model(c.vocab_size).vocab_size == c.vocab_size
+    small, big = (common.resolve(c, settings, task).model(256) for c in (local, full))
+    assert small.d_model <= big.d_model and small.num_layers <= big.num_layers
+
+
+def test_misspelt_keys_fail_naming_the_key():
+    c = tiny.get_config()
+    with pytest.raises(AttributeError, match="microbatchs"):
+        c.microbatchs = 4
+    with pytest.raises(AttributeError, match="lerning_rate"):
+        c.optimizer.lerning_rate = 1.0
+    raw = c.to_dict()
+    raw["optimizer"]["lerning_rate"] = 1.0
+    with pytest.raises(ValueError, match=r"config.optimizer.lerning_rate .*did you mean 'learning_rate'"):
+        common.resolve(raw, LMSettings, LMTask)
+    raw = c.to_dict()
+    raw["task"]["zloss"] = 1e-4
+    with pytest.raises(ValueError, match=r"config.task.zloss .*'z_loss'"):
+        common.resolve(raw, LMSettings, LMTask)
+    raw = c.to_dict()
+    raw["model"]["overrides"]["d_modle"] = 8
+    with pytest.raises(ValueError, match=r"\['d_modle'\] are not ModelConfig fields"):
+        common.resolve(raw, LMSettings, LMTask).model(64)
+    raw = c.to_dict()
+    raw["batch_size"] = 0
+    with pytest.raises(ValueError, match=r"TrainConfig.batch_size must be an integer >= 1, got 0"):
+        common.resolve(raw, LMSettings, LMTask)
+
+
+def _parse(argv):
+    """The experiment entry point's --config flag, parsed as absl.app does."""
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+def test_command_line_sets_every_train_field():
+    path = os.path.join(os.path.dirname(base.__file__), "base.py")
+    config = _parse(["prog", f"--config={path}:runlocal", "--config.microbatches=4", "--config.task.z_loss=0.0001", "--config.optimizer.b2=0.99", "--config.mesh.fsdp=2",
+                     "--config.keep_best=sacrebleu", "--config.async_checkpoint=False"])
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask)
+    assert (exp.train.microbatches, exp.task.z_loss, exp.train.optimizer.b2) == (4, 1e-4, 0.99)
+    assert (exp.train.mesh.fsdp, exp.train.keep_best, exp.train.async_checkpoint) == (2, "sacrebleu", False)
+    with pytest.raises(Exception, match="microbatchs"):
+        _parse(["prog", f"--config={path}:runlocal", "--config.microbatchs=4"])
+
+
+def _experiment(**changes):
+    """The tiny LM recipe with `changes` (dotted keys), resolved, sized for train_job's data."""
+    c = tiny.get_config()
+    c.batch_size, c.log_every, c.checkpoint_every, c.progress_bar = train_job.BATCH, 1, 0, False
+    c.mesh.update(data=2, fsdp=4)
+    c.parallelism = "data+fsdp"
+    for key, value in changes.items():
+        *parents, name = key.split(".")
+        target = c
+        for part in parents:
+            target = target[part]
+        target[name] = value
+    return common.resolve(c, LMSettings, LMTask)
+
+
+def _train(exp, workdir, steps, data=None, **kw):
+    model = DecoderLM(exp.model(train_job.VOCAB))
+    train = exp.train.__class__(**{**exp.train.__dict__, "num_train_steps": steps})
+    return train_and_evaluate(train, str(workdir), model=model, task=exp.task,
+                              train_data=data or train_job.TokenBatches(), **kw)
+
+
+class _Capture(Hook):
+    def start(self, run):
+        self.run = run
+
+
+def test_config_values_reach_the_trainer(tmp_path):
+    """microbatches, on_nonfinite, async_checkpoint and z_loss, set in an experiment config,
+    each change what the trainer does."""
+    plain = _train(_experiment(), tmp_path / "plain", 2)
+    assert all(h["z_loss"] == 0.0 for h in plain.history)
+    z = _train(_experiment(**{"task.z_loss": 1e-2}), tmp_path / "z", 2)
+    assert all(h["z_loss"] > 1e-3 for h in z.history)  # z_loss * log(Z)^2 with log Z ~ 4
+    np.testing.assert_allclose(z.history[0]["loss"], plain.history[0]["loss"], atol=1e-6)
+
+    micro = _train(_experiment(microbatches=4), tmp_path / "micro", 1)
+    batch = micro.trainer.global_batch(train_job.TokenBatches().__next__())
+    with micro.trainer.context():
+        jaxpr = micro.trainer._step.trace(micro.state, batch).jaxpr
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scans] == [4]
+    np.testing.assert_allclose(micro.history[0]["loss"], plain.history[0]["loss"], atol=1e-5)
+
+    nan_data = train_job.TokenBatches(nan_at=2)
+    with pytest.raises(FloatingPointError, match="at step 2"):
+        _train(_experiment(), tmp_path / "stop", 3, data=nan_data)
+    skipped = _train(_experiment(on_nonfinite="skip"), tmp_path / "skip", 3,
+                     data=train_job.TokenBatches(nan_at=2))
+    assert [h["finite"] for h in skipped.history] == [1, 0, 1]
+
+    for flag in (True, False):
+        probe = _Capture()
+        _train(_experiment(async_checkpoint=flag, checkpoint_every=1), tmp_path / f"async{flag}", 1,
+               hooks=lambda hooks: [probe, *hooks])
+        assert probe.run.checkpointer.async_save is flag
+
+
+def _eval_batches():
+    data = train_job.TokenBatches()
+    data.index = 40  # rows the 5 training steps never see
+    batches = [next(data) for _ in range(2)]
+    batches[1]["weights"][:, 8:] = 0  # padding: the second batch counts half
+    return batches
+
+
+def test_evaluation_runs_on_schedule_and_equals_a_hand_forward_pass(tmp_path):
+    exp = _experiment(eval_every=2)
+    result = _train(exp, tmp_path, 5, eval_data=_eval_batches)
+    assert [e["step"] for e in result.eval_history] == [2, 4, 5]
+    # by hand: the final params, a plain forward pass, token-weighted cross-entropy
+    model = DecoderLM(exp.model(train_job.VOCAB))
+    params = jax.device_get(result.state.params)
+    nll, count, correct = 0.0, 0.0, 0.0
+    for b in _eval_batches():
+        logits = np.asarray(model.apply({"params": params}, jnp.asarray(b["inputs"]), deterministic=True),
+                            np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        picked = np.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+        nll -= (picked * b["weights"]).sum()
+        correct += ((logits.argmax(-1) == b["targets"]) * b["weights"]).sum()
+        count += b["weights"].sum()
+    final = result.eval_history[-1]
+    np.testing.assert_allclose(final["loss"], nll / count, rtol=1e-5)
+    np.testing.assert_allclose(final["accuracy"], correct / count, rtol=1e-6)
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in lines if r["split"] == "eval"] == [2, 4, 5]
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_best_eval(tmp_path):
+    scores = {2: 1.0, 4: 3.0, 6: 2.0}
+    exp = _experiment(eval_every=2, checkpoint_every=2, keep_checkpoints=3, keep_best="score")
+    result = _train(exp, tmp_path, 6, eval_extra=lambda trainer, params, step: {"score": scores[step]})
+    assert json.load(open(tmp_path / "best" / "best.json")) == {"metric": "score", "value": 3.0, "step": 4}
+    assert sorted(os.listdir(tmp_path / "best")) == ["4", "best.json"]
+    abstract = result.trainer.abstract_state
+    best, regular = Checkpointer(tmp_path / "best"), Checkpointer(tmp_path / "checkpoints")
+    kept, _ = best.restore(abstract)
+    at4, _ = regular.restore(abstract, 4)
+    at6, _ = regular.restore(abstract, 6)
+    best.close(), regular.close()
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), kept.params, at4.params)
+    assert all(jax.tree.leaves(same))
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                                kept.params, at6.params)))
+    with pytest.raises(ValueError, match="keep_best='score' needs an evaluation"):
+        _train(exp, tmp_path / "none", 2)
+
+
+def test_config_record_and_a_changed_model_on_resume(tmp_path):
+    exp = _experiment(checkpoint_every=2)
+    first = DecoderLM(exp.model(train_job.VOCAB)).config
+    _train(exp, tmp_path, 2, config_dict=exp.record(first))
+    recorded = json.load(open(tmp_path / "config.json"))
+    assert recorded["microbatches"] == 1 and recorded["model_config"]["d_model"] == 32
+    wider = _experiment(checkpoint_every=2, **{"model.overrides.d_model": 64})
+    with pytest.raises(CheckpointError, match=r"(?s)checkpoint shape.*config changed.*model_config.d_model: 32 -> 64"):
+        _train(wider, tmp_path, 4, config_dict=wider.record(DecoderLM(wider.model(train_job.VOCAB)).config))
+    assert json.load(open(tmp_path / "config.json")) == recorded  # the refused run changed nothing
+    longer = _experiment(checkpoint_every=2, log_every=2)
+    _train(longer, tmp_path, 4, config_dict=longer.record(first))
+    assert json.load(open(tmp_path / "config.json")) == recorded
+    assert json.load(open(tmp_path / "config.step2.json"))["log_every"] == 2
+
+
+class _Blocking(Hook):
+    def after_step(self, run, step, metrics):
+        jax.block_until_ready(metrics)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["loop", "control-blocking-hook"])
+def test_host_dispatches_two_steps_ahead(tmp_path, block):
+    """With a device-bound step the host has dispatched step N while N-2 still runs (3 steps
+    in flight); the control, a hook that waits on each step, shows the probe can tell."""
+    probe = train_job.dispatch_probe()
+    extra = [_Blocking()] if block else []
+    train_job.run(str(tmp_path), 8, task=train_job.slow_task(), hooks=lambda hooks: [probe, *extra, *hooks],
+                  log_every=100, checkpoint_every=0)
+    assert probe.most == (1 if block else 3)

@@ -1,0 +1,234 @@
+"""What the training loop does besides stepping, each a small hook object.
+
+The loop (`tfm.train.trainer.train_and_evaluate`) calls, in list order, `start(run)` once
+after restoring, `after_step(run, step, metrics)` after dispatching each step, and
+`end(run)` once after the last step (also after a preemption stop, never after an
+exception); `close()` always. `run` is the shared `tfm.train.trainer.Run`. A hook sets
+`run.stop_reason` to end the loop after the current step. `default_hooks` builds the list
+from a TrainConfig; pass your own list to add to it or replace parts of it.
+
+Nothing here reads a step's results on the host in the step it was dispatched, except
+where it must (logging, saving, evaluating), so the host runs ahead of the devices.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import signal
+import time
+from typing import Callable, Iterable, Optional
+
+import jax
+
+from tfm import parallel
+from tfm.train.checkpoint import Checkpointer
+from tfm.train.metrics import peak_flops
+
+
+class Hook:
+    def start(self, run) -> None:
+        pass
+
+    def after_step(self, run, step: int, metrics: dict) -> None:
+        pass
+
+    def end(self, run) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NonFiniteCheck(Hook):
+    """Raises FloatingPointError naming the first step whose loss or gradient was not finite.
+
+    Flags are read `lag` steps late, so the host never waits on the step it just dispatched;
+    `check(run, step)` settles everything up to `step` (the checkpoint hook calls it before
+    saving, so no non-finite state is ever saved)."""
+
+    def __init__(self, lag: int = 2):
+        self.lag, self.pending = lag, collections.deque()
+
+    def after_step(self, run, step, metrics):
+        self.pending.append((step, metrics))
+        self.check(run, step - self.lag)
+
+    def check(self, run, upto: float) -> None:
+        while self.pending and self.pending[0][0] <= upto:
+            step, m = self.pending.popleft()
+            if float(m["finite"]) != 1.0:
+                good = run.checkpointer.all_steps()
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
+                    f"grad_norm={float(m['grad_norm'])}); stopped without saving. Last good "
+                    f"checkpoint: {good[-1] if good else 'none'} in {run.checkpointer.directory}. "
+                    "Set on_nonfinite='skip' to drop such updates instead.")
+
+    def end(self, run):
+        self.check(run, math.inf)
+
+
+class MetricsLog(Hook):
+    """Every `every` steps and at the last: train metrics, step time, tokens/s and MFU."""
+
+    def __init__(self, every: int, tokens_per_step: int, flops_per_token: Optional[float] = None,
+                 peak_flops_per_device: Optional[float] = None):
+        self.every, self.tokens_per_step, self.flops_per_token = every, tokens_per_step, flops_per_token
+        self.peak = peak_flops_per_device or peak_flops()
+
+    def start(self, run):
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def after_step(self, run, step, metrics):
+        self.window_steps += 1
+        run.logger.advance()
+        if step % self.every and step != run.config.num_train_steps:
+            return
+        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - self.window_start
+        scalars["step_time"] = elapsed / self.window_steps
+        scalars["tokens_per_s"] = self.tokens_per_step * self.window_steps / elapsed
+        if self.flops_per_token and self.peak:
+            scalars["mfu"] = self.flops_per_token * scalars["tokens_per_s"] / (self.peak * jax.device_count())
+        run.history.append({"step": step, **scalars})
+        run.logger.write(step, scalars)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+
+class Preemption(Hook):
+    """SIGTERM/SIGINT stop the run after the current step with a checkpoint of it.
+
+    One process reads its own flag every step. With several processes they agree every
+    `check_every` steps (one tiny all-gather, the only host sync it adds), so a signal on
+    one host makes every host stop after the same step."""
+
+    def __init__(self, check_every: int = 10):
+        self.check_every, self.received, self.previous = check_every, None, {}
+
+    def start(self, run):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def after_step(self, run, step, metrics):
+        if jax.process_count() > 1:
+            if step % self.check_every or not parallel.any_process(self.received is not None):
+                return
+        elif self.received is None:
+            return
+        run.stop_reason = self.received or "preemption signal on another process"
+
+    def end(self, run):
+        if run.stop_reason:
+            run.logger.message(f"{run.stop_reason} at step {run.step}: checkpoint saved, exiting")
+
+    def close(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+class Checkpointing(Hook):
+    """Saves every `run.checkpointer.every` steps, at a stop, and after the last step;
+    `guard` (a NonFiniteCheck) first settles every step up to the one saved."""
+
+    def __init__(self, guard: Optional[NonFiniteCheck] = None):
+        self.guard = guard
+
+    def _save(self, run, step, force):
+        if self.guard is not None:
+            self.guard.check(run, step)
+        run.checkpointer.save(step, run.state, run.data_state(), force=force)
+
+    def after_step(self, run, step, metrics):
+        every = run.checkpointer.every
+        if run.stop_reason or (every and step % every == 0):
+            self._save(run, step, force=bool(run.stop_reason))
+
+    def end(self, run):
+        if not run.stop_reason and run.checkpointer.every and run.step not in run.checkpointer.all_steps():
+            self._save(run, run.step, force=True)
+
+
+class Evaluation(Hook):
+    """Every `every` steps (0: never) and after the last step: the task's eval metrics on
+    `eval_data()` (process-local batches, sharded and jitted like training) plus `extra(trainer,
+    params, step)` (e.g. BLEU), logged under "eval". With `keep_best=NAME` the checkpoint with
+    the best value of that metric so far is kept in `<workdir>/best` (best.json says which)."""
+
+    def __init__(self, every: int, eval_data: Optional[Callable[[], Iterable[dict]]] = None,
+                 extra: Optional[Callable] = None, keep_best: Optional[str] = None, mode: str = "max"):
+        self.every, self.eval_data, self.extra = every, eval_data, extra
+        self.keep_best, self.sign = keep_best, 1.0 if mode == "max" else -1.0
+        self.best, self.best_checkpointer, self.done = None, None, set()
+
+    def start(self, run):
+        if self.keep_best:
+            self.best_checkpointer = Checkpointer(os.path.join(run.workdir, "best"), every=1, keep=1,
+                                                  async_save=False)
+            self.record = os.path.join(run.workdir, "best", "best.json")
+            if os.path.exists(self.record):
+                with open(self.record) as f:
+                    self.best = json.load(f)["value"]
+
+    def after_step(self, run, step, metrics):
+        if self.every and step % self.every == 0:
+            self.evaluate(run, step)
+
+    def end(self, run):
+        if not run.stop_reason and run.step not in self.done:
+            self.evaluate(run, run.step)
+
+    def evaluate(self, run, step: int) -> dict:
+        params = run.state.params
+        m = run.trainer.evaluate(params, self.eval_data()) if self.eval_data else {}
+        m.update(self.extra(run.trainer, params, step) if self.extra else {})
+        run.eval_history.append({"step": step, **m})
+        run.logger.write(step, m, prefix="eval")
+        self.done.add(step)
+        if self.keep_best:
+            self._keep_if_best(run, step, m)
+        return m
+
+    def _keep_if_best(self, run, step, m):
+        if self.keep_best not in m:
+            raise KeyError(f"keep_best={self.keep_best!r} is not an eval metric; have {sorted(m)}")
+        value = float(m[self.keep_best])
+        if self.best is not None and not self.sign * value > self.sign * self.best:
+            return
+        self.best = value
+        self.best_checkpointer.save(step, run.state, force=True)
+        self.best_checkpointer.wait()
+        if jax.process_index() == 0:
+            with open(self.record, "w") as f:
+                json.dump({"metric": self.keep_best, "value": value, "step": step}, f)
+        run.logger.message(f"step {step}: new best {self.keep_best}={value:.4g}, kept in {os.path.dirname(self.record)}")
+
+    def close(self):
+        if self.best_checkpointer is not None:
+            self.best_checkpointer.close()
+
+
+def default_hooks(config, *, tokens_per_step: int, flops_per_token: Optional[float] = None,
+                  eval_data=None, eval_extra=None) -> list[Hook]:
+    """NaN check, metrics, preemption, checkpointing and evaluation, in that order."""
+    guard = NonFiniteCheck() if config.on_nonfinite == "stop" else None
+    hooks = [guard] if guard else []
+    hooks += [MetricsLog(config.log_every, tokens_per_step, flops_per_token, config.peak_flops_per_device),
+              Preemption(config.preemption_check_every), Checkpointing(guard)]
+    if eval_data is not None or eval_extra is not None:
+        hooks.append(Evaluation(config.eval_every, eval_data, eval_extra, config.keep_best,
+                                config.keep_best_mode))
+    elif config.keep_best:
+        raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} needs an evaluation "
+                         "(eval_data or eval_extra)")
+    return hooks
