@@ -1,8 +1,15 @@
 """One jitted train step (forward, backward, AdamW) vs the same-size Hugging Face PyTorch
 model on the same CPU, side by side: BERT-base MLM+NSP (8 x 128), GPT-2-small LM (8 x 256),
-Transformer-base (8 x 64 -> 64). On a GPU also prints MFU for GPT-2 small/medium at 1024 (bf16).
+Transformer-base (8 x 64 -> 64), with tfm's plain cross-entropy and, given --vocab-chunk,
+the fused one (`Task.vocab_chunk`). On a GPU also prints MFU for GPT-2 small/medium at 1024
+(bf16).
 
-    python -m benchmarks.train_step [--steps 3] [--only gpt2]
+    python -m benchmarks.train_step [--steps 3] [--only gpt2] [--vocab-chunk 8192]
+
+--memory compiles (without running) the GPT-2-small fp32 train step at 8 x 1024 with
+chunked attention and prints XLA's temp memory, plain vs fused per chunk size:
+
+    python -m benchmarks.train_step --memory --vocab-chunk 4096,8192,16384
 """
 from __future__ import annotations
 
@@ -16,9 +23,10 @@ from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
 from tfm.parallel import MeshConfig
 from tfm.train import LMTask, MLMTask, OptimizerConfig, Seq2SeqTask, TrainConfig, Trainer
 from tfm.train.metrics import flops_per_token, peak_flops
+from tfm.train.step import make_train_step
 
 
-def _jax_case(name, B, T):
+def _jax_case(name, B, T, vocab_chunk=None):
     r = np.random.default_rng(0)
     ids = lambda *s: r.integers(5, 1000, s).astype(np.int32)
     if name == "bert":
@@ -28,20 +36,25 @@ def _jax_case(name, B, T):
                  "mlm_positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
                  "mlm_ids": ids(B, T), "mlm_weights": np.ones((B, T), np.float32),
                  "nsp_label": np.zeros((B,), np.int32)}
-        return EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0)), MLMTask(), batch
+        model = EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0))
+        return model, MLMTask(vocab_chunk=vocab_chunk), batch
     if name.startswith("gpt2"):
         cfg = (presets.gpt2_medium if name == "gpt2_medium" else presets.gpt2_small)(dropout_rate=0.0)
-        return DecoderLM(cfg), LMTask(), {"inputs": ids(B, T), "targets": ids(B, T)}
-    return (EncoderDecoder(presets.transformer_base(dropout_rate=0.0)), Seq2SeqTask(),
+        return DecoderLM(cfg), LMTask(vocab_chunk=vocab_chunk), {"inputs": ids(B, T), "targets": ids(B, T)}
+    return (EncoderDecoder(presets.transformer_base(dropout_rate=0.0)), Seq2SeqTask(vocab_chunk=vocab_chunk),
             {"inputs": ids(B, T), "targets_in": ids(B, T), "targets": ids(B, T)})
 
 
-def time_jax(name, B, T, steps, dtype="float32"):
-    model, task, batch = _jax_case(name, B, T)
-    if dtype != "float32":
-        model = type(model)(model.config.replace(dtype=dtype))
+def _trainer(name, B, T, vocab_chunk=None, **model_changes):
+    model, task, batch = _jax_case(name, B, T, vocab_chunk)
+    if model_changes:
+        model = type(model)(model.config.replace(**model_changes))
     cfg = TrainConfig(batch_size=B, mesh=MeshConfig(data=1), optimizer=OptimizerConfig())
-    trainer = Trainer(model, task, cfg, None).setup(batch)
+    return Trainer(model, task, cfg, None).setup(batch), batch
+
+
+def time_jax(name, B, T, steps, dtype="float32", vocab_chunk=None):
+    trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype)
     state, gb = trainer.init_state(), trainer.global_batch(batch)
     state, m = trainer.train_step(state, gb)
     jax.block_until_ready(m)
@@ -50,6 +63,29 @@ def time_jax(name, B, T, steps, dtype="float32"):
         state, m = trainer.train_step(state, gb)
     jax.block_until_ready(m)
     return (time.perf_counter() - t0) / steps, trainer
+
+
+def compiled_temp_bytes(vocab_chunk, B=8, T=1024) -> int:
+    """XLA's temp memory of the GPT-2-small fp32 train step (chunked attention), compiled
+    as the Trainer compiles it (state donated) but not run."""
+    trainer, batch = _trainer("gpt2", B, T, vocab_chunk, attention_impl="chunked")
+    step = make_train_step(trainer.model, trainer.task, trainer.tx, trainer.schedule)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    with trainer.context():
+        compiled = jax.jit(step, donate_argnums=0).lower(trainer.abstract_state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def memory_table(vocab_chunks):
+    print(f"# GPT-2 small fp32 train step, 8 x 1024, attention 'chunked'; jax {jax.__version__}, "
+          f"{jax.devices()[0].device_kind}")
+    print(f"{'loss':<22}{'temp bytes':>16}{'temp GB':>9}{'saved GB':>10}")
+    plain = compiled_temp_bytes(None)
+    print(f"{'plain':<22}{plain:>16,}{plain / 1e9:>9.2f}{'':>10}", flush=True)
+    for chunk in vocab_chunks:
+        fused = compiled_temp_bytes(chunk)
+        print(f"{f'fused, chunk {chunk}':<22}{fused:>16,}{fused / 1e9:>9.2f}{(plain - fused) / 1e9:>10.2f}",
+              flush=True)
 
 
 def time_torch(name, B, T, steps):
@@ -87,15 +123,29 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--only", default="bert,gpt2,transformer")
+    p.add_argument("--vocab-chunk", default="",
+                   help="fused cross-entropy chunk size(s), comma-separated (--memory: one row each)")
+    p.add_argument("--memory", action="store_true",
+                   help="compiled temp memory of the GPT-2-small 8x1024 step, plain vs fused")
     a = p.parse_args()
+    chunks = [int(c) for c in a.vocab_chunk.split(",") if c]
+    if a.memory:
+        return memory_table(chunks)
+    chunk = chunks[0] if chunks else None
     cases = {"bert": (8, 128), "gpt2": (8, 256), "transformer": (8, 64)}
     print(f"device: {jax.devices()[0].device_kind}; {a.steps} timed steps after one warm-up")
-    print(f"{'model':<14}{'batch':>10}{'tfm (s)':>10}{'HF torch (s)':>14}{'torch/tfm':>11}")
+    fused_head = f"{f'fused {chunk} (s)':>16}{'plain/fused':>13}" if chunk else ""
+    print(f"{'model':<14}{'batch':>10}{'tfm (s)':>10}{fused_head}{'HF torch (s)':>14}{'torch/tfm':>11}")
     for name in a.only.split(","):
         B, T = cases[name]
         t_jax, _ = time_jax(name, B, T, a.steps)
+        fused = ""
+        if chunk:
+            t_fused, _ = time_jax(name, B, T, a.steps, vocab_chunk=chunk)
+            fused = f"{t_fused:>16.3f}{t_jax / t_fused:>13.2f}"
         t_torch = time_torch(name, B, T, a.steps)
-        print(f"{name:<14}{f'{B}x{T}':>10}{t_jax:>10.3f}{t_torch:>14.3f}{t_torch / t_jax:>11.2f}", flush=True)
+        print(f"{name:<14}{f'{B}x{T}':>10}{t_jax:>10.3f}{fused}{t_torch:>14.3f}{t_torch / t_jax:>11.2f}",
+              flush=True)
     if jax.default_backend() == "gpu":
         for name in ("gpt2", "gpt2_medium"):
             t, tr = time_jax(name, 8, 1024, a.steps, dtype="bfloat16")

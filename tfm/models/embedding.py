@@ -1,13 +1,14 @@
 """Input embedding shared by the families: tokens (+ types) (+ absolute positions) -> [B, T, D]."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
+from flax import struct
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.common import compute_dtype, constrain, param_init
 from tfm.layers.embeddings import Embed, PositionEmbedding, check_token_ids
 from tfm.layers.norms import Norm
 
@@ -73,25 +74,61 @@ class InputEmbedding(nn.Module):
         return constrain(x, ("batch", "length", "embed"))
 
 
+@struct.dataclass
+class Unembedding:
+    """The output layer before its matmul: logits [B, T, V] = fp32(hidden · kernelᵀ in
+    `dtype`) + bias. Losses that never hold the whole logits take this instead
+    (`tfm.train.losses.fused_cross_entropy`).
+
+    hidden [B, T, D], kernel [V, D] (the tied embedding, or the transposed `lm_head`),
+    bias [V] or None.
+    """
+
+    hidden: jnp.ndarray
+    kernel: jnp.ndarray
+    bias: Optional[jnp.ndarray]
+    dtype: Any = struct.field(pytree_node=False)
+
+    def logits(self):
+        """fp32 logits [B, T, V]."""
+        logits = jnp.einsum("BTD,VD->BTV", self.hidden.astype(self.dtype), self.kernel.astype(self.dtype))
+        logits = logits.astype(jnp.float32)
+        return logits if self.bias is None else logits + self.bias
+
+
+class _OutputKernel(nn.Module):
+    """The untied output projection's weight [D, V] (`lm_head/kernel`)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.config
+        init = param_init(nn.initializers.normal(cfg.d_model ** -0.5), ("embed", "vocab"))
+        return self.param("kernel", init, (cfg.d_model, cfg.vocab_size), jnp.float32)
+
+
 class OutputLogits(nn.Module):
-    """[B, T, D] -> fp32 logits [B, T, V]: tied to `embed` or its own projection, optional bias."""
+    """[B, T, D] -> fp32 logits [B, T, V]: tied to `embed` or its own projection, optional bias.
+
+    With logits=False returns the `Unembedding` (hidden states and projection) instead.
+    """
 
     config: ModelConfig
     embed: Embed
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, logits: bool = True):
         cfg = self.config
-        if cfg.tie_embeddings:
-            logits = self.embed.attend(x)
-        else:
-            logits = Einsum("BTD,DV->BTV", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
-                            dtype=compute_dtype(cfg), name="lm_head")(x)
-        logits = logits.astype(jnp.float32)
+        kernel = self.embed.embedding if cfg.tie_embeddings else _OutputKernel(cfg, name="lm_head")().T
+        bias = None
         if cfg.output_bias:
-            logits = logits + self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
-                                         (cfg.vocab_size,), jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+            bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
+                              (cfg.vocab_size,), jnp.float32)
+        head = Unembedding(x, kernel, bias, compute_dtype(cfg))
+        if not logits:
+            return head
+        return constrain(head.logits(), ("batch", "length", "vocab"))
 
 
 def default_positions(tokens, positions, decode_start=None):

@@ -20,13 +20,15 @@ def _dense(features_in: int, features_out: int, name: str, dtype):
 class EncoderModel(nn.Module):
     """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
     "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
-    "logits" [B, num_labels] (classification)}."""
+    "logits" [B, num_labels] (classification)}. logits=False puts the MLM head's `Unembedding`
+    (transformed hidden states [B, P, D] and projection) under "mlm_logits" instead, for
+    `fused_cross_entropy`."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, tokens, token_type_ids=None, segment_ids=None, positions=None, mlm_positions=None,
-                 deterministic: bool = True):
+                 deterministic: bool = True, logits: bool = True):
         cfg = self.config
         check_inputs(cfg, tokens, token_type_ids=token_type_ids, segment_ids=segment_ids, positions=positions)
         if token_type_ids is not None and cfg.type_vocab_size:
@@ -50,5 +52,5 @@ class EncoderModel(nn.Module):
             h = Einsum("BTD,DO->BTO", (cfg.d_model, cfg.d_model), ("embed", None), (None,), use_bias=True,
                        dtype=dt, name="mlm_transform")(h)
             h = Norm(cfg, name="mlm_norm")(activation_fn(cfg.head_activation or cfg.activation)(h))
-            out["mlm_logits"] = OutputLogits(cfg, embed, name="mlm_output")(h)
+            out["mlm_logits"] = OutputLogits(cfg, embed, name="mlm_output")(h, logits)
         return out

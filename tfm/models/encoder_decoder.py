@@ -43,8 +43,10 @@ class EncoderDecoder(nn.Module):
         return self.encoder(x, {"segment_ids": inputs_segment_ids, "positions": positions}, deterministic)
 
     def decode(self, targets_in, encoded, inputs_segment_ids=None, targets_segment_ids=None,
-               targets_positions=None, deterministic: bool = True, decode: bool = False):
-        """targets_in [B, T], encoded [B, S, D] -> logits [B, T, V]."""
+               targets_positions=None, deterministic: bool = True, decode: bool = False,
+               logits: bool = True):
+        """targets_in [B, T], encoded [B, S, D] -> logits [B, T, V] (logits=False: the
+        `Unembedding`, for `fused_cross_entropy`)."""
         cfg = self.config
         check_inputs(cfg, targets_in, "targets_in", targets_segment_ids=targets_segment_ids,
                      targets_positions=targets_positions)
@@ -55,10 +57,11 @@ class EncoderDecoder(nn.Module):
         y = self.target_input(targets_in, positions, deterministic=deterministic)
         y = self.decoder(y, {"segment_ids": targets_segment_ids, "positions": positions, "memory": encoded,
                              "memory_segment_ids": inputs_segment_ids}, deterministic, decode)
-        return self.output(y)
+        return self.output(y, logits)
 
     def __call__(self, inputs, targets_in, inputs_segment_ids=None, targets_segment_ids=None,
-                 inputs_positions=None, targets_positions=None, deterministic: bool = True):
+                 inputs_positions=None, targets_positions=None, deterministic: bool = True,
+                 logits: bool = True):
         encoded = self.encode(inputs, inputs_segment_ids, inputs_positions, deterministic)
         return self.decode(targets_in, encoded, inputs_segment_ids, targets_segment_ids, targets_positions,
-                           deterministic)
+                           deterministic, logits=logits)

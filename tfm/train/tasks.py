@@ -10,15 +10,21 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
 
 `loss` returns the objective of one (micro)batch with every sum already divided by the
 full batch's totals, so summing microbatch results gives exactly the full-batch value.
+
+With `vocab_chunk` set, the LM, MLM and seq2seq tasks ask the model for its `Unembedding` and
+score it with `fused_cross_entropy` (chunks of at most vocab_chunk vocabulary columns), so
+the fp32 logits [B, T, V] and their gradient are never held whole; None keeps the plain
+logits path.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from tfm.train.losses import cross_entropy
+from tfm.train.losses import cross_entropy, fused_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +32,11 @@ class Task:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
+    vocab_chunk: Optional[int] = None  # fused chunked cross-entropy over the vocabulary; None = plain logits
+
+    def __post_init__(self):
+        if self.vocab_chunk is not None and self.vocab_chunk < 1:
+            raise ValueError(f"Task.vocab_chunk must be >= 1 or None, got {self.vocab_chunk}")
 
     # --- per family -------------------------------------------------------------------
     def model_kwargs(self, batch: dict) -> dict:
@@ -79,9 +90,17 @@ class Task:
     def weights(self, batch: dict) -> dict:
         raise NotImplementedError
 
-    def _ce(self, logits, targets, weights):
-        return cross_entropy(logits, targets, weights, label_smoothing=self.label_smoothing,
-                             z_loss=self.z_loss)
+    def _ce(self, outputs, targets, weights):
+        """outputs: logits [B, T, V], or the model's `Unembedding` when vocab_chunk is set."""
+        kw = dict(label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+        if self.vocab_chunk is None:
+            return cross_entropy(outputs, targets, weights, **kw)
+        return fused_cross_entropy(outputs.hidden, outputs.kernel, targets, weights, bias=outputs.bias,
+                                   dtype=outputs.dtype, vocab_chunk=self.vocab_chunk, **kw)
+
+    def _logits_kwarg(self) -> dict:
+        """Asks the model for its `Unembedding` instead of logits when the loss is fused."""
+        return {} if self.vocab_chunk is None else {"logits": False}
 
 
 def _weights_or_ones(batch, key, like):
@@ -91,13 +110,13 @@ def _weights_or_ones(batch, key, like):
 class LMTask(Task):
     def model_kwargs(self, batch):
         return {"tokens": batch["inputs"], "segment_ids": batch.get("segment_ids"),
-                "positions": batch.get("positions")}
+                "positions": batch.get("positions"), **self._logits_kwarg()}
 
     def weights(self, batch):
         return {"lm": _weights_or_ones(batch, "weights", "targets")}
 
-    def loss_terms(self, logits, batch):
-        return {"lm": self._ce(logits, batch["targets"], self.weights(batch)["lm"])}
+    def loss_terms(self, outputs, batch):
+        return {"lm": self._ce(outputs, batch["targets"], self.weights(batch)["lm"])}
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size)
@@ -108,7 +127,7 @@ class MLMTask(Task):
         mask = batch.get("attention_mask")
         return {"tokens": batch["input_ids"], "token_type_ids": batch.get("token_type_ids"),
                 "segment_ids": None if mask is None else mask.astype(jnp.int32),
-                "mlm_positions": batch["mlm_positions"]}
+                "mlm_positions": batch["mlm_positions"], **self._logits_kwarg()}
 
     def weights(self, batch):
         return {"mlm": _weights_or_ones(batch, "mlm_weights", "mlm_ids"),
@@ -129,13 +148,13 @@ class Seq2SeqTask(Task):
         for side in ("inputs", "targets"):
             for what in ("segment_ids", "positions"):
                 kw[f"{side}_{what}"] = batch.get(f"{side}_{what}")
-        return kw
+        return dict(kw, **self._logits_kwarg())
 
     def weights(self, batch):
         return {"lm": _weights_or_ones(batch, "weights", "targets")}
 
-    def loss_terms(self, logits, batch):
-        return {"lm": self._ce(logits, batch["targets"], self.weights(batch)["lm"])}
+    def loss_terms(self, outputs, batch):
+        return {"lm": self._ce(outputs, batch["targets"], self.weights(batch)["lm"])}
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size + batch["targets"].size)
