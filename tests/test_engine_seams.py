@@ -217,15 +217,28 @@ def test_config_record_and_a_changed_model_on_resume(tmp_path):
 
 class _Blocking(Hook):
     def after_step(self, run, step, metrics):
-        jax.block_until_ready(metrics)
+        jax.block_until_ready(run.state)
+
+
+def test_the_loop_reads_no_result_of_the_last_two_steps(tmp_path):
+    """While step N is being dispatched the hooks read only results of steps <= N-2 (the
+    non-finite check), except at the logging and final steps: nothing makes the host wait on
+    the device before it has queued two more steps."""
+    probe = train_job.dispatch_probe()
+    train_job.run(str(tmp_path), 9, task=train_job.slow_task(), hooks=lambda hooks: [probe, *hooks],
+                  log_every=4, checkpoint_every=0)
+    early = sorted({(now, read) for now, read in probe.reads if now - read < 2})
+    assert early == [(4, 4), (8, 8), (9, 8), (9, 9)], early  # logs at 4, 8, 9; the end settles 8, 9
+    assert {read for _, read in probe.reads} == set(range(1, 10))  # every step checked once or more
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["loop", "control-blocking-hook"])
-def test_host_dispatches_two_steps_ahead(tmp_path, block):
-    """With a device-bound step the host has dispatched step N while N-2 still runs (3 steps
-    in flight); the control, a hook that waits on each step, shows the probe can tell."""
+def test_host_runs_ahead_of_a_slow_device(tmp_path, block):
+    """Timed, with a device-bound step: right after some dispatch the previous step is still
+    running (the control, a hook that waits on each step, shows the probe can tell). How far
+    ahead XLA:CPU lets the host get varies with load (usually 2 steps: 3 in flight)."""
     probe = train_job.dispatch_probe()
     extra = [_Blocking()] if block else []
-    train_job.run(str(tmp_path), 8, task=train_job.slow_task(), hooks=lambda hooks: [probe, *extra, *hooks],
+    train_job.run(str(tmp_path), 12, task=train_job.slow_task(), hooks=lambda hooks: [probe, *extra, *hooks],
                   log_every=100, checkpoint_every=0)
-    assert probe.most == (1 if block else 3)
+    assert probe.most == 1 if block else probe.most >= 2, probe.counts

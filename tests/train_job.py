@@ -81,18 +81,53 @@ def slow_task():
     return SlowLMTask()
 
 
-def dispatch_probe():
-    """A hook (put first) recording the most steps whose results were not yet ready right
-    after a step was dispatched: 3 means the host was two steps ahead of the device."""
+def sync_every_step():
+    """A hook that agrees across processes after every step (what the loop must not do)."""
+    from tfm import parallel
     from tfm.train import Hook
+
+    class Agree(Hook):
+        def after_step(self, run, step, metrics):
+            parallel.any_process(False)
+
+    return Agree()
+
+
+def dispatch_probe():
+    """A hook (put first) that, right after each dispatch, counts the steps whose results are
+    not ready yet (3: the host is two steps ahead of the device), and wraps this step's
+    metrics so that every host read of them is logged as (step being run, step read)."""
+    import numpy as np
+    from tfm.train import Hook
+
+    class Recorded:
+        def __init__(self, value, step, probe):
+            self.value, self.step, self.probe = value, step, probe
+
+        def _read(self):
+            self.probe.reads.append((self.probe.step, self.step))
+            return np.asarray(self.value)
+
+        def __float__(self):
+            return float(self._read())
+
+        def __array__(self, dtype=None, copy=None):
+            return self._read().astype(dtype) if dtype else self._read()
 
     class InFlight(Hook):
         def __init__(self):
-            self.outputs, self.most = [], 0
+            self.outputs, self.counts, self.reads, self.step = [], [], [], 0
 
         def after_step(self, run, step, metrics):
+            self.step = step
             self.outputs.append(metrics["loss"])
-            self.most = max(self.most, sum(not x.is_ready() for x in self.outputs[-4:]))
+            self.counts.append(sum(not x.is_ready() for x in self.outputs[-4:]))
+            for k, v in metrics.items():
+                metrics[k] = Recorded(v, step, self)
+
+        @property
+        def most(self):
+            return max(self.counts)
 
     return InFlight()
 
@@ -111,6 +146,8 @@ def main():
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--slow", action="store_true", help="device-bound steps; record the dispatch lead")
+    p.add_argument("--sync_each_step", action="store_true", help="with --slow: a hook that all-gathers "
+                   "a flag after every step, as the preemption agreement once did (the control)")
     p.add_argument("--multihost", type=int, default=None, help="process id of 2")
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
@@ -122,12 +159,13 @@ def main():
         pid, count = a.multihost, 2
     import jax
     probe = dispatch_probe() if a.slow else None
-    slow = dict(task=slow_task(), hooks=lambda hooks: [probe, *hooks], log_every=100,
+    extra = [sync_every_step()] if a.sync_each_step else []
+    slow = dict(task=slow_task(), hooks=lambda hooks: [probe, *extra, *hooks], log_every=100,
                 checkpoint_every=0) if a.slow else {}
     result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep), **slow)
     params = flat_params(result.state)
     out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
-           "step": int(result.state.step), "most_in_flight": probe.most if probe else None}
+           "step": int(result.state.step), "in_flight": probe.counts if probe else None, "reads": probe.reads if probe else None}
     if a.multihost is not None and not a.slow:  # restore what was just saved and compare
         from tfm.train import Checkpointer
         ckpt = Checkpointer(os.path.join(a.workdir, "checkpoints"))

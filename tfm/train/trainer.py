@@ -1,6 +1,7 @@
 """Trainer: shardings from logical rules, the jitted train step, and the training loop."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -143,6 +144,33 @@ class TrainResult:
     trainer: Trainer
 
 
+class DevicePrefetch:
+    """Global (on-device) batches, put `ahead` steps before the loop asks for them: a step
+    whose input transfer was only just issued would wait for it at dispatch. Keeps the data
+    iterator's state after each batch, so a checkpoint records exactly the batches trained on."""
+
+    def __init__(self, local_batches: Iterator[dict], iterator, to_global: Callable, ahead: int = 2):
+        self.local, self.iterator, self.to_global, self.ahead = local_batches, iterator, to_global, ahead
+        self.queue = collections.deque()
+        self.state = iterator.get_state() if hasattr(iterator, "get_state") else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        while len(self.queue) <= self.ahead:
+            try:
+                local = next(self.local)
+            except StopIteration:
+                break
+            state = self.iterator.get_state() if hasattr(self.iterator, "get_state") else None
+            self.queue.append((self.to_global(local), state))
+        if not self.queue:
+            raise StopIteration
+        batch, self.state = self.queue.popleft()
+        return batch
+
+
 @dataclasses.dataclass
 class Run:
     """What the loop and its hooks share (see tfm.train.hooks)."""
@@ -151,8 +179,7 @@ class Run:
     trainer: Trainer
     checkpointer: Checkpointer
     logger: MetricLogger
-    batches: Iterator[dict]     # process-local batches still to train on
-    iterator: Any               # the caller's iterator (its get_state() is checkpointed)
+    batches: DevicePrefetch     # global batches still to train on
     state: TrainState
     step: int                   # steps done so far
     stop_reason: Optional[str] = None
@@ -160,7 +187,8 @@ class Run:
     eval_history: list = dataclasses.field(default_factory=list)
 
     def data_state(self):
-        return self.iterator.get_state() if hasattr(self.iterator, "get_state") else None
+        """The data iterator's state after the last batch trained on (None: it has none)."""
+        return self.batches.state
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -221,7 +249,8 @@ def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
             logger.message(f"data iterator has no saved state: skipping {start - 1} batches")
             for _ in range(start - 1):  # `first` was one of them
                 next(iterator)
-    return Run(config, workdir, trainer, checkpointer, logger, batches, iterator, state, start)
+    return Run(config, workdir, trainer, checkpointer, logger, DevicePrefetch(batches, iterator, trainer.global_batch),
+               state, start)
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
@@ -253,8 +282,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
         for hook in all_hooks:
             hook.start(run)
         while run.step < config.num_train_steps and not run.stop_reason:
-            batch = run.trainer.global_batch(next(run.batches))
-            run.state, metrics = run.trainer.train_step(run.state, batch)
+            run.state, metrics = run.trainer.train_step(run.state, next(run.batches))
             run.step += 1
             for hook in all_hooks:
                 hook.after_step(run, run.step, metrics)
