@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import typing
 from typing import Any, Callable, Iterable
 
@@ -26,6 +27,8 @@ from tfm.config import ModelConfig
 from tfm.data import tokenizers
 from tfm.models import presets
 from tfm.train import TrainConfig
+from tfm.train.checkpoint import CheckpointError
+from tfm.train.workdir_lock import WorkdirLockedError
 
 _NESTED = {"optimizer", "mesh"}  # TrainConfig fields that are dataclasses themselves
 
@@ -145,9 +148,14 @@ def on_first_process(prepare: Callable[[], object]) -> None:
         multihost_utils.sync_global_devices("tfm: data prepared")
 
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; run the same command to resume
+EXIT_ERROR = 1       # a clear, one-line error on stderr (bad config, workdir in use, checkpoint, NaN)
+
+
 def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda result: None):
     """`--config=FILE[:arg] --workdir=DIR [--config.KEY=VALUE ...]`: join the multi-host job,
-    train, report."""
+    train, report. Exit status 0: finished; EXIT_PREEMPTED: saved and stopped by a signal;
+    EXIT_ERROR: one line on stderr says what failed and what to do."""
     from absl import app, flags, logging
     from ml_collections import config_flags
 
@@ -159,6 +167,19 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         del argv
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         parallel.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
-        report(train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir))
+        try:
+            result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+        except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError) as e:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            os._exit(EXIT_ERROR)  # skip interpreter teardown: background threads would print noise
+        if preempted(result):
+            print("preempted: the checkpoint is saved; run the same command to resume", flush=True)
+            sys.exit(EXIT_PREEMPTED)
+        report(result)
 
     app.run(run)
+
+
+def preempted(result) -> bool:
+    """Whether a train_and_evaluate result (a TrainResult or a dict) stopped early on a signal."""
+    return bool(result.get("preempted") if isinstance(result, dict) else getattr(result, "preempted", False))

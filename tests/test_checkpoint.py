@@ -70,23 +70,41 @@ def test_missing_and_mismatched_checkpoints_raise_clear_errors(run):
     assert ckpt.all_steps() == [2, 4]
 
 
-def _resume_with(workdir, **model_overrides):
+def _resume_with(workdir, fallback_to_older=True, **model_overrides):
     from tfm.train import train_and_evaluate
-    return train_and_evaluate(train_job.config(6), workdir,
+    return train_and_evaluate(train_job.config(6, fallback_to_older=fallback_to_older), workdir,
                               model=DecoderLM(tiny("decoder", **model_overrides)),
                               task=LMTask(), train_data=train_job.TokenBatches())
 
 
-def test_corrupt_checkpoint_raises_and_deletes_nothing(run, tmp_path):
-    workdir, _ = run
+def _corrupt_latest(workdir, tmp_path):
+    """A copy of the run's checkpoints with step 4's array files truncated."""
     shutil.copytree(os.path.join(workdir, "checkpoints"), tmp_path / "checkpoints")
     state_dir = tmp_path / "checkpoints" / "4" / "state"
     for root, _, files in os.walk(state_dir):
         for f in files:
             if not f.startswith("_"):
                 open(os.path.join(root, f), "wb").close()  # truncate the array data
+
+
+def test_corrupt_checkpoint_without_fallback_raises_and_deletes_nothing(run, tmp_path):
+    workdir, _ = run
+    _corrupt_latest(workdir, tmp_path)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    with pytest.raises(CheckpointError, match="checkpoint .*/4 .*(corrupt|unreadable)"):
-        _resume_with(str(tmp_path))
+    with pytest.raises(CheckpointError, match="checkpoint .*/4 .*(corrupt|unreadable).*fallback_to_older=True"):
+        _resume_with(str(tmp_path), fallback_to_older=False)
     assert sorted(str(p) for p in tmp_path.rglob("*") if "metrics" not in str(p)
                   and "tensorboard" not in str(p)) == [p for p in before]
+
+
+def test_corrupt_checkpoint_falls_back_to_the_older_one_and_keeps_it(run, tmp_path, capsys):
+    workdir, _ = run
+    _corrupt_latest(workdir, tmp_path)
+    broken_files = sorted(p.relative_to(tmp_path / "checkpoints" / "4") for p in (tmp_path / "checkpoints" / "4").rglob("*"))
+    result = _resume_with(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "checkpoint step 4 is corrupt" in out and "restored checkpoint at step 2" in out, out
+    assert int(result.state.step) == 6
+    moved = list((tmp_path / "checkpoints.broken").iterdir())
+    assert len(moved) == 1 and moved[0].name.startswith("4-")
+    assert sorted(p.relative_to(moved[0]) for p in moved[0].rglob("*")) == broken_files  # moved whole

@@ -47,14 +47,14 @@ class TokenBatches:
 
 
 def config(steps, *, mesh=(("data", 2), ("fsdp", 4)), checkpoint_every=2, on_nonfinite="stop",
-           async_checkpoint=True, log_every=1):
+           async_checkpoint=True, log_every=1, **fields):
     from tfm.parallel import MeshConfig
     from tfm.train import OptimizerConfig, TrainConfig
     return TrainConfig(num_train_steps=steps, batch_size=BATCH, mesh=MeshConfig(**dict(mesh)),
                        parallelism="data+fsdp", optimizer=OptimizerConfig(learning_rate=1e-2),
                        log_every=log_every, checkpoint_every=checkpoint_every, keep_checkpoints=2,
                        async_checkpoint=async_checkpoint, progress_bar=False,
-                       on_nonfinite=on_nonfinite)
+                       on_nonfinite=on_nonfinite, **fields)
 
 
 def run(workdir, steps, *, data=None, task=None, hooks=None, **kw):

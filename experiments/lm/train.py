@@ -66,6 +66,9 @@ def train_and_evaluate(config, workdir: str):
 
     result = train_loop(tcfg, workdir, model=model, task=exp.task, train_data=iter(train_data),
                         eval_data=eval_data, flops_per_token=fpt, config_dict=exp.record(mcfg))
+    result.unigram_entropy, result.samples = entropy, {}
+    if result.preempted:  # stopped on a signal: nothing below would describe a finished run
+        return result
     prompt = jnp.asarray([[tok.bos_id] + tok.encode(s.sample_prompt)], jnp.int32)
     samples = {}
     for name, kw in {"greedy": dict(greedy=True), "top_k": dict(top_k=8),
@@ -80,7 +83,7 @@ def train_and_evaluate(config, workdir: str):
               f"(perplexity {math.exp(last.get('loss', float('nan'))):.2f})")
         for name, text in samples.items():
             print(f"sample ({name}): {text}")
-    result.unigram_entropy, result.samples = entropy, samples
+    result.samples = samples
     return result
 
 

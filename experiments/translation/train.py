@@ -86,6 +86,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     result = run_training(tcfg, workdir, model=model, task=exp.task, train_data=data, eval_data=eval_data,
                           eval_extra=eval_bleu if s.eval_bleu_examples else None,
                           config_dict=exp.record(model_cfg))
+    if result.preempted:  # stopped on a signal: no final evaluation of a half-trained model
+        return {"preempted": True, "step": int(result.state.step), "eval_history": result.eval_history}
     params, averaged = result.state.params, 1
     if s.average_last > 1:
         checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tcfg.keep_checkpoints)

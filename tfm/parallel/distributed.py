@@ -51,3 +51,11 @@ def any_process(flag: bool) -> bool:
         return flag
     from jax.experimental import multihost_utils
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def from_process_0(flag: bool) -> bool:
+    """Process 0's `flag` on every process (a broadcast when multi-host)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import time
 from typing import Any, Optional
 
 import jax
@@ -19,6 +20,10 @@ from etils import epath
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the configured model."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are unreadable (truncated, partial); an older one may be fine."""
 
 
 class DataStateHandler(ocp.CheckpointHandler):
@@ -121,10 +126,10 @@ class Checkpointer:
         try:
             meta = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
-            raise CheckpointError(f"checkpoint {where} is unreadable (corrupt or partial): "
-                                  f"{type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(f"checkpoint {where} is unreadable (corrupt or partial): "
+                                         f"{type(e).__name__}: {e}") from e
         if meta is None:
-            raise CheckpointError(f"checkpoint {where} has no train state (corrupt or partial)")
+            raise CorruptCheckpointError(f"checkpoint {where} has no train state (corrupt or partial)")
         check_compatible(meta, abstract_state, where)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         has_data = with_data and (self.directory / str(step) / "data").exists()
@@ -135,9 +140,32 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {where} could not be restored (corrupt or "
-                                  f"partial): {type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(f"checkpoint {where} could not be restored (corrupt or "
+                                         f"partial): {type(e).__name__}: {e}") from e
         return restored["state"], (restored["data"] if has_data else None)
+
+    def set_aside(self, step: int) -> str:
+        """Moves step `step` out of the way (never deletes it): to <directory>.broken/<step>-<time>."""
+        target = self.directory.parent / f"{self.directory.name}.broken" / f"{step}-{int(time.time())}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"tfm: checkpoint {step} set aside")
+        self.manager.reload()
+        return str(target)
+
+    def check_background_save(self, wait: bool = False) -> None:
+        """Raises CheckpointError if an asynchronous save that has finished (with `wait`: any
+        save still running, once finished) failed."""
+        try:
+            if wait:
+                self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 - whatever the writer raised
+            raise CheckpointError(f"saving a checkpoint in the background failed: "
+                                  f"{type(e).__name__}: {e}") from e
 
     def wait(self):
         self.manager.wait_until_finished()

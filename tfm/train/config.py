@@ -69,6 +69,7 @@ class TrainConfig:
     checkpoint_every: int = 1000     # 0: no periodic checkpoints
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
+    fallback_to_older: bool = True   # a corrupt latest checkpoint is moved aside, the next older used
     preemption_check_every: int = 10  # multi-host: steps between agreements on a stop signal
     progress_bar: bool = True
     wandb_project: Optional[str] = None  # log to wandb when set and installed

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional
 import jax
 
 from tfm import parallel
-from tfm.train.checkpoint import Checkpointer
+from tfm.train.checkpoint import Checkpointer, CheckpointError
 from tfm.train.metrics import peak_flops
 
 
@@ -139,17 +139,31 @@ class Preemption(Hook):
 
 class Checkpointing(Hook):
     """Saves every `run.checkpointer.every` steps, at a stop, and after the last step;
-    `guard` (a NonFiniteCheck) first settles every step up to the one saved."""
+    `guard` (a NonFiniteCheck) first settles every step up to the one saved. A background
+    save that failed is reported at the next step, naming it and the last good checkpoint."""
 
     def __init__(self, guard: Optional[NonFiniteCheck] = None):
-        self.guard = guard
+        self.guard, self.saving = guard, None
 
     def _save(self, run, step, force):
         if self.guard is not None:
             self.guard.check(run, step)
         run.checkpointer.save(step, run.state, run.data_state(), force=force)
+        self.saving = step
+
+    def _check_background(self, run, step, wait=False):
+        try:
+            run.checkpointer.check_background_save(wait)
+        except CheckpointError as e:
+            good = [s for s in run.checkpointer.all_steps()
+                    if s != self.saving and (run.checkpointer.directory / str(s)).exists()]
+            raise CheckpointError(
+                f"at step {step}: saving the checkpoint of step {self.saving} failed ({e.__cause__}); "
+                f"training stopped. Last good checkpoint: {good[-1] if good else 'none'} in "
+                f"{run.checkpointer.directory}") from e
 
     def after_step(self, run, step, metrics):
+        self._check_background(run, step)
         every = run.checkpointer.every
         if run.stop_reason or (every and step % every == 0):
             self._save(run, step, force=bool(run.stop_reason))
@@ -157,35 +171,30 @@ class Checkpointing(Hook):
     def end(self, run):
         if not run.stop_reason and run.checkpointer.every and run.step not in run.checkpointer.all_steps():
             self._save(run, run.step, force=True)
+        self._check_background(run, run.step, wait=True)
 
 
 class Evaluation(Hook):
     """Every `every` steps (0: never) and after the last step: the task's eval metrics on
     `eval_data()` (process-local batches, sharded and jitted like training) plus `extra(trainer,
-    params, step)` (e.g. BLEU), logged under "eval". With `keep_best=NAME` the checkpoint with
-    the best value of that metric so far is kept in `<workdir>/best` (best.json says which)."""
+    params, step)` (e.g. BLEU), logged under "eval"; each result goes to `best` if given."""
 
     def __init__(self, every: int, eval_data: Optional[Callable[[], Iterable[dict]]] = None,
-                 extra: Optional[Callable] = None, keep_best: Optional[str] = None, mode: str = "max"):
-        self.every, self.eval_data, self.extra = every, eval_data, extra
-        self.keep_best, self.sign = keep_best, 1.0 if mode == "max" else -1.0
-        self.best, self.best_checkpointer, self.done = None, None, set()
+                 extra: Optional[Callable] = None, best: Optional["BestCheckpoint"] = None):
+        self.every, self.eval_data, self.extra, self.best, self.done = every, eval_data, extra, best, set()
 
     def start(self, run):
-        if self.keep_best:
-            self.best_checkpointer = Checkpointer(os.path.join(run.workdir, "best"), every=1, keep=1,
-                                                  async_save=False)
-            self.record = os.path.join(run.workdir, "best", "best.json")
-            if os.path.exists(self.record):
-                with open(self.record) as f:
-                    self.best = json.load(f)["value"]
+        if self.best:
+            self.best.start(run)
 
     def after_step(self, run, step, metrics):
         if self.every and step % self.every == 0:
             self.evaluate(run, step)
 
     def end(self, run):
-        if not run.stop_reason and run.step not in self.done:
+        # the final step may have been evaluated by an earlier run (in process 0's records)
+        evaluated = run.step in self.done | {e["step"] for e in run.eval_history}
+        if not run.stop_reason and not parallel.from_process_0(evaluated):
             self.evaluate(run, run.step)
 
     def evaluate(self, run, step: int) -> dict:
@@ -195,27 +204,46 @@ class Evaluation(Hook):
         run.eval_history.append({"step": step, **m})
         run.logger.write(step, m, prefix="eval")
         self.done.add(step)
-        if self.keep_best:
-            self._keep_if_best(run, step, m)
+        if self.best:
+            self.best.consider(run, step, m)
         return m
 
-    def _keep_if_best(self, run, step, m):
-        if self.keep_best not in m:
-            raise KeyError(f"keep_best={self.keep_best!r} is not an eval metric; have {sorted(m)}")
-        value = float(m[self.keep_best])
-        if self.best is not None and not self.sign * value > self.sign * self.best:
+    def close(self):
+        if self.best:
+            self.best.close()
+
+
+class BestCheckpoint:
+    """Keeps the state with the best value so far of eval metric `metric` ("max" or "min"
+    `mode`) in <workdir>/best, and best.json saying which step and value; survives resumes."""
+
+    def __init__(self, metric: str, mode: str = "max"):
+        self.metric, self.sign, self.value, self.checkpointer = metric, 1.0 if mode == "max" else -1.0, None, None
+
+    def start(self, run):
+        directory = os.path.join(run.workdir, "best")
+        self.checkpointer = Checkpointer(directory, every=1, keep=1, async_save=False)
+        self.record = os.path.join(directory, "best.json")
+        if os.path.exists(self.record):
+            with open(self.record) as f:
+                self.value = json.load(f)["value"]
+
+    def consider(self, run, step: int, metrics: dict) -> None:
+        if self.metric not in metrics:
+            raise KeyError(f"keep_best={self.metric!r} is not an eval metric; have {sorted(metrics)}")
+        value = float(metrics[self.metric])
+        if self.value is not None and not self.sign * value > self.sign * self.value:
             return
-        self.best = value
-        self.best_checkpointer.save(step, run.state, force=True)
-        self.best_checkpointer.wait()
+        self.value = value
+        self.checkpointer.save(step, run.state, force=True)
         if jax.process_index() == 0:
             with open(self.record, "w") as f:
-                json.dump({"metric": self.keep_best, "value": value, "step": step}, f)
-        run.logger.message(f"step {step}: new best {self.keep_best}={value:.4g}, kept in {os.path.dirname(self.record)}")
+                json.dump({"metric": self.metric, "value": value, "step": step}, f)
+        run.logger.message(f"step {step}: new best {self.metric}={value:.4g}, kept in {os.path.dirname(self.record)}")
 
     def close(self):
-        if self.best_checkpointer is not None:
-            self.best_checkpointer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
 
 def default_hooks(config, *, tokens_per_step: int, flops_per_token: Optional[float] = None,
@@ -226,8 +254,8 @@ def default_hooks(config, *, tokens_per_step: int, flops_per_token: Optional[flo
     hooks += [MetricsLog(config.log_every, tokens_per_step, flops_per_token, config.peak_flops_per_device),
               Preemption(config.preemption_check_every), Checkpointing(guard)]
     if eval_data is not None or eval_extra is not None:
-        hooks.append(Evaluation(config.eval_every, eval_data, eval_extra, config.keep_best,
-                                config.keep_best_mode))
+        best = BestCheckpoint(config.keep_best, config.keep_best_mode) if config.keep_best else None
+        hooks.append(Evaluation(config.eval_every, eval_data, eval_extra, best))
     elif config.keep_best:
         raise ValueError(f"TrainConfig.keep_best={config.keep_best!r} needs an evaluation "
                          "(eval_data or eval_extra)")

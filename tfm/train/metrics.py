@@ -1,9 +1,11 @@
 """Training metrics: model FLOPs and MFU, and a logger writing to the terminal (progress
-bar with ETA), JSONL, TensorBoard and (when installed and asked for) wandb."""
+bar with ETA; plain lines when the output is redirected), JSONL, TensorBoard and (when
+installed and asked for) wandb."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 import jax
@@ -20,12 +22,26 @@ def flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: 
     return 6.0 * num_params + 12.0 * num_layers * attn_width * seq_len
 
 
+def interactive_output() -> bool:
+    """True in a terminal or a notebook, where a redrawn progress bar stays one line; a
+    redirected log would collect every redraw, joined by carriage returns, into one line."""
+    return (sys.stdout.isatty() and sys.stderr.isatty()) or "ipykernel" in sys.modules
+
+
 def peak_flops(device=None) -> Optional[float]:
     kind = (device or jax.devices()[0]).device_kind
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             return flops
     return None
+
+
+def _records_upto(path: str, step: int) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r["step"] <= step]
 
 
 class MetricLogger:
@@ -36,12 +52,17 @@ class MetricLogger:
                  config: Optional[dict] = None):
         self.primary = jax.process_index() == 0
         self.jsonl = self.tb = self.wandb = self.bar = None
+        self.previous = []  # records of earlier runs in this workdir, up to initial_step
         if not self.primary:
             return
         os.makedirs(workdir, exist_ok=True)
-        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        path = os.path.join(workdir, "metrics.jsonl")
+        self.previous = _records_upto(path, initial_step)
+        with open(path, "w") as f:  # a resumed run repeats the steps after its checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in self.previous)
+        self.jsonl = open(path, "a")
         from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
         if wandb_project:
             try:
                 import wandb
@@ -50,7 +71,7 @@ class MetricLogger:
             else:
                 self.wandb = wandb.init(project=wandb_project, dir=workdir, config=config,
                                         resume="allow")
-        if progress_bar:
+        if progress_bar and interactive_output():  # otherwise `write` prints one plain line a step
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total_steps, initial=initial_step, unit="step",
                             dynamic_ncols=True)

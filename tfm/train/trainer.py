@@ -17,13 +17,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm import parallel
-from tfm.train.checkpoint import Checkpointer, CheckpointError
+from tfm.train.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
 from tfm.train.config import TrainConfig
 from tfm.train.hooks import Hook, default_hooks
 from tfm.train.metrics import MetricLogger
 from tfm.train.optim import make_optimizer
 from tfm.train.state import TrainState
 from tfm.train.step import make_eval_step, make_train_step
+from tfm.train.workdir_lock import WorkdirLock
 
 
 def count_params(boxed_params) -> int:
@@ -190,6 +191,16 @@ class Run:
         """The data iterator's state after the last batch trained on (None: it has none)."""
         return self.batches.state
 
+    def close(self, quiet: bool = False) -> None:
+        """Waits for background saves (raising if one failed, unless `quiet`); closes the logs."""
+        try:
+            self.checkpointer.close()
+        except Exception:  # noqa: BLE001 - an error is already on its way up when quiet
+            if not quiet:
+                raise
+        finally:
+            self.logger.close()
+
 
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
@@ -205,52 +216,89 @@ def config_changes(old: dict, new: dict) -> list[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
+def _restore_latest(checkpointer: Checkpointer, abstract_state, *, fallback: bool, say) -> tuple:
+    """(state, data state) of the newest checkpoint; with `fallback`, a corrupt one is set
+    aside (moved, never deleted) and the next older one tried."""
+    while True:
+        step = checkpointer.latest_step()
+        try:
+            return checkpointer.restore(abstract_state)
+        except CorruptCheckpointError as e:
+            if not fallback:
+                raise CorruptCheckpointError(
+                    f"{e}. To resume from the newest readable checkpoint instead, set "
+                    "fallback_to_older=True (it moves broken ones aside); or move this step away") from e
+            moved = checkpointer.set_aside(step)
+            say(f"checkpoint step {step} is corrupt ({str(e).splitlines()[0]}); moved it to {moved}, "
+                "trying the next older one")
+            if checkpointer.latest_step() is None:
+                raise CorruptCheckpointError(f"no readable checkpoint left in {checkpointer.directory} "
+                                             "(broken ones were moved aside, see above)") from e
+
+
+def _record_config(workdir: str, config_dict: Optional[dict], start: int, changes: list[str], say) -> None:
+    """config.json for a new run; for a resumed run with changes, config.step<start>.json beside it."""
+    if config_dict is None or jax.process_index() != 0:
+        return
+    record = os.path.join(workdir, "config.json")
+    path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
+    if path == record or changes:
+        with open(path, "w") as f:
+            json.dump(config_dict, f, indent=2, default=str)
+    if changes:
+        say(f"config changed since {record} (new one in {path}):\n  " + "\n  ".join(changes))
+
+
+def _skip_trained(iterator, first, data_state, start: int, say) -> Iterator[dict]:
+    """The batches still to train on after `start` steps (`first` was already drawn)."""
+    if not start:
+        return itertools.chain([first], iterator)
+    if data_state is not None and hasattr(iterator, "set_state"):
+        iterator.set_state(data_state)
+    elif start > 1:
+        say(f"data iterator has no saved state: skipping {start - 1} batches")
+        for _ in range(start - 1):  # `first` was one of them
+            next(iterator)
+    return iterator
+
+
 def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
     """Trainer set up from the first batch; state restored from the latest checkpoint or
-    initialised; the config recorded in workdir/config.json (a changed one beside it)."""
+    initialised; the config recorded (after the restore check, so a refused run changes nothing)."""
     iterator = iter(train_data)
     first = next(iterator)
     trainer = Trainer(model, task, config, mesh).setup(first)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
                                 keep=config.keep_checkpoints, async_save=config.async_checkpoint)
-    record = os.path.join(workdir, "config.json")
-    changes = []
+    record, changes, notes = os.path.join(workdir, "config.json"), [], []
     if config_dict is not None and os.path.exists(record):
         with open(record) as f:
             changes = config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
-    data_state, start = None, checkpointer.latest_step() or 0
-    if start:
+    if checkpointer.latest_step() is None:
+        state, data_state = trainer.init_state(), None
+    else:
         try:
-            state, data_state = checkpointer.restore(trainer.abstract_state)
+            state, data_state = _restore_latest(checkpointer, trainer.abstract_state,
+                                                fallback=config.fallback_to_older, say=notes.append)
         except CheckpointError as e:
             if changes:
                 raise CheckpointError(f"{e}\nThe config changed since {record} was written:\n  "
                                       + "\n  ".join(changes)) from e
             raise
-    else:
-        state = trainer.init_state()
+    start = int(state.step)
     logger = MetricLogger(workdir, config.num_train_steps, initial_step=start,
                           progress_bar=config.progress_bar, wandb_project=config.wandb_project,
                           config=config_dict)
-    if config_dict is not None and jax.process_index() == 0:
-        path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
-        if path == record or changes:
-            with open(path, "w") as f:
-                json.dump(config_dict, f, indent=2, default=str)
-        if changes:
-            logger.message(f"config changed since {record} (new one in {path}):\n  " + "\n  ".join(changes))
-    batches = itertools.chain([first], iterator)
+    for note in notes:
+        logger.message(note)
+    _record_config(workdir, config_dict, start, changes, logger.message)
     if start:
         logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
-        batches = iterator
-        if data_state is not None and hasattr(iterator, "set_state"):
-            iterator.set_state(data_state)
-        elif start > 1:
-            logger.message(f"data iterator has no saved state: skipping {start - 1} batches")
-            for _ in range(start - 1):  # `first` was one of them
-                next(iterator)
+    batches = _skip_trained(iterator, first, data_state, start, logger.message)
+    history = [{k: v for k, v in r.items() if k != "split"} for r in logger.previous]
     return Run(config, workdir, trainer, checkpointer, logger, DevicePrefetch(batches, iterator, trainer.global_batch),
-               state, start)
+               state, start, history=[r for r, p in zip(history, logger.previous) if p["split"] == "train"],
+               eval_history=[r for r, p in zip(history, logger.previous) if p["split"] == "eval"])
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
@@ -272,25 +320,28 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     hooks(default_hooks) -> the hook list to use (add to it, reorder, replace).
     config_dict: the resolved config, recorded in workdir/config.json.
     """
-    run = _resume(config, workdir, model, task, train_data, mesh, config_dict)
-    shapes = {k: np.zeros((config.batch_size,) + np.shape(v)[1:]) for k, v in run.trainer.example_batch.items()}
-    fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
-    all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
-                              eval_data=eval_data, eval_extra=eval_extra)
-    all_hooks = hooks(all_hooks) if hooks else all_hooks
-    try:
-        for hook in all_hooks:
-            hook.start(run)
-        while run.step < config.num_train_steps and not run.stop_reason:
-            run.state, metrics = run.trainer.train_step(run.state, next(run.batches))
-            run.step += 1
+    with WorkdirLock(workdir):
+        run = _resume(config, workdir, model, task, train_data, mesh, config_dict)
+        shapes = {k: np.zeros((config.batch_size,) + np.shape(v)[1:]) for k, v in run.trainer.example_batch.items()}
+        fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
+        all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
+                                  eval_data=eval_data, eval_extra=eval_extra)
+        all_hooks = hooks(all_hooks) if hooks else all_hooks
+        try:
             for hook in all_hooks:
-                hook.after_step(run, run.step, metrics)
-        for hook in all_hooks:
-            hook.end(run)
-    finally:
-        for hook in all_hooks:
-            hook.close()
-        run.checkpointer.close()
-        run.logger.close()
+                hook.start(run)
+            while run.step < config.num_train_steps and not run.stop_reason:
+                run.state, metrics = run.trainer.train_step(run.state, next(run.batches))
+                run.step += 1
+                for hook in all_hooks:
+                    hook.after_step(run, run.step, metrics)
+            for hook in all_hooks:
+                hook.end(run)
+        except BaseException:
+            run.close(quiet=True)
+            raise
+        finally:
+            for hook in all_hooks:
+                hook.close()
+        run.close()
     return TrainResult(run.state, run.history, run.eval_history, bool(run.stop_reason), run.trainer)
