@@ -81,6 +81,22 @@ def slow_task():
     return SlowLMTask()
 
 
+def limit_file_size_at(at_step: int):
+    """A hook that, after `at_step` (its pending save finished), caps file sizes at 16 kB."""
+    import resource
+    import signal
+    from tfm.train import Hook
+
+    class LimitFileSize(Hook):
+        def after_step(self, run, step, metrics):
+            if step == at_step:
+                run.checkpointer.wait()
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead
+                resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+
+    return LimitFileSize()
+
+
 def sync_every_step():
     """A hook that agrees across processes after every step (what the loop must not do)."""
     from tfm import parallel
@@ -148,6 +164,8 @@ def main():
     p.add_argument("--slow", action="store_true", help="device-bound steps; record the dispatch lead")
     p.add_argument("--sync_each_step", action="store_true", help="with --slow: a hook that all-gathers "
                    "a flag after every step, as the preemption agreement once did (the control)")
+    p.add_argument("--fsize_limit_at", type=int, default=None,
+                   help="after this step, files may not grow past 16 kB (the next checkpoint fails)")
     p.add_argument("--multihost", type=int, default=None, help="process id of 2")
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
@@ -162,6 +180,9 @@ def main():
     extra = [sync_every_step()] if a.sync_each_step else []
     slow = dict(task=slow_task(), hooks=lambda hooks: [probe, *extra, *hooks], log_every=100,
                 checkpoint_every=0) if a.slow else {}
+    if a.fsize_limit_at:
+        limit = limit_file_size_at(a.fsize_limit_at)
+        slow = dict(hooks=lambda hooks: [*hooks, limit])
     result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep), **slow)
     params = flat_params(result.state)
     out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
