@@ -10,6 +10,7 @@ class LMSettings:
     dataset: str        # tfm.data.sources name: "lm1b" or "synthetic_docs"
     vocab_size: int     # SentencePiece BPE trained on the train split
     seq_len: int
+    eval_split: str     # held-out split: lm1b has only train and test
     eval_batches: int   # validation batches per evaluation
     sample_prompt: str
     sample_tokens: int  # tokens sampled after training (greedy, top-k, top-p)

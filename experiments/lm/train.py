@@ -32,6 +32,11 @@ def _split_texts(settings, split: str, data_dir: str) -> list[dict]:
     return sources.load(settings.dataset, split, data_dir=settings.data_dir)  # None: the TFDS default
 
 
+def load_splits(settings, data_dir: str) -> tuple[list, list]:
+    """(train, held-out) examples with a "text" feature; held-out is settings.eval_split."""
+    return _split_texts(settings, "train", data_dir), _split_texts(settings, settings.eval_split, data_dir)
+
+
 def unigram_entropy(texts, tokenizer) -> float:
     """Entropy (nats/token) of the unigram distribution of target tokens (text + EOS)."""
     counts = collections.Counter()
@@ -47,7 +52,7 @@ def train_and_evaluate(config, workdir: str):
     exp = common.resolve(config, LMSettings, LMTask)
     s, tcfg = exp.settings, exp.train
     data_dir = s.data_dir or os.path.join(workdir, "data")
-    train, valid = _split_texts(s, "train", data_dir), _split_texts(s, "validation", data_dir)
+    train, valid = load_splits(s, data_dir)
     tok = common.sentencepiece(workdir, sources.texts(train), s.vocab_size)
     entropy = unigram_entropy(sources.texts(train), tok)
     mcfg = exp.model(tok.vocab_size)

@@ -21,17 +21,14 @@ from tfm.train.tasks import Seq2SeqTask
 from tfm.train.trainer import train_and_evaluate as run_training
 
 
-def load_data(settings, workdir):
-    """(train, validation, test sources, tokenizer); generates the local corpus when asked to."""
+def load_sources(settings, workdir):
+    """(train, validation, test) sources; generates the local corpus when asked to."""
     data_dir = settings.data_dir or os.path.join(workdir, "data")
     if settings.dataset == "synthetic_translate":
         n = settings.eval_examples
         common.on_first_process(lambda: synthetic.prepare_translation(
             data_dir, train=settings.synthetic_pairs, validation=n, test=n))
-    train, validation, test = (sources.load(settings.dataset, split, data_dir=data_dir)
-                               for split in ("train", "validation", "test"))
-    tok = common.sentencepiece(workdir, sources.texts(train, ("en", "de")), settings.vocab_size)
-    return train, validation, test, tok
+    return tuple(sources.load(settings.dataset, split, data_dir=data_dir) for split in ("train", "validation", "test"))
 
 
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
@@ -67,7 +64,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     exp = common.resolve(config, TranslationSettings, Seq2SeqTask)
     s, tcfg = exp.settings, exp.train
     os.makedirs(workdir, exist_ok=True)
-    train, validation, test, tok = load_data(s, workdir)
+    train, validation, test = load_sources(s, workdir)
+    tok = common.sentencepiece(workdir, sources.texts(train, ("en", "de")), s.vocab_size)
     model_cfg = exp.model(tok.vocab_size)
     model = EncoderDecoder(model_cfg)
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())

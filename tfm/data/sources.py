@@ -26,18 +26,21 @@ import tensorflow_datasets as tfds
 class _Family:
     register: str | None  # module whose import registers the TFDS builder
     default_config: str | None
+    splits: tuple[str, ...] | None  # the real dataset's splits (None: vary by config)
 
 
-# TFDS name (the part before '/') -> how to load it.
+_THREE = ("train", "validation", "test")
+# TFDS name (the part before '/') -> how to load it. The split names are the real builders'
+# (TFDS mock_data serves any split name, so they are checked here).
 _FAMILIES = {
-    "wmt14_translate": _Family("tensorflow_datasets.translate", "de-en"),
-    "lm1b": _Family("tensorflow_datasets.text", None),
-    "wikipedia": _Family("tensorflow_datasets.text", "20230601.en"),
+    "wmt14_translate": _Family("tensorflow_datasets.translate", "de-en", _THREE),  # newstest2013, 2014
+    "lm1b": _Family("tensorflow_datasets.text", None, ("train", "test")),
+    "wikipedia": _Family("tensorflow_datasets.text", "20230601.en", ("train",)),
     # Not in the TFDS catalog: read from a prepared directory (TFDS `builder_from_files`).
-    "bookcorpus": _Family(None, None),
-    "glue": _Family("tensorflow_datasets.text", None),
-    "tfm_synthetic_translate": _Family("tfm.data.synthetic", None),
-    "tfm_synthetic_docs": _Family("tfm.data.synthetic", None),
+    "bookcorpus": _Family(None, None, ("train",)),
+    "glue": _Family("tensorflow_datasets.text", None, None),
+    "tfm_synthetic_translate": _Family("tfm.data.synthetic", None, _THREE),
+    "tfm_synthetic_docs": _Family("tfm.data.synthetic", None, _THREE),
 }
 ALIASES = {"wmt14": "wmt14_translate/de-en", "synthetic_translate": "tfm_synthetic_translate",
            "synthetic_docs": "tfm_synthetic_docs"}
@@ -59,12 +62,15 @@ def resolve(name: str) -> str:
 def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
     """The array_record data source of one split: `len()`, `[i] -> dict` (Grain-compatible).
 
-    Raises ValueError for an unknown name and FileNotFoundError when the dataset is not
+    Raises ValueError for an unknown name or split and FileNotFoundError when the dataset is not
     prepared as array_record under `data_dir` (default: $TFDS_DATA_DIR or
     ~/tensorflow_datasets).
     """
     full = resolve(name)
     family = _FAMILIES[full.partition("/")[0]]
+    base_split = split.partition("[")[0]  # "train[:10%]" slices the train split
+    if family.splits is not None and base_split not in family.splits:
+        raise ValueError(f"{full} has no split {base_split!r}; its splits are {list(family.splits)}")
     if family.register:
         importlib.import_module(family.register)
     data_dir = os.fspath(data_dir) if data_dir is not None else None

@@ -21,6 +21,7 @@ def get_config(arg: str = ""):
     c.dataset = "lm1b"
     c.vocab_size = 32_000
     c.seq_len = 256
+    c.eval_split = "test"  # lm1b has no validation split
     c.eval_batches = 50
     c.sample_prompt = "the"
     c.sample_tokens = 32
@@ -39,7 +40,7 @@ def get_config(arg: str = ""):
 def shrink(c) -> None:
     """`runlocal`: the same recipe and keys at CPU size, on the local corpus."""
     c.model.overrides.update(tiny.TINY)
-    c.dataset, c.vocab_size, c.seq_len = "synthetic_docs", 256, 32
+    c.dataset, c.eval_split, c.vocab_size, c.seq_len = "synthetic_docs", "validation", 256, 32
     c.eval_batches, c.sample_tokens = 2, 8
     c.batch_size, c.num_train_steps = 32, 20
     c.optimizer.warmup_steps = 5

@@ -21,6 +21,7 @@ def get_config(arg: str = ""):
     c.dataset = "synthetic_docs"
     c.vocab_size = 256
     c.seq_len = 32
+    c.eval_split = "validation"
     c.eval_batches = 4
     c.sample_prompt = "the"
     c.sample_tokens = 16
