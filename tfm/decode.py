@@ -3,6 +3,13 @@
 Everything here runs inside `jit`: the cache has a fixed length, generation is a
 `lax.while_loop`, and a step is `(cache, tokens [B, T]) -> (logits [B, T, V], cache)`.
 Prompts in one batch share a length (pad on the left with segment id 0 is not supported).
+
+The cache is a tree of arrays boxed with logical names (`nn.LogicallyPartitioned`:
+"cache_batch", "cache_length", "cache_kv_heads", …). Under a mesh — inside `jax.set_mesh`
+and `nn.logical_axis_rules` with the trainer's activation rules (`Trainer.context()`) —
+every function here runs sharded: the cache is laid out as those names say (batch over the
+batch axes, kv heads over `tensor` when it divides them, length whole), and the tokens equal
+single-device decoding.
 """
 from __future__ import annotations
 
@@ -114,7 +121,14 @@ def generate(step: StepFn, cache: dict, prompt: jax.Array, max_new_tokens: int, 
 
 
 def sample_lm(model: DecoderLM, params, prompt, max_new_tokens: int, rng, **kwargs) -> jax.Array:
-    """DecoderLM continuation of prompt [B, P] -> [B, max_new_tokens]; kwargs as in `generate`."""
+    """DecoderLM continuation of prompt [B, P] (P >= 1) -> [B, max_new_tokens]; kwargs as in
+    `generate`. max_new_tokens=0 returns the empty continuation [B, 0] without running the model."""
+    if not hasattr(max_new_tokens, "__index__") or max_new_tokens < 0:
+        raise ValueError(f"sample_lm: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if jnp.ndim(prompt) != 2 or jnp.shape(prompt)[1] == 0:
+        raise ValueError(f"sample_lm: prompt must be token ids [batch, length >= 1], got shape {jnp.shape(prompt)}")
+    if max_new_tokens == 0:
+        return jnp.zeros((jnp.shape(prompt)[0], 0), jnp.int32)
     cache = init_cache(model, params, prompt.shape[0], prompt.shape[1] + max_new_tokens)
     return generate(step_fn(model, params), cache, prompt, max_new_tokens, rng, **kwargs)
 
@@ -124,15 +138,17 @@ def length_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-_CACHE_BATCH_AXIS = {"cached_key": -4, "cached_value": -4, "cached_segment_ids": -2}
-
-
 def _gather_beams(cache, rows):
-    """Reorders the B*W cache rows: rows int [B*W] -> cache rows[i] at row i (any layer stacking)."""
-    def gather(path, leaf):
-        axis = _CACHE_BATCH_AXIS.get(getattr(path[-1], "key", None))
-        return leaf if axis is None else jnp.take(leaf, rows, axis=leaf.ndim + axis)
-    return jax.tree_util.tree_map_with_path(gather, cache)
+    """Reorders the B*W cache rows: rows int [B*W] -> cache rows[i] at row i.
+
+    The batch axis of each cached array is the one its logical names call "cache_batch"
+    (wherever layer stacking put it); unnamed leaves (the write index) are kept as they are.
+    """
+    def gather(leaf):
+        if not isinstance(leaf, nn.LogicallyPartitioned) or "cache_batch" not in leaf.names:
+            return leaf
+        return leaf.replace_boxed(jnp.take(leaf.value, rows, axis=leaf.names.index("cache_batch")))
+    return jax.tree.map(gather, cache, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
 def beam_search(step: StepFn, cache: dict, bos: jax.Array, max_len: int, *, beam_size: int, eos_id: int,

@@ -6,9 +6,15 @@ import jax
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.common import Einsum, compute_dtype, constrain
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.embeddings import apply_rope
 from tfm.ops.attention import alibi_slopes, dot_product_attention
+
+# Logical names of the cache variables: the rules shard them like activations (batch over the
+# batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
+# search finds the batch (beam) axis of every cached array by the name "cache_batch".
+CACHE_KV_AXES = ("cache_batch", "cache_length", "cache_kv_heads", "head_dim")  # [B, L, K, H]
+CACHE_SEGMENT_AXES = ("cache_batch", "cache_length")  # [B, L]
 
 
 class Attention(nn.Module):
@@ -19,6 +25,7 @@ class Attention(nn.Module):
     projected memory `cache/cached_{key,value}` [B, S, K, H] computed once when the cache is made.
     The first decode-mode call creates the cache (zeros, length = the T it was given) and
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
+    Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES.
     """
 
     config: ModelConfig
@@ -72,18 +79,18 @@ class Attention(nn.Module):
             return key(memory), value(memory), memory_segment_ids
         if memory_segment_ids is None and memory is not None:
             memory_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
-        k = self.variable("cache", "cached_key", lambda: key(memory))
-        v = self.variable("cache", "cached_value", lambda: value(memory))
-        seg = self.variable("cache", "cached_segment_ids", lambda: memory_segment_ids)
+        k = self._cache("cached_key", CACHE_KV_AXES, lambda: key(memory))
+        v = self._cache("cached_value", CACHE_KV_AXES, lambda: value(memory))
+        seg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: memory_segment_ids)
         return k.value, v.value, seg.value
 
     def _update_cache(self, k, v, segment_ids):
         """Writes k, v [B, T, K, H] at the cache index; returns the whole cache and its masks."""
         B, T = k.shape[:2]
         creating = not self.has_variable("cache", "cached_key")
-        ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-        cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-        cseg = self.variable("cache", "cached_segment_ids", jnp.zeros, (B, T), jnp.int32)
+        ck = self._cache("cached_key", CACHE_KV_AXES, lambda: jnp.zeros(k.shape, k.dtype))
+        cv = self._cache("cached_value", CACHE_KV_AXES, lambda: jnp.zeros(v.shape, v.dtype))
+        cseg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: jnp.zeros((B, T), jnp.int32))
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
         L = ck.value.shape[1]
         if not creating:
@@ -95,3 +102,8 @@ class Attention(nn.Module):
             cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment_ids.astype(jnp.int32), (0, i))
             index.value = i + T
         return ck.value, cv.value, cseg.value, jnp.arange(L)[None]
+
+    def _cache(self, name: str, axes, make):
+        """The cache variable `name`, created by make() and boxed with logical `axes`; reading
+        its value constrains it to the sharding the active rules give those names."""
+        return self.variable("cache", name, param_init(lambda: constrain(make(), axes), axes))

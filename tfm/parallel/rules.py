@@ -13,6 +13,10 @@ name, e.g. `make_rules("fsdp", "tensor")`:
           dispatched activations [B, E, C, D] name their batch "expert_batch" (the batch axes
           less `expert`), so E is split over `expert` and XLA moves tokens all-to-all.
 
+The KV cache of decoding is named "cache_batch" (the batch axes, as "batch"), "cache_kv_heads"
+(as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
+a decode under a mesh keeps the cache sharded like the activations it came from.
+
 Parameter rules and activation rules differ in one place: "embed" is FSDP-sharded in
 parameters only (activations keep the model dim whole; their batch already uses `fsdp`).
 """
@@ -28,7 +32,7 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "data": {"batch": ("data",)},
     "fsdp": {"batch": ("fsdp",), "embed": ("fsdp",)},
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-               "vocab": ("tensor",)},
+               "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
 }
 _PARAM_ONLY = ("embed",)
@@ -49,6 +53,7 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
         merged["batch"] = {"data"}
     merged["batch"].add("data")
     merged["expert_batch"] = merged["batch"] - {"expert"}
+    merged["cache_batch"] = set(merged["batch"])
     if activations:
         for name in _PARAM_ONLY:
             merged.pop(name, None)
