@@ -15,13 +15,13 @@ import train_job
 from experiments import common
 from experiments.lm.configs import gpt2_small, llama, tiny
 from experiments.lm.settings import LMSettings
-from experiments.translation.configs import base
+from experiments.translation.configs import base, big
 from experiments.translation.settings import TranslationSettings
 from tfm.models import DecoderLM
 from tfm.train import Checkpointer, CheckpointError, Hook, LMTask, Seq2SeqTask, train_and_evaluate
 
 RECIPES = [(tiny, LMSettings, LMTask), (gpt2_small, LMSettings, LMTask), (llama, LMSettings, LMTask),
-           (base, TranslationSettings, Seq2SeqTask)]
+           (base, TranslationSettings, Seq2SeqTask), (big, TranslationSettings, Seq2SeqTask)]
 
 
 def _keys(d, prefix=""):

@@ -2,8 +2,18 @@
 packed Grain batches -> Trainer -> greedy decoding -> BLEU."""
 import json
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import common
 from experiments.translation import train
-from experiments.translation.configs import base
+from experiments.translation.configs import base, big
+from experiments.translation.settings import TranslationSettings
+from tfm.models import EncoderDecoder
+from tfm.train import Seq2SeqTask
 
 
 def test_runlocal_config_trains_and_reports_bleu(tmp_path):
@@ -29,8 +39,32 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     assert (tmp_path / "spm_256.model").exists()
 
 
-def test_base_config_is_the_paper_setting():
-    c = base.get_config()
-    assert (c.model.preset, c.vocab_size, c.task.label_smoothing) == ("transformer_base", 37_000, 0.1)
-    assert (c.optimizer.b1, c.optimizer.b2, c.optimizer.eps) == (0.9, 0.98, 1e-9)
-    assert (c.optimizer.schedule, c.optimizer.warmup_steps, c.num_train_steps) == ("noam", 4000, 100_000)
+PAPER = {  # Vaswani et al. 2017, section 5 and Table 3
+    "base": dict(preset="transformer_base", d_model=512, d_ff=2048, num_heads=8, dropout_rate=0.1,
+                 num_train_steps=100_000, noam_d_model=512, average_last=5),
+    "big": dict(preset="transformer_big", d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3,
+                num_train_steps=300_000, noam_d_model=1024, average_last=20),
+}
+
+
+@pytest.mark.parametrize("name,module", [("base", base), ("big", big)])
+def test_configs_hold_the_paper_values(name, module):
+    paper = PAPER[name]
+    exp = common.resolve(module.get_config(), TranslationSettings, Seq2SeqTask)
+    model = exp.model(exp.settings.vocab_size)
+    assert exp.preset == paper["preset"] and exp.overrides == {}
+    assert (model.d_model, model.d_ff, model.num_heads, model.num_layers, model.dropout_rate) == (
+        paper["d_model"], paper["d_ff"], paper["num_heads"], 6, paper["dropout_rate"])
+    assert (model.norm_position, model.share_source_target_embeddings, model.tie_embeddings) == ("post", True, True)
+    opt = exp.train.optimizer
+    assert (opt.name, opt.b1, opt.b2, opt.eps, opt.clip_grad_norm) == ("adam", 0.9, 0.98, 1e-9, None)
+    assert (opt.schedule, opt.warmup_steps, opt.learning_rate, opt.noam_d_model) == ("noam", 4000, 1.0, paper["noam_d_model"])
+    assert exp.train.num_train_steps == paper["num_train_steps"]
+    assert exp.task.label_smoothing == 0.1
+    s = exp.settings
+    assert (s.dataset, s.vocab_size, s.beam_size, s.alpha) == ("wmt14", 37_000, 4, 0.6)
+    assert s.average_last == paper["average_last"] <= exp.train.keep_checkpoints
+    params = jax.eval_shape(lambda: EncoderDecoder(model).init(
+        jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)))["params"]
+    count = sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params)))
+    assert count == {"base": 63_082_496, "big": 214_245_376}[name]  # tests/test_config.py's formulas
