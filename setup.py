@@ -20,6 +20,7 @@ setup(
         "tokenizers>=0.21,<0.24",  # WordPiece for BERT (tfm.data.tokenizers)
         "importlib_resources>=6",  # needed by TFDS to build our local datasets
         "sacrebleu>=2.5,<2.7",
+        "sacremoses==0.2.0",  # Moses tokenizer for the paper's BLEU (experiments/translation/bleu.py)
         "ml_collections>=1.1,<1.2",
         "numpy>=2.0,<3",
         "tqdm>=4.66",
