@@ -99,3 +99,49 @@ def test_encoder_decoder_beam_scores_match_full_forward_rescoring():
     greedy = decode.translate(model, params, src, L, bos_id=bos, eos_id=eos)
     beam = decode.translate(model, params, src, L, bos_id=bos, eos_id=eos, beam_size=W)
     assert greedy.shape == beam.shape == (2, L)
+
+
+def _brute_force_best(logp, first, limit, eos, alpha):
+    """The best sequence (cut at its first eos, at most `limit` tokens) after token `first`."""
+    V = logp.shape[0]
+    best, best_score = None, -np.inf
+    for length in range(1, limit + 1):
+        for seq in itertools.product(range(V), repeat=length):
+            if eos in seq[:-1] or (length < limit and seq[-1] != eos):
+                continue  # ends at its first eos, or runs to the limit
+            prev, total = first, 0.0
+            for t in seq:
+                total, prev = total + logp[prev, t], t
+            score = total / decode.length_penalty(length, alpha)
+            if score > best_score + 1e-9:
+                best, best_score = list(seq), score
+    return best, best_score
+
+
+def test_beam_search_per_sentence_limits_and_early_stop_equal_brute_force():
+    """Two sentences with output limits 3 and 5 in a buffer of 12: each result is the brute-force
+    best within its limit, and the loop stops long before 12 steps."""
+    V, eos, alpha, L = 4, 3, 0.6, 12
+    table = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(6), (V, V)) * 2.0, axis=-1)
+    logp = np.log(np.asarray(table))
+    steps = []
+    inner = markov_step(table)
+
+    def counted(cache, tokens):
+        jax.debug.callback(lambda: steps.append(1))
+        return inner(cache, tokens)
+
+    limits = jnp.array([3, 5])
+    tokens, scores = decode.beam_search(counted, {"index": jnp.zeros(())}, jnp.array([0, 1]), L, beam_size=V ** 2,
+                                        eos_id=eos, alpha=alpha, max_lengths=limits)
+    for b, (first, limit) in enumerate([(0, 3), (1, 5)]):
+        best, best_score = _brute_force_best(logp, first, limit, eos, alpha)
+        assert list(np.asarray(tokens[b, 0, :len(best)])) == best
+        assert (np.asarray(tokens[b, 0, len(best):]) == 0).all()
+        assert abs(float(scores[b, 0]) - best_score) < 1e-5
+    assert len(steps) <= 5 < L  # no step after every sentence is settled
+
+    greedy = decode.generate(inner, {"index": jnp.zeros(())}, jnp.array([[0], [1]]), L, jax.random.PRNGKey(0),
+                             greedy=True, max_lengths=limits)
+    assert [int((np.asarray(row) != 0).sum()) <= n for row, n in zip(greedy, [3, 5])] == [True, True]
+    assert (np.asarray(greedy[:, 5:]) == 0).all()

@@ -87,11 +87,13 @@ def choose(logits, rng, *, greedy: bool, temperature: float, top_k, top_p):
 
 def generate(step: StepFn, cache: dict, prompt: jax.Array, max_new_tokens: int, rng: jax.Array, *,
              greedy: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, eos_id: Optional[int] = None, pad_id: int = 0) -> jax.Array:
+             top_p: Optional[float] = None, eos_id: Optional[int] = None, pad_id: int = 0,
+             max_lengths: Optional[jax.Array] = None) -> jax.Array:
     """Extends prompt [B, P] by max_new_tokens -> new tokens [B, max_new_tokens].
 
     The prompt is run through the cache in one step, then one token per loop iteration; a row
-    that produced eos_id is padded with pad_id afterwards, and the loop stops when all rows have.
+    that produced eos_id, or max_lengths[b] tokens ([B] ints <= max_new_tokens), is padded with
+    pad_id afterwards, and the loop stops when all rows have.
     """
     B = prompt.shape[0]
     pick = lambda logits, key: choose(logits, key, greedy=greedy, temperature=temperature, top_k=top_k,
@@ -101,6 +103,8 @@ def generate(step: StepFn, cache: dict, prompt: jax.Array, max_new_tokens: int, 
     first = pick(logits[:, -1], key)
     out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.zeros((B,), bool) if eos_id is None else first == eos_id
+    limit = jnp.full((B,), max_new_tokens) if max_lengths is None else jnp.minimum(max_lengths, max_new_tokens)
+    done = done | (limit <= 1)
 
     def cond(state):
         i, _, _, _, done = state
@@ -112,6 +116,7 @@ def generate(step: StepFn, cache: dict, prompt: jax.Array, max_new_tokens: int, 
         rng, key = jax.random.split(rng)
         token = jnp.where(done, pad_id, pick(logits[:, -1], key))
         out = out.at[:, i].set(token)
+        done = done | (i + 1 >= limit)
         if eos_id is not None:
             done = done | (token == eos_id)
         return i + 1, out, cache, rng, done
@@ -152,23 +157,32 @@ def _gather_beams(cache, rows):
 
 
 def beam_search(step: StepFn, cache: dict, bos: jax.Array, max_len: int, *, beam_size: int, eos_id: int,
-                alpha: float = 0.6, pad_id: int = 0) -> Tuple[jax.Array, jax.Array]:
+                alpha: float = 0.6, pad_id: int = 0, max_lengths: Optional[jax.Array] = None
+                ) -> Tuple[jax.Array, jax.Array]:
     """Beam search from bos [B] on a cache made for B * beam_size rows (row b * W + w is beam w).
 
     Keeps W alive and W finished hypotheses per example; a hypothesis finishes when it emits eos_id
-    and is scored by log-probability / length_penalty. Returns (tokens [B, W, max_len] best first,
-    padded with pad_id after eos; scores [B, W]). Unfinished hypotheses at max_len compete with
-    their penalised scores.
+    or reaches max_lengths[b] tokens ([B] ints <= max_len; default max_len), and is scored by
+    log-probability / length_penalty. The loop stops as soon as, for every example, no alive
+    hypothesis can still beat its W finished ones (its best possible score, at its length limit,
+    is lower): the result equals running all max_len steps. Returns (tokens [B, W, max_len] best
+    first, padded with pad_id after eos; scores [B, W]).
     """
     B, W = bos.shape[0], beam_size
     neg = jnp.asarray(-1e9, jnp.float32)
+    limit = jnp.full((B,), max_len) if max_lengths is None else jnp.minimum(max_lengths, max_len)
     seqs = jnp.full((B, W, max_len), pad_id, jnp.int32)
     alive_logp = jnp.where(jnp.arange(W) == 0, 0.0, neg)[None].repeat(B, 0)  # one live beam at start
     done_seqs, done_scores = seqs, jnp.full((B, W), neg)
     last = jnp.broadcast_to(bos[:, None], (B, W))
 
-    def body(i, state):
-        seqs, alive_logp, done_seqs, done_scores, last, cache = state
+    def cond(state):
+        i, _, alive_logp, _, done_scores, _, _ = state
+        best_possible = jnp.where(alive_logp[:, 0] > neg / 2, alive_logp[:, 0] / length_penalty(limit, alpha), -jnp.inf)
+        return (i < max_len) & ~jnp.all(done_scores[:, -1] >= best_possible)
+
+    def body(state):
+        i, seqs, alive_logp, done_seqs, done_scores, last, cache = state
         logits, cache = step(cache, last.reshape(B * W, 1))
         V = logits.shape[-1]
         logp = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32)).reshape(B, W, V)
@@ -176,32 +190,34 @@ def beam_search(step: StepFn, cache: dict, bos: jax.Array, max_len: int, *, beam
         top_logp, top = jax.lax.top_k(cand, 2 * W)  # enough to keep W alive after eos
         beam, token = top // V, (top % V).astype(jnp.int32)
         cand_seqs = jnp.take_along_axis(seqs, beam[..., None], axis=1).at[:, :, i].set(token)
-        is_eos = token == eos_id
-        # finished: merge the new eos candidates with those kept so far
-        new_done = jnp.where(is_eos, top_logp / length_penalty(i + 1, alpha), neg)
+        ends = (token == eos_id) | (i + 1 >= limit)[:, None]
+        # finished: merge the new ending candidates with those kept so far
+        new_done = jnp.where(ends, top_logp / length_penalty(i + 1, alpha), neg)
         scores = jnp.concatenate([done_scores, new_done], 1)
         keep_scores, keep = jax.lax.top_k(scores, W)
         done_seqs = jnp.take_along_axis(jnp.concatenate([done_seqs, cand_seqs], 1), keep[..., None], axis=1)
         # alive: the best W candidates that did not end
-        alive_scores, pick = jax.lax.top_k(jnp.where(is_eos, neg, top_logp), W)
+        alive_scores, pick = jax.lax.top_k(jnp.where(ends, neg, top_logp), W)
         seqs = jnp.take_along_axis(cand_seqs, pick[..., None], axis=1)
         rows = (jnp.arange(B)[:, None] * W + jnp.take_along_axis(beam, pick, axis=1)).reshape(B * W)
-        return (seqs, alive_scores, done_seqs, keep_scores, jnp.take_along_axis(token, pick, axis=1),
+        return (i + 1, seqs, alive_scores, done_seqs, keep_scores, jnp.take_along_axis(token, pick, axis=1),
                 _gather_beams(cache, rows))
 
-    state = (seqs, alive_logp, done_seqs, done_scores, last, cache)
-    seqs, alive_logp, done_seqs, done_scores, _, _ = jax.lax.fori_loop(0, max_len, body, state)
-    # hypotheses still alive at max_len compete with the finished ones
-    scores = jnp.concatenate([done_scores, alive_logp / length_penalty(max_len, alpha)], 1)
+    state = (jnp.asarray(0), seqs, alive_logp, done_seqs, done_scores, last, cache)
+    _, seqs, alive_logp, done_seqs, done_scores, _, _ = jax.lax.while_loop(cond, body, state)
+    # hypotheses still alive (only at max_len, or when they can no longer win) compete too
+    scores = jnp.concatenate([done_scores, alive_logp / length_penalty(limit, alpha)[:, None]], 1)
     best, order = jax.lax.top_k(scores, W)
     tokens = jnp.take_along_axis(jnp.concatenate([done_seqs, seqs], 1), order[..., None], axis=1)
     return tokens, best
 
 
 def translate(model: EncoderDecoder, params, inputs, max_new_tokens: int, *, bos_id: int, eos_id: int,
-              inputs_segment_ids=None, beam_size: int = 1, alpha: float = 0.6, pad_id: int = 0) -> jax.Array:
+              inputs_segment_ids=None, beam_size: int = 1, alpha: float = 0.6, pad_id: int = 0,
+              max_lengths: Optional[jax.Array] = None) -> jax.Array:
     """EncoderDecoder output for inputs [B, S] -> best hypothesis [B, max_new_tokens]:
-    greedy when beam_size == 1, else beam search with GNMT length penalty alpha."""
+    greedy when beam_size == 1, else beam search with GNMT length penalty alpha; row b stops
+    after max_lengths[b] tokens (e.g. its source length + 50, as Vaswani et al.)."""
     B = inputs.shape[0]
     if inputs_segment_ids is None:
         inputs_segment_ids = jnp.ones(inputs.shape, jnp.int32)
@@ -212,7 +228,8 @@ def translate(model: EncoderDecoder, params, inputs, max_new_tokens: int, *, bos
     if beam_size == 1:
         bos = jnp.full((B, 1), bos_id, jnp.int32)
         return generate(step, cache, bos, max_new_tokens, jax.random.PRNGKey(0), greedy=True, eos_id=eos_id,
-                        pad_id=pad_id)
+                        pad_id=pad_id, max_lengths=max_lengths)
     tokens, _ = beam_search(step, cache, jnp.full((B,), bos_id, jnp.int32), max_new_tokens, beam_size=beam_size,
-                            eos_id=eos_id, alpha=alpha, pad_id=pad_id)
+                            eos_id=eos_id, alpha=alpha, pad_id=pad_id,
+                            max_lengths=max_lengths)
     return tokens[:, 0]

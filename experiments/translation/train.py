@@ -32,19 +32,26 @@ def load_sources(settings, workdir):
 
 
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
-              batch_size: int = 64) -> list[str]:
-    """Translations of English sentences (beam search; greedy when beam_size is 1)."""
-    step = jax.jit(lambda p, x, s: decode.translate(model, p, x, max_len, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                                    inputs_segment_ids=s, beam_size=beam_size, alpha=alpha))
-    out = []
-    for i in range(0, len(sentences), batch_size):
-        chunk = sentences[i:i + batch_size]
+              batch_size: int = 64, extra_length: int = 50) -> list[str]:
+    """Translations of English sentences (beam search; greedy when beam_size is 1), each at most
+    its source length + extra_length tokens (and max_len). Sentences are decoded in batches of
+    similar length, so a batch stops early, and returned in their original order."""
+    step = jax.jit(lambda p, x, s, n: decode.translate(model, p, x, max_len, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                       inputs_segment_ids=s, beam_size=beam_size, alpha=alpha,
+                                                       max_lengths=n))
+    encoded = [(tok.encode(sentence) + [tok.eos_id])[:max_len] for sentence in sentences]
+    order = sorted(range(len(sentences)), key=lambda i: len(encoded[i]))
+    out = [None] * len(sentences)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
         ids = np.zeros((batch_size, max_len), np.int32)
-        for row, sentence in enumerate(chunk):
-            encoded = (tok.encode(sentence) + [tok.eos_id])[:max_len]
-            ids[row, :len(encoded)] = encoded
-        hyp = np.asarray(step(params, ids, (ids != 0).astype(np.int32)))
-        out += [tok.decode(list(row)) for row in hyp[:len(chunk)]]
+        limits = np.ones((batch_size,), np.int32)
+        for row, i in enumerate(chunk):
+            ids[row, :len(encoded[i])] = encoded[i]
+            limits[row] = min(len(encoded[i]) + extra_length, max_len)
+        hyp = np.asarray(step(params, ids, (ids != 0).astype(np.int32), limits))
+        for row, i in enumerate(chunk):
+            out[i] = tok.decode(list(hyp[row]))
     return out
 
 
