@@ -15,7 +15,7 @@ def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
     try:
         ids = np.asarray(tokens)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return  # traced inside jit: out-of-range ids then embed as NaN (jnp.take fills), and training stops on NaN
+        return  # traced inside jit: `Embed` turns out-of-range ids into NaN rows instead
     if ids.size == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
@@ -38,7 +38,10 @@ class Embed(nn.Module):
             (self.num_embeddings, self.features), jnp.float32)
 
     def __call__(self, ids):
-        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        # jnp.take wraps negative ids to the end of the table (numpy indexing) and fills ids >= V
+        # with NaN; moving negatives past the end too makes every out-of-range id embed as NaN.
+        ids = jnp.where(ids < 0, self.num_embeddings, ids)
+        return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
 
     def attend(self, x):
         return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding.astype(self.dtype))

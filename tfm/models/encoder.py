@@ -17,6 +17,13 @@ def _dense(features_in: int, features_out: int, name: str, dtype):
                   dtype=dtype, name=name)
 
 
+def _gather(hidden, positions):
+    """hidden [B, T, D] at positions [B, P] -> [B, P, D]; a position outside [0, T) gives a NaN
+    row (a negative one would otherwise wrap to the end of the row)."""
+    positions = jnp.where(positions < 0, hidden.shape[1], positions)
+    return jnp.take_along_axis(hidden, positions[..., None], axis=1, mode="fill", fill_value=jnp.nan)
+
+
 class EncoderModel(nn.Module):
     """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
     "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
@@ -48,7 +55,7 @@ class EncoderModel(nn.Module):
             pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
             out["logits"] = _dense(cfg.d_model, cfg.num_labels, "classifier", dt)(pooled).astype(jnp.float32)
         if "mlm" in cfg.heads:
-            h = hidden if mlm_positions is None else jnp.take_along_axis(hidden, mlm_positions[..., None], axis=1)
+            h = hidden if mlm_positions is None else _gather(hidden, mlm_positions)
             h = Einsum("BTD,DO->BTO", (cfg.d_model, cfg.d_model), ("embed", None), (None,), use_bias=True,
                        dtype=dt, name="mlm_transform")(h)
             h = Norm(cfg, name="mlm_norm")(activation_fn(cfg.head_activation or cfg.activation)(h))

@@ -15,16 +15,29 @@ With `vocab_chunk` set, the LM, MLM and seq2seq tasks ask the model for its `Une
 score it with `fused_cross_entropy` (chunks of at most vocab_chunk vocabulary columns), so
 the fp32 logits [B, T, V] and their gradient are never held whole; None keeps the plain
 logits path.
+
+Ids: `id_fields` lists each task's integer entries and their ranges; the trainer checks the
+host batch against them (`tfm.train.batch_checks`) and names the first offending value.
+Inside the step an out-of-range target is never scored as a wrapped id: where its weight is
+nonzero the loss becomes NaN, where it is zero (padding) it is ignored.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from tfm.train.losses import cross_entropy, fused_cross_entropy
+
+
+class IdField(NamedTuple):
+    """A batch entry of integer ids that must lie in [0, bound): everywhere, or only where the
+    batch entry `weights` is nonzero (padding there may hold any value)."""
+    key: str
+    bound: int
+    weights: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,10 @@ class Task:
 
     def num_tokens(self, batch: dict) -> int:
         """Tokens the model processes per batch (for tokens/s)."""
+        raise NotImplementedError
+
+    def id_fields(self, config, batch: dict) -> list[IdField]:
+        """The batch's id entries and their ranges under ModelConfig `config`."""
         raise NotImplementedError
 
     # --- shared -----------------------------------------------------------------------
@@ -94,13 +111,22 @@ class Task:
         """outputs: logits [B, T, V], or the model's `Unembedding` when vocab_chunk is set."""
         kw = dict(label_smoothing=self.label_smoothing, z_loss=self.z_loss)
         if self.vocab_chunk is None:
-            return cross_entropy(outputs, targets, weights, **kw)
+            return cross_entropy(outputs, *_scored(targets, weights, outputs.shape[-1]), **kw)
+        targets, weights = _scored(targets, weights, outputs.kernel.shape[0])
         return fused_cross_entropy(outputs.hidden, outputs.kernel, targets, weights, bias=outputs.bias,
                                    dtype=outputs.dtype, vocab_chunk=self.vocab_chunk, **kw)
 
     def _logits_kwarg(self) -> dict:
         """Asks the model for its `Unembedding` instead of logits when the loss is fused."""
         return {} if self.vocab_chunk is None else {"logits": False}
+
+
+def _scored(targets, weights, vocab: int):
+    """(targets, float weights) with out-of-range targets replaced by 0, and NaN weights where
+    such a target was weighted: the loss turns non-finite instead of scoring another id."""
+    valid = (targets >= 0) & (targets < vocab)
+    weights = weights.astype(jnp.float32)
+    return jnp.where(valid, targets, 0), jnp.where(valid | (weights == 0), weights, jnp.nan)
 
 
 def _weights_or_ones(batch, key, like):
@@ -121,6 +147,10 @@ class LMTask(Task):
     def num_tokens(self, batch):
         return int(batch["inputs"].size)
 
+    def id_fields(self, config, batch):
+        V = config.vocab_size
+        return [IdField("inputs", V), IdField("targets", V, "weights")]
+
 
 class MLMTask(Task):
     def model_kwargs(self, batch):
@@ -136,10 +166,18 @@ class MLMTask(Task):
     def loss_terms(self, out, batch):
         w = self.weights(batch)
         return {"mlm": self._ce(out["mlm_logits"], batch["mlm_ids"], w["mlm"]),
-                "nsp": cross_entropy(out["nsp_logits"], batch["nsp_label"], w["nsp"])}
+                "nsp": cross_entropy(out["nsp_logits"], *_scored(batch["nsp_label"], w["nsp"], 2))}
 
     def num_tokens(self, batch):
         return int(batch["input_ids"].size)
+
+    def id_fields(self, config, batch):
+        V = config.vocab_size
+        fields = [IdField("input_ids", V), IdField("mlm_positions", batch["input_ids"].shape[1]),
+                  IdField("mlm_ids", V, "mlm_weights"), IdField("nsp_label", 2)]
+        if config.type_vocab_size:
+            fields.append(IdField("token_type_ids", config.type_vocab_size))
+        return fields
 
 
 class Seq2SeqTask(Task):
@@ -158,3 +196,7 @@ class Seq2SeqTask(Task):
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size + batch["targets"].size)
+
+    def id_fields(self, config, batch):
+        V = config.vocab_size
+        return [IdField("inputs", V), IdField("targets_in", V), IdField("targets", V, "weights")]
