@@ -109,12 +109,25 @@ class Weights:
     def __call__(self, key: str, shape: Optional[Sequence[int]] = None) -> np.ndarray:
         if key not in self.tensors:
             raise ConversionError(f"{self.source}: checkpoint lacks tensor {key!r}")
-        self.used.add(key)
         value = self.tensors[key]
         if shape is not None and tuple(value.shape) != tuple(shape):
             raise ConversionError(f"{self.source}: tensor {key!r} has shape {tuple(value.shape)}, "
                                   f"the config implies {tuple(shape)}")
+        if key not in self.used:
+            self._check_finite(key, value)
+        self.used.add(key)
         return value
+
+    def _check_finite(self, key: str, value: np.ndarray):
+        if not np.issubdtype(value.dtype, np.floating):
+            return
+        finite = np.isfinite(value)
+        if finite.all():
+            return
+        first = np.unravel_index(np.argmin(finite), value.shape)
+        raise ConversionError(f"{self.source}: tensor {key!r} holds {value.size - int(finite.sum())} non-finite "
+                              f"value(s), the first {value[first]} at index {tuple(int(i) for i in first)}; "
+                              f"the checkpoint is corrupt or overflowed when it was saved")
 
     def optional(self, key: str) -> Optional[np.ndarray]:
         return self(key) if self.has(key) else None

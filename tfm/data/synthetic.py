@@ -148,7 +148,20 @@ def _split_sizes(train: int, validation: int, test: int) -> dict[str, int]:
     return sizes
 
 
-class TfmSyntheticTranslate(tfds.core.GeneratorBasedBuilder):
+class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """A builder that generates its examples here: says so, where TFDS would announce a
+    download (its `_log_download_*` hooks print "Downloading and preparing dataset")."""
+
+    def _log_download_bytes(self):
+        sizes = ", ".join(f"{split} {n}" for split, n in self._sizes.items())
+        print(f"Generating {self.name} locally ({sizes} examples; nothing is downloaded) "
+              f"in {self.data_dir}...", flush=True)
+
+    def _log_download_done(self):
+        print(f"Generated {self.name} in {self.data_dir}; later runs reuse it.", flush=True)
+
+
+class TfmSyntheticTranslate(_LocalBuilder):
     """TFDS builder of `translation_pairs`; features match `wmt14_translate/de-en`."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -173,7 +186,7 @@ class TfmSyntheticTranslate(tfds.core.GeneratorBasedBuilder):
             yield i, {"en": en, "de": de}
 
 
-class TfmSyntheticDocs(tfds.core.GeneratorBasedBuilder):
+class TfmSyntheticDocs(_LocalBuilder):
     """TFDS builder of `documents`; features match `wikipedia` (one sentence a line)."""
 
     VERSION = tfds.core.Version("1.0.0")
