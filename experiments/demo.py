@@ -19,9 +19,10 @@ def main():
     tfds.disable_progress_bar()
     logging.set_verbosity(logging.WARNING)
     scores = train.train_and_evaluate(base.get_config("runlocal"), workdir)
-    print(f"\nfinal training loss {scores['final_loss']:.3f}; beam-search decoding took {scores['decode_seconds']:.1f}s")
-    print(f"BLEU on {len(scores['samples'])} held-out sentences: sacreBLEU {scores['sacrebleu']:.1f}, "
-          f"tokenized {scores['tokenized_bleu']:.1f}\n")
+    n = len(scores["samples"])
+    print(f"\nfinal training loss {scores['final_loss']:.3f}; beam-4 decoding: {n} sentences in "
+          f"{scores['decode_seconds']:.1f}s ({n / scores['decode_seconds']:.1f} sentences/s, compile included)")
+    print(train.bleu_lib.report(scores, scores["test_set"]) + "\n")
     for src, hyp, ref in scores["samples"][:5]:
         print(f"  EN  {src}\n  OUT {hyp}\n  REF {ref}\n")
 

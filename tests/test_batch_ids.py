@@ -113,3 +113,13 @@ def test_negative_ids_embed_as_nan_under_jit_not_as_the_last_row():
     out = jax.jit(embed.apply)(params, jnp.asarray([[-1, V, V - 1]]))
     assert np.isnan(out[0, 0]).all() and np.isnan(out[0, 1]).all()
     assert np.isfinite(out[0, 2]).all()
+
+
+@pytest.mark.parametrize("layout, key, value", BAD)
+def test_the_trainer_refuses_out_of_range_ids_where_data_enters(layout, key, value):
+    from tfm.train import TrainConfig, Trainer
+    model, task, _ = task_and_config(layout)
+    trainer = Trainer(model, task, TrainConfig(batch_size=8)).setup(good_batch(layout))
+    trainer.global_batch(good_batch(layout))
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] has id {value} outside"):
+        trainer.global_batch(with_value(good_batch(layout), key, value))

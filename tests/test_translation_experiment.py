@@ -24,15 +24,18 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     config.log_every = 20
     config.optimizer.warmup_steps = 10
     config.checkpoint_every, config.keep_checkpoints, config.average_last = 30, 2, 2
-    config.eval_every, config.eval_bleu_examples, config.keep_best = 30, 8, "sacrebleu"
+    config.eval_every, config.eval_bleu_examples, config.keep_best = 30, 8, "bleu_moses_compound_split"
     scores = train.train_and_evaluate(config, str(tmp_path))
     evals = scores["eval_history"]
     assert [e["step"] for e in evals] == [30, 60]
-    assert all({"loss", "accuracy", "sacrebleu", "tokenized_bleu"} <= set(e) for e in evals)
+    assert all({"loss", "accuracy", "sacrebleu", "bleu_moses_compound_split"} <= set(e) for e in evals)
     assert evals[-1]["loss"] < evals[0]["loss"]  # validation loss falls
     best = json.loads((tmp_path / "best" / "best.json").read_text())
-    assert best["metric"] == "sacrebleu" and best["value"] == max(e["sacrebleu"] for e in evals)
-    assert 0.0 <= scores["sacrebleu"] <= 100.0 and 0.0 <= scores["tokenized_bleu"] <= 100.0
+    assert best["metric"] == "bleu_moses_compound_split"
+    assert best["value"] == max(e["bleu_moses_compound_split"] for e in evals)
+    assert 0.0 <= scores["sacrebleu"] <= 100.0 and 0.0 <= scores["bleu_moses_compound_split"] <= 100.0
+    assert scores["sacrebleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert scores["test_set"] == "TFDS tfm_synthetic_translate test, 16 lines"
     assert len(scores["samples"]) == 16
     assert scores["averaged_checkpoints"] == 2  # steps 30 and 60
     assert scores["final_loss"] < 4.8  # ln(256) = 5.55 at initialisation

@@ -9,9 +9,9 @@ import time
 
 import jax
 import numpy as np
-import sacrebleu
 
 from experiments import common
+from experiments.translation import bleu as bleu_lib
 from experiments.translation.settings import TranslationSettings
 from tfm import decode
 from tfm.data import pipeline, sources, synthetic
@@ -56,13 +56,12 @@ def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, al
 
 
 def bleu(model, params, tok, examples, max_len: int, beam_size: int, alpha: float) -> dict:
-    """sacreBLEU (13a) and tokenized BLEU (the paper's convention, on whitespace tokens)."""
+    """The paper's BLEU (bleu_moses_compound_split) and sacreBLEU with its signature, on the
+    detokenized translations of `examples`; "samples" holds (source, hypothesis, reference)."""
     src = [sources.as_text(ex["en"]) for ex in examples]
     refs = [sources.as_text(ex["de"]) for ex in examples]
     hyps = translate(model, params, tok, src, max_len, beam_size=beam_size, alpha=alpha)
-    return {"sacrebleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
-            "tokenized_bleu": sacrebleu.corpus_bleu(hyps, [refs], tokenize="intl").score,
-            "samples": list(zip(src, hyps, refs))}
+    return {**bleu_lib.scores(hyps, refs), "samples": list(zip(src, hyps, refs))}
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -86,7 +85,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     def eval_bleu(trainer, params, step):
         scores = bleu(model, params, tok, held_out[:s.eval_bleu_examples], s.decode_length, s.beam_size, s.alpha)
-        return {k: scores[k] for k in ("sacrebleu", "tokenized_bleu")}
+        return {k: scores[k] for k in (bleu_lib.PAPER_BLEU, bleu_lib.SACREBLEU)}
 
     result = run_training(tcfg, workdir, model=model, task=exp.task, train_data=data, eval_data=eval_data,
                           eval_extra=eval_bleu if s.eval_bleu_examples else None,
@@ -104,6 +103,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     test_examples = [test[i] for i in range(min(s.eval_examples, len(test)))]
     scores = bleu(model, params, tok, test_examples, s.decode_length, s.beam_size, s.alpha)
     scores["decode_seconds"] = time.perf_counter() - start
+    scores["test_set"] = bleu_lib.describe_test_set(sources.resolve(s.dataset), "test", len(test_examples))
     scores["averaged_checkpoints"] = averaged
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
     scores["eval_history"] = result.eval_history
@@ -111,8 +111,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
 
 def report(scores):
-    print(f"BLEU: sacreBLEU {scores['sacrebleu']:.2f}, tokenized {scores['tokenized_bleu']:.2f} "
-          f"(average of {scores['averaged_checkpoints']} checkpoints)")
+    print(bleu_lib.report(scores, scores["test_set"]) + f" (average of {scores['averaged_checkpoints']} checkpoints)")
 
 
 if __name__ == "__main__":

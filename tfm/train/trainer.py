@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm import parallel
+from tfm.train.batch_checks import check_batch
 from tfm.train.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
 from tfm.train.config import TrainConfig
 from tfm.train.hooks import Hook, default_hooks
@@ -120,6 +121,9 @@ class Trainer:
             return self._eval(params, batch)
 
     def global_batch(self, local_batch: dict) -> dict:
+        """This process's rows, checked (ids inside their ranges, naming any that is not), as
+        one global array per key."""
+        check_batch(self.task, local_batch, self.model.config)
         return parallel.global_batch(local_batch, self.batch_sharding)
 
     def evaluate(self, params, local_batches: Iterable[dict]) -> dict:
