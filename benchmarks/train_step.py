@@ -1,10 +1,10 @@
 """One jitted train step (forward, backward, AdamW) vs the same-size Hugging Face PyTorch
 model on the same CPU, side by side: BERT-base MLM+NSP (8 x 128), GPT-2-small LM (8 x 256),
-Transformer-base (8 x 64 -> 64), with tfm's plain cross-entropy and, given --vocab-chunk,
-the fused one (`Task.vocab_chunk`). On a GPU also prints MFU for GPT-2 small/medium at 1024
-(bf16).
+Transformer-base (8 x 64 -> 64), with tfm's plain cross-entropy and the fused one
+(`Task.vocab_chunk` = --vocab-chunk). On a GPU also prints MFU for GPT-2 small/medium at
+1024 (bf16).
 
-    python -m benchmarks.train_step [--steps 3] [--only gpt2] [--vocab-chunk 8192]
+    python -m benchmarks.train_step [--steps 5] [--only gpt2] [--vocab-chunk 8192]
 
 --memory compiles (without running) the GPT-2-small fp32 train step at 8 x 1024 with
 chunked attention and prints XLA's temp memory, plain vs fused per chunk size:
@@ -53,16 +53,28 @@ def _trainer(name, B, T, vocab_chunk=None, **model_changes):
     return Trainer(model, task, cfg, None).setup(batch), batch
 
 
-def time_jax(name, B, T, steps, dtype="float32", vocab_chunk=None):
+def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None):
+    """(step, trainer): step() runs one train step to completion; warmed up (compiled)."""
     trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype)
-    state, gb = trainer.init_state(), trainer.global_batch(batch)
-    state, m = trainer.train_step(state, gb)
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, m = trainer.train_step(state, gb)
-    jax.block_until_ready(m)
-    return (time.perf_counter() - t0) / steps, trainer
+    state, gb = [trainer.init_state()], trainer.global_batch(batch)
+
+    def step():
+        state[0], metrics = trainer.train_step(state[0], gb)
+        jax.block_until_ready(metrics)
+    step()
+    return step, trainer
+
+
+def interleaved(steps, rounds: int) -> list[float]:
+    """Fastest seconds per call of each step function, called round-robin so that load from
+    other jobs on a shared machine falls on all of them alike."""
+    times = [[] for _ in steps]
+    for _ in range(rounds):
+        for t, step in zip(times, steps):
+            t0 = time.perf_counter()
+            step()
+            t.append(time.perf_counter() - t0)
+    return [min(t) for t in times]
 
 
 def compiled_temp_bytes(vocab_chunk, B=8, T=1024) -> int:
@@ -88,7 +100,8 @@ def memory_table(vocab_chunks):
               flush=True)
 
 
-def time_torch(name, B, T, steps):
+def torch_stepper(name, B, T):
+    """step() runs one HF PyTorch train step (AdamW); warmed up."""
     import torch
     import transformers as hf
     g = torch.Generator().manual_seed(0)
@@ -113,18 +126,16 @@ def time_torch(name, B, T, steps):
         model(**kw).loss.backward()
         opt.step()
     step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t0) / steps
+    return step
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--only", default="bert,gpt2,transformer")
-    p.add_argument("--vocab-chunk", default="",
-                   help="fused cross-entropy chunk size(s), comma-separated (--memory: one row each)")
+    p.add_argument("--vocab-chunk", default="8192",
+                   help="fused cross-entropy chunk size(s), comma-separated (--memory: one row each); "
+                        "'' times the plain loss only")
     p.add_argument("--memory", action="store_true",
                    help="compiled temp memory of the GPT-2-small 8x1024 step, plain vs fused")
     a = p.parse_args()
@@ -133,22 +144,26 @@ def main():
         return memory_table(chunks)
     chunk = chunks[0] if chunks else None
     cases = {"bert": (8, 128), "gpt2": (8, 256), "transformer": (8, 64)}
-    print(f"device: {jax.devices()[0].device_kind}; {a.steps} timed steps after one warm-up")
-    fused_head = f"{f'fused {chunk} (s)':>16}{'plain/fused':>13}" if chunk else ""
-    print(f"{'model':<14}{'batch':>10}{'tfm (s)':>10}{fused_head}{'HF torch (s)':>14}{'torch/tfm':>11}")
+    print(f"device: {jax.devices()[0].device_kind}; fastest of {a.steps} interleaved steps after one warm-up")
+    fused_head = f"{f'fused {chunk} (s)':>16}{'tfm/fused':>11}" if chunk else ""
+    fused_ratio = f"{'torch/fused':>13}" if chunk else ""
+    print(f"{'model':<14}{'batch':>10}{'tfm (s)':>10}{fused_head}{'HF torch (s)':>14}{'torch/tfm':>11}{fused_ratio}")
     for name in a.only.split(","):
         B, T = cases[name]
-        t_jax, _ = time_jax(name, B, T, a.steps)
-        fused = ""
+        steps = {"tfm": jax_stepper(name, B, T)[0]}
         if chunk:
-            t_fused, _ = time_jax(name, B, T, a.steps, vocab_chunk=chunk)
-            fused = f"{t_fused:>16.3f}{t_jax / t_fused:>13.2f}"
-        t_torch = time_torch(name, B, T, a.steps)
-        print(f"{name:<14}{f'{B}x{T}':>10}{t_jax:>10.3f}{fused}{t_torch:>14.3f}{t_torch / t_jax:>11.2f}",
-              flush=True)
+            steps["fused"] = jax_stepper(name, B, T, vocab_chunk=chunk)[0]
+        steps["torch"] = torch_stepper(name, B, T)
+        t = dict(zip(steps, interleaved(list(steps.values()), a.steps)))
+        row = f"{name:<14}{f'{B}x{T}':>10}{t['tfm']:>10.3f}"
+        row += f"{t['fused']:>16.3f}{t['tfm'] / t['fused']:>11.2f}" if chunk else ""
+        row += f"{t['torch']:>14.3f}{t['torch'] / t['tfm']:>11.2f}"
+        row += f"{t['torch'] / t['fused']:>13.2f}" if chunk else ""
+        print(row, flush=True)
     if jax.default_backend() == "gpu":
         for name in ("gpt2", "gpt2_medium"):
-            t, tr = time_jax(name, 8, 1024, a.steps, dtype="bfloat16")
+            step, tr = jax_stepper(name, 8, 1024, dtype="bfloat16", vocab_chunk=chunk)
+            t, = interleaved([step], a.steps)
             cfg = tr.model.config
             fpt = flops_per_token(tr.num_params, cfg.num_layers, cfg.d_model, 1024)
             print(f"{name} bf16 8x1024: {t:.3f} s/step, MFU {fpt * 8 * 1024 / t / peak_flops():.1%}")

@@ -131,6 +131,7 @@ def _fused_token_terms(num_chunks, dtype, label_smoothing, hidden, kernel, bias,
 
 
 def _fused_forward(num_chunks, dtype, label_smoothing, hidden, kernel, bias, targets):
+    """(ce, log Z, argmax), each [B, T], and the residuals the backward needs (log Z, not logits)."""
     vocab = kernel.shape[0]
     ids, kernels, biases = _chunk_inputs(kernel, bias, num_chunks)
 
