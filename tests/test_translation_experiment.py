@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import common
-from experiments.translation import train
+from experiments.translation import evaluate, train
 from experiments.translation.configs import base, big
 from experiments.translation.settings import TranslationSettings
 from tfm.models import EncoderDecoder
@@ -40,6 +40,10 @@ def test_runlocal_config_trains_and_reports_bleu(tmp_path):
     assert scores["averaged_checkpoints"] == 2  # steps 30 and 60
     assert scores["final_loss"] < 4.8  # ln(256) = 5.55 at initialisation
     assert (tmp_path / "spm_256.model").exists()
+    again = evaluate.evaluate(str(tmp_path), average_last=2)  # without training: the same scores
+    assert {k: again[k] for k in ("sacrebleu", "bleu_moses_compound_split", "test_set", "averaged_checkpoints")} == \
+        {k: scores[k] for k in ("sacrebleu", "bleu_moses_compound_split", "test_set", "averaged_checkpoints")}
+    assert open(again["translations"]).read().splitlines() == [hyp for _, hyp, _ in scores["samples"]]
 
 
 PAPER = {  # Vaswani et al. 2017, section 5 and Table 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -92,21 +93,30 @@ def train_and_evaluate(config, workdir: str) -> dict:
                           config_dict=exp.record(model_cfg))
     if result.preempted:  # stopped on a signal: no final evaluation of a half-trained model
         return {"preempted": True, "step": int(result.state.step), "eval_history": result.eval_history}
-    params, averaged = result.state.params, 1
-    if s.average_last > 1:
-        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=tcfg.keep_checkpoints)
-        averaged = min(s.average_last, len(checkpointer.all_steps()))
-        if averaged > 1:
-            params = average_checkpoints(checkpointer, result.trainer.abstract_state, averaged)
-        checkpointer.close()
-    start = time.perf_counter()
     test_examples = [test[i] for i in range(min(s.eval_examples, len(test)))]
-    scores = bleu(model, params, tok, test_examples, s.decode_length, s.beam_size, s.alpha)
-    scores["decode_seconds"] = time.perf_counter() - start
-    scores["test_set"] = bleu_lib.describe_test_set(sources.resolve(s.dataset), "test", len(test_examples))
-    scores["averaged_checkpoints"] = averaged
+    scores = checkpoint_bleu(model, result.trainer.abstract_state, workdir, s, tok, test_examples, "test",
+                       keep=tcfg.keep_checkpoints)
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
     scores["eval_history"] = result.eval_history
+    return scores
+
+
+def checkpoint_bleu(model, abstract_state, workdir: str, settings, tok, examples, split: str, *, keep: int,
+              average_last: Optional[int] = None) -> dict:
+    """BLEU of the average of the last `average_last` (default settings.average_last)
+    checkpoints in workdir on `examples` of `split`, with the test set named and the timing."""
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
+    averaged = min(average_last or settings.average_last, len(checkpointer.all_steps()))
+    if averaged > 1:
+        params = average_checkpoints(checkpointer, abstract_state, averaged)
+    else:
+        params = checkpointer.restore(abstract_state, with_data=False)[0].params
+    checkpointer.close()
+    start = time.perf_counter()
+    scores = bleu(model, params, tok, examples, settings.decode_length, settings.beam_size, settings.alpha)
+    scores["decode_seconds"] = time.perf_counter() - start
+    scores["test_set"] = bleu_lib.describe_test_set(sources.resolve(settings.dataset), split, len(examples))
+    scores["averaged_checkpoints"] = averaged
     return scores
 
 
