@@ -24,7 +24,7 @@ def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
 
 
 class Embed(nn.Module):
-    """Lookup [B, T] -> [B, T, D]; `attend` gives logits [B, T, V] for tied output layers."""
+    """Lookup [B, T] -> [B, T, D]; tied output layers read `embedding` [V, D] (tfm.models.embedding)."""
 
     num_embeddings: int
     features: int
@@ -42,9 +42,6 @@ class Embed(nn.Module):
         # with NaN; moving negatives past the end too makes every out-of-range id embed as NaN.
         ids = jnp.where(ids < 0, self.num_embeddings, ids)
         return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
-
-    def attend(self, x):
-        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding.astype(self.dtype))
 
 
 def sinusoidal_table(positions, features: int):
