@@ -242,3 +242,27 @@ def test_host_runs_ahead_of_a_slow_device(tmp_path, block):
     train_job.run(str(tmp_path), 12, task=train_job.slow_task(), hooks=lambda hooks: [probe, *extra, *hooks],
                   log_every=100, checkpoint_every=0)
     assert probe.most == 1 if block else probe.most >= 2, probe.counts
+
+
+@pytest.mark.parametrize("cls,field,value", [
+    ("train", "num_train_steps", 0), ("train", "batch_size", 0), ("train", "microbatches", 0),
+    ("train", "log_every", 0), ("train", "keep_checkpoints", 0), ("train", "preemption_check_every", 0),
+    ("train", "eval_every", -1), ("train", "checkpoint_every", -1), ("train", "on_nonfinite", "ignore"),
+    ("train", "keep_best_mode", "best"), ("train", "peak_flops_per_device", 0.0),
+    ("optimizer", "name", "adagrad"), ("optimizer", "schedule", "step"), ("optimizer", "decay_mask", "none"),
+    ("optimizer", "learning_rate", 0.0), ("optimizer", "learning_rate", -1e-3), ("optimizer", "b1", 1.0),
+    ("optimizer", "b2", -0.1), ("optimizer", "eps", -1.0), ("optimizer", "weight_decay", -0.1),
+    ("optimizer", "warmup_steps", -1), ("optimizer", "decay_steps", 0), ("optimizer", "end_lr_factor", 1.5),
+    ("optimizer", "noam_d_model", 0), ("optimizer", "clip_grad_norm", 0.0),
+])
+def test_every_invalid_train_field_is_refused_naming_it(cls, field, value):
+    from tfm.train import OptimizerConfig, TrainConfig
+    owner = {"train": TrainConfig, "optimizer": OptimizerConfig}[cls]
+    with pytest.raises(ValueError, match=rf"{owner.__name__}\.{field} must be .*got {value!r}"):
+        owner(**{field: value})
+
+
+def test_batch_not_divisible_into_microbatches_is_refused():
+    from tfm.train import TrainConfig
+    with pytest.raises(ValueError, match="TrainConfig.batch_size 6 is not divisible by TrainConfig.microbatches 4"):
+        TrainConfig(batch_size=6, microbatches=4)
