@@ -111,9 +111,22 @@ class Experiment:
         return {**self.raw, "model_config": dataclasses.asdict(model_config)}
 
 
-def resolve(config, settings_cls, task_cls) -> Experiment:
-    """The dataclasses behind an experiment config (a ConfigDict or a plain dict)."""
+def settings_of(config, settings_cls):
+    """Only the experiment's own settings (what it needs before the TrainConfig is complete)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    keys = [f.name for f in dataclasses.fields(settings_cls)]
+    return _build(settings_cls, {k: raw[k] for k in keys if k in raw}, "config")
+
+
+def resolve(config, settings_cls, task_cls, **derived) -> Experiment:
+    """The dataclasses behind an experiment config (a ConfigDict or a plain dict). `derived`:
+    TrainConfig values the experiment computed (e.g. batch_size from a token budget); the
+    config must leave those unset (None), so that a value a user sets is never overridden."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for key, value in derived.items():
+        if raw.get(key) is not None:
+            raise ValueError(f"config.{key}={raw[key]!r} is set, but this experiment derives it ({value!r}) "
+                             f"from other keys; unset it (None) or turn the derivation off")
     train_keys = [f.name for f in dataclasses.fields(TrainConfig)]
     settings_keys = [f.name for f in dataclasses.fields(settings_cls)]
     _check_keys(raw, train_keys + settings_keys + ["model", "task"], "config")
@@ -122,7 +135,7 @@ def resolve(config, settings_cls, task_cls) -> Experiment:
     if not model.get("preset"):
         raise ValueError(f"config.model.preset is not set; choose from {sorted(presets.PRESETS)}")
     return Experiment(
-        train=_build(TrainConfig, {k: raw[k] for k in train_keys if k in raw}, "config"),
+        train=_build(TrainConfig, {**{k: raw[k] for k in train_keys if k in raw}, **derived}, "config"),
         task=_build(task_cls, dict(raw.get("task") or {}), "config.task"),
         settings=_build(settings_cls, {k: raw[k] for k in settings_keys if k in raw}, "config"),
         preset=model["preset"], overrides=dict(model.get("overrides") or {}), raw=raw)

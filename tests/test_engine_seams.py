@@ -15,6 +15,7 @@ import train_job
 from experiments import common
 from experiments.lm.configs import gpt2_small, llama, tiny
 from experiments.lm.settings import LMSettings
+from experiments.translation import train as translation_train
 from experiments.translation.configs import base, big
 from experiments.translation.settings import TranslationSettings
 from tfm.models import DecoderLM
@@ -22,6 +23,7 @@ from tfm.train import Checkpointer, CheckpointError, Hook, LMTask, Seq2SeqTask, 
 
 RECIPES = [(tiny, LMSettings, LMTask), (gpt2_small, LMSettings, LMTask), (llama, LMSettings, LMTask),
            (base, TranslationSettings, Seq2SeqTask), (big, TranslationSettings, Seq2SeqTask)]
+TOKEN_BUDGET = {"batch_size": 64}  # what translation derives from tokens_per_batch at run time
 
 
 def _keys(d, prefix=""):
@@ -39,11 +41,23 @@ def test_runlocal_only_shrinks_and_every_recipe_resolves(recipe):
     assert _keys(full.to_dict()) == _keys(local.to_dict())
     assert set(full.model.overrides) <= set(local.model.overrides)
     assert full.model.preset == local.model.preset
+    derived = TOKEN_BUDGET if settings is TranslationSettings else {}
     for c in (full, local):
-        exp = common.resolve(c, settings, task)
+        exp = common.resolve(c, settings, task, **derived)
         assert exp.model(c.vocab_size).vocab_size == c.vocab_size
-    small, big = (common.resolve(c, settings, task).model(256) for c in (local, full))
+    small, big = (common.resolve(c, settings, task, **derived).model(256) for c in (local, full))
     assert small.d_model <= big.d_model and small.num_layers <= big.num_layers
+
+
+def test_a_derived_value_never_overrides_one_the_user_set():
+    c = base.get_config()
+    assert common.resolve(c, TranslationSettings, Seq2SeqTask, batch_size=112).train.batch_size == 112
+    c.batch_size = 256
+    with pytest.raises(ValueError, match=r"config.batch_size=256 is set, but this experiment derives it \(112\)"):
+        common.resolve(c, TranslationSettings, Seq2SeqTask, batch_size=112)
+    c.tokens_per_batch = 0  # the budget off: batch_size rows
+    assert translation_train.batch_rows(common.settings_of(c, TranslationSettings), None, None) == {}
+    assert common.resolve(c, TranslationSettings, Seq2SeqTask).train.batch_size == 256
 
 
 def test_misspelt_keys_fail_naming_the_key():
@@ -82,7 +96,7 @@ def test_command_line_sets_every_train_field():
     path = os.path.join(os.path.dirname(base.__file__), "base.py")
     config = _parse(["prog", f"--config={path}:runlocal", "--config.microbatches=4", "--config.task.z_loss=0.0001", "--config.optimizer.b2=0.99", "--config.mesh.fsdp=2",
                      "--config.keep_best=sacrebleu", "--config.async_checkpoint=False"])
-    exp = common.resolve(config, TranslationSettings, Seq2SeqTask)
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **TOKEN_BUDGET)
     assert (exp.train.microbatches, exp.task.z_loss, exp.train.optimizer.b2) == (4, 1e-4, 0.99)
     assert (exp.train.mesh.fsdp, exp.train.keep_best, exp.train.async_checkpoint) == (2, "sacrebleu", False)
     with pytest.raises(Exception, match="microbatchs"):

@@ -37,7 +37,7 @@ def test_lm_configs_read_lm1b_splits_that_exist(recipe, tok, tmp_path):
 
 
 def test_translation_config_reads_wmt14_train_newstest2013_and_2014(tok, tmp_path):
-    settings = common.resolve(base.get_config(), TranslationSettings, Seq2SeqTask).settings
+    settings = common.settings_of(base.get_config(), TranslationSettings)
     assert sources.resolve(settings.dataset) == "wmt14_translate/de-en"
     with tfds.testing.mock_data(num_examples=10):
         for split in translation_train.load_sources(settings, str(tmp_path)):

@@ -12,6 +12,7 @@ from experiments import common
 from experiments.translation import evaluate, train
 from experiments.translation.configs import base, big
 from experiments.translation.settings import TranslationSettings
+from tfm.data import pipeline
 from tfm.models import EncoderDecoder
 from tfm.train import Seq2SeqTask
 
@@ -57,7 +58,7 @@ PAPER = {  # Vaswani et al. 2017, section 5 and Table 3
 @pytest.mark.parametrize("name,module", [("base", base), ("big", big)])
 def test_configs_hold_the_paper_values(name, module):
     paper = PAPER[name]
-    exp = common.resolve(module.get_config(), TranslationSettings, Seq2SeqTask)
+    exp = common.resolve(module.get_config(), TranslationSettings, Seq2SeqTask, batch_size=112)
     model = exp.model(exp.settings.vocab_size)
     assert exp.preset == paper["preset"] and exp.overrides == {}
     assert (model.d_model, model.d_ff, model.num_heads, model.num_layers, model.dropout_rate) == (
@@ -70,8 +71,30 @@ def test_configs_hold_the_paper_values(name, module):
     assert exp.task.label_smoothing == 0.1
     s = exp.settings
     assert (s.dataset, s.vocab_size, s.beam_size, s.alpha) == ("wmt14", 37_000, 4, 0.6)
+    assert (s.tokens_per_batch, s.max_length) == (25_000, 256)
     assert s.average_last == paper["average_last"] <= exp.train.keep_checkpoints
     params = jax.eval_shape(lambda: EncoderDecoder(model).init(
         jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)))["params"]
     count = sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params)))
     assert count == {"base": 63_082_496, "big": 214_245_376}[name]  # tests/test_config.py's formulas
+
+
+def test_token_budget_gives_that_many_tokens_per_step_on_each_side():
+    """Lognormal lengths (mean ~32 tokens, max 250) on both sides; a 12k-token budget per side:
+    the measured mean over 12 steps is within 10% of it on each side."""
+    class Words:  # one token per word
+        bos_id, eos_id = 1, 2
+
+        def encode(self, text):
+            return [7] * len(text.split())
+
+    rng = np.random.default_rng(0)
+    lengths = lambda n: np.clip(np.round(np.exp(rng.normal(np.log(27), 0.6, n))), 1, 250).astype(int)
+    pairs = [{"en": "w " * a, "de": "w " * b} for a, b in zip(lengths(8000), lengths(8000))]
+    rows = pipeline.rows_for_token_budget(pairs, Words(), tokens_per_batch=12_000, max_length=256, multiple=4)
+    assert rows % 4 == 0
+    batches = [b for b, _ in zip(pipeline.seq2seq_dataset(pairs, Words(), batch_size=rows, max_length=256, seed=3),
+                                 range(12))]
+    source = np.mean([(b["inputs_segment_ids"] > 0).sum() for b in batches])
+    target = np.mean([b["weights"].sum() for b in batches])
+    assert abs(source / 12_000 - 1) < 0.1 and abs(target / 12_000 - 1) < 0.1, (rows, source, target)

@@ -28,7 +28,8 @@ def evaluate(workdir: str, average_last: int | None = None, split: str = "test")
         raise FileNotFoundError(f"{path} not found: is {workdir} the --workdir of a translation run?")
     with open(path) as f:
         raw = {k: v for k, v in json.load(f).items() if k != "model_config"}
-    exp = common.resolve(raw, TranslationSettings, Seq2SeqTask)
+    derived = {"batch_size": jax.device_count()} if raw.get("batch_size") is None else {}  # not used here
+    exp = common.resolve(raw, TranslationSettings, Seq2SeqTask, **derived)
     s = exp.settings
     tok = tokenizers.SentencePieceTokenizer.load(os.path.join(workdir, f"spm_{s.vocab_size}.model"))
     source = dict(zip(("train", "validation", "test"), train.load_sources(s, workdir)))[split]

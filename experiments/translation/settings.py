@@ -11,6 +11,8 @@ class TranslationSettings:
     synthetic_pairs: int     # size of the generated corpus (synthetic_translate only)
     vocab_size: int          # shared SentencePiece vocabulary
     max_length: int          # longest source/target in tokens; longer pairs are dropped
+    tokens_per_batch: int    # > 0: rows per step chosen for ~this many tokens per side (then
+                             # batch_size stays None); 0: batch_size rows
     eval_examples: int       # held-out pairs for eval loss (validation) and final BLEU (test)
     eval_bleu_examples: int  # validation pairs decoded for BLEU at each eval; 0: none
     decode_length: int

@@ -32,6 +32,18 @@ def load_sources(settings, workdir):
     return tuple(sources.load(settings.dataset, split, data_dir=data_dir) for split in ("train", "validation", "test"))
 
 
+def batch_rows(settings, train, tok) -> dict:
+    """{"batch_size": rows} for a token budget (settings.tokens_per_batch > 0), else {}."""
+    if not settings.tokens_per_batch:
+        return {}
+    rows = pipeline.rows_for_token_budget(train, tok, tokens_per_batch=settings.tokens_per_batch,
+                                          max_length=settings.max_length, multiple=jax.device_count())
+    if jax.process_index() == 0:
+        print(f"batch: {rows} packed rows of {settings.max_length} for ~{settings.tokens_per_batch} "
+              "tokens per side per step (measured on a packed sample of the training data)")
+    return {"batch_size": rows}
+
+
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
               batch_size: int = 64, extra_length: int = 50) -> list[str]:
     """Translations of English sentences (beam search; greedy when beam_size is 1), each at most
@@ -68,11 +80,12 @@ def bleu(model, params, tok, examples, max_len: int, beam_size: int, alpha: floa
 def train_and_evaluate(config, workdir: str) -> dict:
     """Trains per `config` in `workdir` (resuming if checkpoints exist), evaluating loss (and
     BLEU when eval_bleu_examples > 0) on the validation split; returns the test-set BLEU."""
-    exp = common.resolve(config, TranslationSettings, Seq2SeqTask)
-    s, tcfg = exp.settings, exp.train
+    s = common.settings_of(config, TranslationSettings)
     os.makedirs(workdir, exist_ok=True)
     train, validation, test = load_sources(s, workdir)
     tok = common.sentencepiece(workdir, sources.texts(train, ("en", "de")), s.vocab_size)
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **batch_rows(s, train, tok))
+    tcfg = exp.train
     model_cfg = exp.model(tok.vocab_size)
     model = EncoderDecoder(model_cfg)
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())

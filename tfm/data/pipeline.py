@@ -176,3 +176,28 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)
     return fixed_batches(ds.map(_seq2seq_output), b, drop_remainder)
+
+
+def rows_for_token_budget(source: Sequence[dict], tokenizer: Tokenizer, *, tokens_per_batch: int,
+                          max_length: int, multiple: int = 1, sample_rows: int = 512, seed: int = 0,
+                          **seq2seq_kwargs) -> int:
+    """Global rows per seq2seq batch so that a packed batch holds about `tokens_per_batch` real
+    tokens on each side (the paper's ~25k source + ~25k target per step).
+
+    Packs a shuffled sample of `source` exactly as `seq2seq_dataset` does (at the estimated row
+    count, twice, since packing fills rows better when there are more of them), measures the
+    mean tokens per row of the two sides, and rounds to the nearest multiple of `multiple` (e.g. the
+    device count). Deterministic: every host computes the same number.
+    """
+    rows = max(multiple, -(-tokens_per_batch // max_length))
+    for _ in range(2):
+        ds = seq2seq_dataset(source, tokenizer, batch_size=rows, max_length=max_length, seed=seed,
+                             num_epochs=1, **seq2seq_kwargs)
+        src = tgt = used = 0
+        for batch, _ in zip(ds, range(max(1, sample_rows // rows))):
+            src += int((batch["inputs_segment_ids"] > 0).sum())
+            tgt += int(batch["weights"].sum())
+            used += len(batch["weights"])
+        per_row = (src + tgt) / 2 / max(used, 1)
+        rows = max(multiple, round(tokens_per_batch / max(per_row, 1.0) / multiple) * multiple)
+    return rows

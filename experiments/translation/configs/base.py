@@ -32,7 +32,8 @@ def get_config(runlocal: str = ""):
     c.model.preset = "transformer_base"
     c.task.label_smoothing = 0.1
 
-    c.batch_size = 512  # sequences per step; with packing ~25k source + ~25k target tokens (paper)
+    c.tokens_per_batch = 25_000  # per side, as the paper (~25k source + ~25k target tokens per step)
+    c.batch_size = None  # derived from tokens_per_batch: packed rows of max_length
     c.num_train_steps = 100_000
     c.optimizer.update(name="adam", b1=0.9, b2=0.98, eps=1e-9, schedule="noam", warmup_steps=4000,
                        learning_rate=1.0, noam_d_model=512, clip_grad_norm=None)
@@ -51,7 +52,7 @@ def get_config(runlocal: str = ""):
         c.eval_bleu_examples = 0
         c.decode_length = 40
         c.model.overrides = dict(d_model=64, num_heads=4, num_layers=2, d_ff=256, dropout_rate=0.0)
-        c.batch_size = 32
+        c.tokens_per_batch = 1_000  # ~30 packed rows of 40
         c.num_train_steps = 600
         c.optimizer.update(warmup_steps=100, learning_rate=0.3, noam_d_model=64)
         c.log_every = 50
