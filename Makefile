@@ -23,6 +23,7 @@ test: install
 bench: install
 	$(PY) -m benchmarks.attention --smoke --plot benchmarks/attention_smoke.png
 	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.decode --smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache

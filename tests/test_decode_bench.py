@@ -1,0 +1,29 @@
+"""benchmarks/decode.py: the inputs both frameworks get, and the --smoke run that `make bench` does."""
+import re
+
+import numpy as np
+
+from benchmarks import decode as bench
+
+
+def test_sources_lengths_and_padding():
+    ids = bench.sources(16, 10, vocab=50)
+    lengths = (ids != bench.PAD).sum(1)
+    assert ids.shape == (16, 10) and lengths.min() >= 5 and lengths.max() <= 10
+    assert (ids[np.arange(16), lengths - 1] == bench.EOS).all()
+    assert ((ids[:, :-1] == bench.PAD) <= (ids[:, 1:] == bench.PAD)).all()  # padding only at the end
+    np.testing.assert_array_equal(ids, bench.sources(16, 10, vocab=50))
+
+
+def test_output_lengths_stop_at_first_eos():
+    tokens = np.array([[5, 6, bench.EOS, 0], [5, 6, 7, 8], [bench.EOS, 0, 0, 0], [5, 0, 0, 0]])
+    np.testing.assert_array_equal(bench._lengths(tokens), [3, 4, 1, 1])
+
+
+def test_smoke_run_prints_both_impls_and_ratios(capsys):
+    bench.main(["--smoke"])
+    out = capsys.readouterr().out
+    for beam in (1, 4):
+        assert re.search(rf"^tfm +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
+        assert re.search(rf"^hf +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
+        assert re.search(rf"^ratio tfm/hf, beam {beam}: [\d.]+x", out, re.M)
