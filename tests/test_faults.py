@@ -5,6 +5,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -27,12 +28,16 @@ def _launch(workdir, sleep):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run_until(proc, step, sig):
-    """Read the job's log until it reports `step`, then send `sig`; returns the log."""
+def _run_until(proc, step, sig, workdir):
+    """Read the job's log until it reports `step` and the first checkpoint (step 2) is on disk,
+    then send `sig`; returns the log."""
     log = []
     for line in proc.stdout:
         log.append(line)
         if line.startswith(f"step {step} train"):
+            deadline = time.time() + 60
+            while not (workdir / "checkpoints" / "2").exists() and time.time() < deadline:
+                time.sleep(0.05)  # the async save of step 2 may still be writing
             proc.send_signal(sig)
             break
     log += proc.stdout.readlines()
@@ -54,7 +59,7 @@ def _finish_and_compare(workdir, reference):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_interrupted_run_resumes_bitwise(tmp_path, reference, sig):
     kill_at = random.Random().randint(3, STEPS - 3)  # after the first checkpoint (step 2)
-    log = _run_until(_launch(tmp_path, sleep=0.3), kill_at, sig)
+    log = _run_until(_launch(tmp_path, sleep=0.3), kill_at, sig, tmp_path)
     if sig == signal.SIGTERM:
         assert "SIGTERM at step" in log and "checkpoint saved" in log, log[-2000:]
     else:

@@ -78,13 +78,14 @@ def test_stale_locks_are_taken_over_and_live_ones_refused(tmp_path, capsys):
 
 
 def test_a_failed_background_save_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    """Files are capped at 16 kB after step 5: the async save of step 6 fails."""
+    """Files are capped at 16 kB after step 5: the async save of step 6 fails. It is reported at
+    the first step after the background write has failed, at the latest before the next save."""
     proc = subprocess.run([sys.executable, JOB, "--workdir", str(tmp_path), "--steps", "10",
                            "--fsize_limit_at", "5"], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "saving the checkpoint of step 6 failed" in out and "Last good checkpoint: 4" in out, out[-3000:]
-    assert "step 8 train" not in out  # stopped at the next step
+    assert "step 9 train" not in out and not (tmp_path / "checkpoints" / "8").exists()
     from tfm.models import DecoderLM
     from tfm.models.presets import tiny
     from tfm.train import LMTask, Trainer

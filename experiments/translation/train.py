@@ -108,21 +108,22 @@ def train_and_evaluate(config, workdir: str) -> dict:
         return {"preempted": True, "step": int(result.state.step), "eval_history": result.eval_history}
     test_examples = [test[i] for i in range(min(s.eval_examples, len(test)))]
     scores = checkpoint_bleu(model, result.trainer.abstract_state, workdir, s, tok, test_examples, "test",
-                       keep=tcfg.keep_checkpoints)
+                             keep=tcfg.keep_checkpoints, params=result.state.params)
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
     scores["eval_history"] = result.eval_history
     return scores
 
 
 def checkpoint_bleu(model, abstract_state, workdir: str, settings, tok, examples, split: str, *, keep: int,
-              average_last: Optional[int] = None) -> dict:
-    """BLEU of the average of the last `average_last` (default settings.average_last)
-    checkpoints in workdir on `examples` of `split`, with the test set named and the timing."""
+                    average_last: Optional[int] = None, params=None) -> dict:
+    """BLEU on `examples` of `split` of the average of the last `average_last` (default
+    settings.average_last) checkpoints in workdir; with one (or none), of `params` if given,
+    else of the latest checkpoint. The test set is named and the decoding timed."""
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
-    averaged = min(average_last or settings.average_last, len(checkpointer.all_steps()))
+    averaged = max(1, min(average_last or settings.average_last, len(checkpointer.all_steps())))
     if averaged > 1:
         params = average_checkpoints(checkpointer, abstract_state, averaged)
-    else:
+    elif params is None:
         params = checkpointer.restore(abstract_state, with_data=False)[0].params
     checkpointer.close()
     start = time.perf_counter()

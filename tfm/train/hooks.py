@@ -148,19 +148,27 @@ class Checkpointing(Hook):
     def _save(self, run, step, force):
         if self.guard is not None:
             self.guard.check(run, step)
-        run.checkpointer.save(step, run.state, run.data_state(), force=force)
+        self._check_background(run, step, wait=True)  # the previous save, finished by now as a rule
+        try:
+            run.checkpointer.save(step, run.state, run.data_state(), force=force)
+        except Exception as e:  # noqa: BLE001 - whatever the writer raised
+            self.saving = step
+            raise self._failure(run, step, e) from e
         self.saving = step
 
     def _check_background(self, run, step, wait=False):
         try:
             run.checkpointer.check_background_save(wait)
         except CheckpointError as e:
-            good = [s for s in run.checkpointer.all_steps()
-                    if s != self.saving and (run.checkpointer.directory / str(s)).exists()]
-            raise CheckpointError(
-                f"at step {step}: saving the checkpoint of step {self.saving} failed ({e.__cause__}); "
-                f"training stopped. Last good checkpoint: {good[-1] if good else 'none'} in "
-                f"{run.checkpointer.directory}") from e
+            raise self._failure(run, step, e.__cause__) from e
+
+    def _failure(self, run, step, cause) -> CheckpointError:
+        good = [s for s in run.checkpointer.all_steps()
+                if s != self.saving and (run.checkpointer.directory / str(s)).exists()]
+        return CheckpointError(
+            f"at step {step}: saving the checkpoint of step {self.saving} failed ({type(cause).__name__}: "
+            f"{cause}); training stopped. Last good checkpoint: {good[-1] if good else 'none'} in "
+            f"{run.checkpointer.directory}")
 
     def after_step(self, run, step, metrics):
         self._check_background(run, step)
