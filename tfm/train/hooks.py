@@ -5,7 +5,8 @@ after restoring, `after_step(run, step, metrics)` after dispatching each step, a
 `end(run)` once after the last step (also after a preemption stop, never after an
 exception); `close()` always. `run` is the shared `tfm.train.trainer.Run`. A hook sets
 `run.stop_reason` to end the loop after the current step. `default_hooks` builds the list
-from a TrainConfig; pass your own list to add to it or replace parts of it.
+from a TrainConfig; `train_and_evaluate(..., hooks=lambda defaults: [...])` adds to it or
+replaces parts of it.
 
 Nothing here reads a step's results on the host in the step it was dispatched, except
 where it must (logging, saving, evaluating), so the host runs ahead of the devices.
