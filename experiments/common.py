@@ -137,7 +137,7 @@ def resolve(config, settings_cls, task_cls, **derived) -> Experiment:
     return Experiment(
         train=_build(TrainConfig, {**{k: raw[k] for k in train_keys if k in raw}, **derived}, "config"),
         task=_build(task_cls, dict(raw.get("task") or {}), "config.task"),
-        settings=_build(settings_cls, {k: raw[k] for k in settings_keys if k in raw}, "config"),
+        settings=settings_of(raw, settings_cls),
         preset=model["preset"], overrides=dict(model.get("overrides") or {}), raw=raw)
 
 

@@ -1,5 +1,6 @@
 """The engine's seams: one experiment config schema whose every key reaches the trainer, the
 loop's hooks (evaluation, best checkpoint, config record), and a host that runs ahead."""
+import dataclasses
 import json
 import os
 
@@ -120,7 +121,7 @@ def _experiment(**changes):
 
 def _train(exp, workdir, steps, data=None, **kw):
     model = DecoderLM(exp.model(train_job.VOCAB))
-    train = exp.train.__class__(**{**exp.train.__dict__, "num_train_steps": steps})
+    train = dataclasses.replace(exp.train, num_train_steps=steps)
     return train_and_evaluate(train, str(workdir), model=model, task=exp.task,
                               train_data=data or train_job.TokenBatches(), **kw)
 

@@ -141,7 +141,8 @@ class Preemption(Hook):
 class Checkpointing(Hook):
     """Saves every `run.checkpointer.every` steps, at a stop, and after the last step;
     `guard` (a NonFiniteCheck) first settles every step up to the one saved. A background
-    save that failed is reported at the next step, naming it and the last good checkpoint."""
+    save that failed is reported at the first step after it failed (at the latest before the
+    next save, which waits for it), naming it and the last good checkpoint."""
 
     def __init__(self, guard: Optional[NonFiniteCheck] = None):
         self.guard, self.saving = guard, None

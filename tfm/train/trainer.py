@@ -157,7 +157,10 @@ class DevicePrefetch:
     def __init__(self, local_batches: Iterator[dict], iterator, to_global: Callable, ahead: int = 2):
         self.local, self.iterator, self.to_global, self.ahead = local_batches, iterator, to_global, ahead
         self.queue = collections.deque()
-        self.state = iterator.get_state() if hasattr(iterator, "get_state") else None
+        self.state = self._iterator_state()
+
+    def _iterator_state(self):
+        return self.iterator.get_state() if hasattr(self.iterator, "get_state") else None
 
     def __iter__(self):
         return self
@@ -168,8 +171,7 @@ class DevicePrefetch:
                 local = next(self.local)
             except StopIteration:
                 break
-            state = self.iterator.get_state() if hasattr(self.iterator, "get_state") else None
-            self.queue.append((self.to_global(local), state))
+            self.queue.append((self.to_global(local), self._iterator_state()))
         if not self.queue:
             raise StopIteration
         batch, self.state = self.queue.popleft()
@@ -299,10 +301,11 @@ def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
     if start:
         logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
     batches = _skip_trained(iterator, first, data_state, start, logger.message)
-    history = [{k: v for k, v in r.items() if k != "split"} for r in logger.previous]
+    previous = {"train": [], "eval": []}  # earlier runs' records, for the result's histories
+    for record in logger.previous:
+        previous[record["split"]].append({k: v for k, v in record.items() if k != "split"})
     return Run(config, workdir, trainer, checkpointer, logger, DevicePrefetch(batches, iterator, trainer.global_batch),
-               state, start, history=[r for r, p in zip(history, logger.previous) if p["split"] == "train"],
-               eval_history=[r for r, p in zip(history, logger.previous) if p["split"] == "eval"])
+               state, start, history=previous["train"], eval_history=previous["eval"])
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
