@@ -233,7 +233,7 @@ def _restore_latest(checkpointer: Checkpointer, abstract_state, *, fallback: boo
             if not fallback:
                 raise CorruptCheckpointError(
                     f"{e}. To resume from the newest readable checkpoint instead, set "
-                    "fallback_to_older=True (it moves broken ones aside); or move this step away") from e
+                    "fallback_to_older=True (it moves broken ones aside), or move this step away.") from e
             moved = checkpointer.set_aside(step)
             say(f"checkpoint step {step} is corrupt ({str(e).splitlines()[0]}); moved it to {moved}, "
                 "trying the next older one")
