@@ -1,0 +1,34 @@
+"""The BERT pretraining experiment's own config keys (beside TrainConfig, model and task).
+
+The fine-tuning experiments read a pretraining workdir through these names (config.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class BertSettings:
+    dataset: str                  # "synthetic_docs" (generated offline), a TFDS wikipedia name
+                                  # ("wikipedia", "wikipedia/20230601.en"), or "" (text_dirs only)
+    text_dirs: str                # comma-separated plain-text corpus directories (BooksCorpus
+                                  # stand-in): a document per file or blank-line separated; "" none
+    synthetic_documents: int      # training documents generated for "synthetic_docs"
+    eval_documents: int           # held-out documents, carved deterministically off train's end
+    eval_batches: int             # held-out batches per evaluation
+    tokenizer: str                # "wordpiece" (BERT, uncased) or "byte_bpe" (RoBERTa)
+    vocab_size: int               # trained vocabulary size (ignored when vocab_path is set)
+    max_seq_length: int           # phase 1 (paper: 128)
+    max_predictions_per_seq: int  # phase 1 (paper: 20)
+    masked_lm_prob: float         # paper: 0.15
+    short_seq_prob: float         # paper: 0.1
+    dupe_factor: int              # pair sets created with different splits (masks are dynamic)
+    whole_word_masking: bool      # all pieces of a word masked together
+    next_sentence: bool           # True: BERT pairs + NSP head; False: RoBERTa full sentences, MLM only
+    phase2_start_step: int        # 0: one phase; else phase 2 (longer sequences) from this step
+    phase2_max_seq_length: int    # paper: 512
+    phase2_max_predictions_per_seq: int  # paper: 80
+    phase2_batch_size: Optional[int] = None  # None: batch_size (LAMB recipe: 32k after 64k)
+    vocab_path: Optional[str] = None  # an existing vocab.txt (or a dir holding one); else trained
+    data_dir: Optional[str] = None    # TFDS data dir; default <workdir>/data for generated data
