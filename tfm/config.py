@@ -14,13 +14,13 @@ from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-HEADS = ("mlm", "nsp", "classification")
+HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,15 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     rope_scaling: Optional[str] = None  # "linear" (position interpolation) or "ntk" (base rescale)
     rope_scaling_factor: float = 1.0
+    position_offset: int = 0  # learned table row = position + offset (BART 2, RoBERTa pad_id + 1)
+    padding_positions: bool = False  # RoBERTa: count non-pad tokens only; pad tokens sit at -1
+    relative_buckets: int = 32  # position="relative" (T5): buckets of the per-head bias table
+    relative_max_distance: int = 128  # distances beyond this share the last (log-spaced) bucket
 
     # Attention
     attention_bias: bool = True  # biases on q, k, v and output projections
     attention_dropout: float = 0.0
+    scale_attention: bool = True  # logits q.k / sqrt(H); False = unscaled (T5)
     sliding_window: Optional[int] = None
     attn_logit_softcap: Optional[float] = None
     attention_impl: str = "xla"
@@ -79,12 +84,18 @@ class ModelConfig:
     tie_embeddings: bool = True  # output projection = token embedding transposed
     share_source_target_embeddings: bool = True  # encoder-decoder: one matrix for both sides
     output_bias: bool = False  # bias on output logits (BERT MLM, Marian final_logits_bias)
+    rescale_tied_output: bool = False  # T5 v1.0: hidden * D**-0.5 before the tied output projection
     pad_id: int = 0
 
     # Encoder heads (BERT family)
     heads: Tuple[str, ...] = ()
     num_labels: int = 2
     head_activation: Optional[str] = None  # MLM transform activation; None = activation
+
+    # Images (ViT, tfm.models.vision): [B, image_size, image_size, num_channels] in square patches
+    image_size: int = 0  # 0 = a text model
+    patch_size: int = 16
+    num_channels: int = 3
 
     # Numerics and memory
     dtype: str = "float32"  # computation dtype; params are float32
@@ -138,6 +149,25 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")
         if self.head_activation not in (None,) + ACTIVATIONS:
             raise ValueError(f"ModelConfig.head_activation={self.head_activation!r} is not one of {ACTIVATIONS}")
+        if self.position_offset < 0 or (self.position_offset and self.position != "learned"):
+            raise ValueError(f"ModelConfig.position_offset={self.position_offset} needs position='learned' "
+                             f"and must be >= 0")
+        if self.padding_positions and self.position != "learned":
+            raise ValueError("ModelConfig.padding_positions needs position='learned'")
+        if self.position == "learned" and self.max_len <= self.position_offset:
+            raise ValueError(f"ModelConfig.max_len={self.max_len} (the learned table size) leaves no row after "
+                             f"position_offset={self.position_offset}")
+        for name in ("relative_buckets", "relative_max_distance"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"ModelConfig.{name} must be >= 2, got {getattr(self, name)}")
+        if self.position == "relative" and self.attention_impl != "xla":
+            raise ValueError(f"ModelConfig.position='relative' (T5 relative position bias) needs "
+                             f"attention_impl='xla'; attention_impl={self.attention_impl!r} takes no additive bias")
+        if self.image_size:
+            if self.image_size < 0 or self.patch_size < 1 or self.image_size % self.patch_size:
+                raise ValueError(f"ModelConfig.patch_size={self.patch_size} must divide image_size={self.image_size}")
+            if self.num_channels < 1:
+                raise ValueError(f"ModelConfig.num_channels must be >= 1, got {self.num_channels}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
 
