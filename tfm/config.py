@@ -20,7 +20,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool")
+HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ class ModelConfig:
 
     # Encoder heads (BERT family)
     heads: Tuple[str, ...] = ()
-    num_labels: int = 2
+    num_labels: int = 2  # classification classes (regression: one score, span: start and end)
     head_activation: Optional[str] = None  # MLM transform activation; None = activation
 
     # Images (ViT, tfm.models.vision): [B, image_size, image_size, num_channels] in square patches

@@ -27,9 +27,10 @@ def _gather(hidden, positions):
 class EncoderModel(nn.Module):
     """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
     "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
-    "logits" [B, num_labels] (classification)}. logits=False puts the MLM head's `Unembedding`
-    (transformed hidden states [B, P, D] and projection) under "mlm_logits" instead, for
-    `fused_cross_entropy`."""
+    "logits" [B, num_labels] (classification), "score" [B] (regression), "start_logits" and
+    "end_logits" [B, T] (span: extractive question answering)}. logits=False puts the MLM
+    head's `Unembedding` (transformed hidden states [B, P, D] and projection) under
+    "mlm_logits" instead, for `fused_cross_entropy`."""
 
     config: ModelConfig
 
@@ -47,13 +48,20 @@ class EncoderModel(nn.Module):
             x, {"segment_ids": segment_ids, "positions": positions}, deterministic)
         out = {"hidden": hidden}
         dt = compute_dtype(cfg)
-        if {"nsp", "classification"} & set(cfg.heads):
+        if {"nsp", "classification", "regression"} & set(cfg.heads):
             out["pooled"] = jnp.tanh(_dense(cfg.d_model, cfg.d_model, "pooler", dt)(hidden[:, 0]))
         if "nsp" in cfg.heads:
             out["nsp_logits"] = _dense(cfg.d_model, 2, "nsp", dt)(out["pooled"]).astype(jnp.float32)
         if "classification" in cfg.heads:
             pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
             out["logits"] = _dense(cfg.d_model, cfg.num_labels, "classifier", dt)(pooled).astype(jnp.float32)
+        if "regression" in cfg.heads:
+            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
+            out["score"] = _dense(cfg.d_model, 1, "regressor", dt)(pooled)[:, 0].astype(jnp.float32)
+        if "span" in cfg.heads:
+            span = Einsum("BTD,DO->BTO", (cfg.d_model, 2), ("embed", None), (None,), use_bias=True,
+                          dtype=dt, name="span")(hidden).astype(jnp.float32)  # [B, T, 2]
+            out["start_logits"], out["end_logits"] = span[..., 0], span[..., 1]
         if "mlm" in cfg.heads:
             h = hidden if mlm_positions is None else _gather(hidden, mlm_positions)
             h = Einsum("BTD,DO->BTO", (cfg.d_model, cfg.d_model), ("embed", None), (None,), use_bias=True,
