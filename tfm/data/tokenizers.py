@@ -8,6 +8,9 @@ SentencePiece ids are pad=0, eos=1, bos=2, unk=3 (a shared source/target vocabul
 Vaswani et al.: 37k BPE for WMT14, a few hundred pieces for the local corpus).
 WordPiece specials come from the vocabulary; one trained here has
 [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4; Google's BERT vocab.txt files load as they are.
+Byte-level BPE (RoBERTa, GPT-2 style; cased, no unknown tokens) has <pad>=0, <unk>=1, <s>=2,
+</s>=3, <mask>=4 and the same `cls_id`/`sep_id`/`mask_id`/`special_ids`/`continuation_ids`
+attributes as WordPiece, so BERT's pretraining pipeline takes either.
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ class WordPieceTokenizer:
         self.cls_id, self.sep_id, self.mask_id = vocab["[CLS]"], vocab["[SEP]"], vocab["[MASK]"]
         self.bos_id, self.eos_id = self.cls_id, self.sep_id
         self.special_ids = frozenset(vocab[t] for t in WORDPIECE_SPECIALS)
+        self.continuation_ids = sorted(i for t, i in vocab.items() if t.startswith("##"))  # whole-word masking
 
     @classmethod
     def load(cls, vocab_txt: str | os.PathLike) -> WordPieceTokenizer:
@@ -160,6 +164,72 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, *,
         vocab_size=vocab_size, special_tokens=list(WORDPIECE_SPECIALS), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     out = WordPieceTokenizer(tok.get_vocab())
+    if path is not None:
+        out.save(path)
+    return out
+
+
+BYTE_BPE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>")
+
+
+class ByteBPETokenizer:
+    """Byte-level BPE (Liu et al. 2019's RoBERTa vocabulary type): text as bytes, a leading
+    space marks a word start (`Ġ`), so `continuation_ids` are the pieces without it.
+    `cls_id` is <s>, `sep_id` </s>, `mask_id` <mask>."""
+
+    def __init__(self, tokenizer_json: str):
+        self._json = tokenizer_json
+        self._tok = hf.Tokenizer.from_str(tokenizer_json)
+        vocab = self._tok.get_vocab()
+        missing = [t for t in BYTE_BPE_SPECIALS if t not in vocab]
+        if missing:
+            raise ValueError(f"byte-level BPE vocabulary lacks special tokens {missing}")
+        if vocab["<pad>"] != 0:
+            raise ValueError(f"<pad> must have id 0, has {vocab['<pad>']}")
+        self.vocab_size = self._tok.get_vocab_size()
+        self.pad_id, self.unk_id = vocab["<pad>"], vocab["<unk>"]
+        self.cls_id, self.sep_id, self.mask_id = vocab["<s>"], vocab["</s>"], vocab["<mask>"]
+        self.bos_id, self.eos_id = self.cls_id, self.sep_id
+        self.special_ids = frozenset(vocab[t] for t in BYTE_BPE_SPECIALS)
+        self.continuation_ids = sorted(i for t, i in vocab.items()
+                                       if i not in self.special_ids and not t.startswith("\u0120"))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ByteBPETokenizer:
+        """Reads a `tokenizer.json` written by `save`."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no byte-level BPE tokenizer.json at {path}")
+        with open(path, encoding="utf-8") as f:
+            return cls(f.read())
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self._json)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Drops <pad>/<s>/</s> and joins the bytes back into text."""
+        keep = [int(i) for i in ids if int(i) not in (self.pad_id, self.cls_id, self.sep_id)]
+        return self._tok.decode(keep, skip_special_tokens=False).strip()
+
+    def __reduce__(self):
+        return ByteBPETokenizer, (self._json,)
+
+
+def train_byte_bpe(texts: Iterable[str], vocab_size: int, *,
+                   path: str | os.PathLike | None = None) -> ByteBPETokenizer:
+    """Trains a byte-level BPE vocabulary (256 byte symbols + merges + 5 specials, RoBERTa uses
+    50k); saves `tokenizer.json` to `path` when given."""
+    tok = hf.Tokenizer(hf.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = hf.decoders.ByteLevel()
+    trainer = hf.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(BYTE_BPE_SPECIALS), show_progress=False,
+        initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = ByteBPETokenizer(tok.to_str())
     if path is not None:
         out.save(path)
     return out

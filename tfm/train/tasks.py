@@ -4,7 +4,7 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   LMTask (DecoderLM)          inputs, targets [B, T]; optional weights, segment_ids, positions.
   MLMTask (EncoderModel)      input_ids, token_type_ids, attention_mask [B, T] (1 = token);
                               mlm_positions, mlm_ids, mlm_weights [B, P]; nsp_label [B]
-                              (the keys of `tfm.data.pretraining`).
+                              (the keys of `tfm.data.pretraining`; without nsp_label, MLM only).
   Seq2SeqTask (EncoderDecoder) inputs [B, S]; targets_in, targets [B, T]; optional weights,
                               {inputs,targets}_{segment_ids,positions}.
 
@@ -160,13 +160,17 @@ class MLMTask(Task):
                 "mlm_positions": batch["mlm_positions"], **self._logits_kwarg()}
 
     def weights(self, batch):
-        return {"mlm": _weights_or_ones(batch, "mlm_weights", "mlm_ids"),
-                "nsp": jnp.ones(batch["nsp_label"].shape, jnp.float32)}
+        w = {"mlm": _weights_or_ones(batch, "mlm_weights", "mlm_ids")}
+        if "nsp_label" in batch:  # absent for MLM-only pretraining (RoBERTa)
+            w["nsp"] = jnp.ones(batch["nsp_label"].shape, jnp.float32)
+        return w
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)
-        return {"mlm": self._ce(out["mlm_logits"], batch["mlm_ids"], w["mlm"]),
-                "nsp": cross_entropy(out["nsp_logits"], *_scored(batch["nsp_label"], w["nsp"], 2))}
+        terms = {"mlm": self._ce(out["mlm_logits"], batch["mlm_ids"], w["mlm"])}
+        if "nsp" in w:
+            terms["nsp"] = cross_entropy(out["nsp_logits"], *_scored(batch["nsp_label"], w["nsp"], 2))
+        return terms
 
     def num_tokens(self, batch):
         return int(batch["input_ids"].size)
@@ -174,7 +178,9 @@ class MLMTask(Task):
     def id_fields(self, config, batch):
         V = config.vocab_size
         fields = [IdField("input_ids", V), IdField("mlm_positions", batch["input_ids"].shape[1]),
-                  IdField("mlm_ids", V, "mlm_weights"), IdField("nsp_label", 2)]
+                  IdField("mlm_ids", V, "mlm_weights")]
+        if "nsp_label" in batch:
+            fields.append(IdField("nsp_label", 2))
         if config.type_vocab_size:
             fields.append(IdField("token_type_ids", config.type_vocab_size))
         return fields
