@@ -39,6 +39,7 @@ _FAMILIES = {
     # Not in the TFDS catalog: read from a prepared directory (TFDS `builder_from_files`).
     "bookcorpus": _Family(None, None, ("train",)),
     "glue": _Family("tensorflow_datasets.text", None, None),
+    "squad": _Family("tensorflow_datasets.question_answering", "v1.1", ("train", "validation")),
     "tfm_synthetic_translate": _Family("tfm.data.synthetic", None, _THREE),
     "tfm_synthetic_docs": _Family("tfm.data.synthetic", None, _THREE),
 }

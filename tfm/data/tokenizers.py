@@ -144,6 +144,12 @@ class WordPieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, offsets): token i covers text[offsets[i][0]:offsets[i][1]] of the original
+        (un-normalised) text, so a predicted token span maps back to the exact characters."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Drops [PAD]/[CLS]/[SEP] (not [UNK]/[MASK]) and joins '##' pieces."""
         keep = [int(i) for i in ids if int(i) not in (self.pad_id, self.cls_id, self.sep_id)]
