@@ -15,7 +15,8 @@ from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
-ROPE_SCALINGS = (None, "linear", "ntk")
+ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
+ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,12 +44,26 @@ class ModelConfig:
     norm_position: str = "pre"  # "post" for the original Transformer and BERT
     final_norm: bool = True  # a norm after the last block (pre-norm stacks)
     embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
+    norm_bias: bool = True  # LayerNorm with a bias; False = scale only (MPT)
 
     # Positions
     position: str = "sinusoidal"
     rope_theta: float = 10_000.0
     rope_scaling: Optional[str] = None  # "linear" (position interpolation) or "ntk" (base rescale)
     rope_scaling_factor: float = 1.0
+    # llama3 / yarn / dynamic (Hugging Face's rope init functions): the pretraining context length,
+    # llama3's wavelength band, yarn's ramp (beta_fast, beta_slow, truncate) and cos/sin factor
+    # (None = 0.1 ln(factor) + 1).
+    rope_original_max_len: Optional[int] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: Optional[float] = None
+    rotary_dim: Optional[int] = None  # rotate the first rotary_dim of each head (GPT-J, GPT-NeoX); None = H
+    rope_interleaved: bool = False  # rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of halves (Llama)
+    alibi_bias_max: float = 8.0  # ALiBi slopes 2^(-alibi_bias_max * i / N) (MPT's knob; 8 = the paper)
     position_offset: int = 0  # learned table row = position + offset (BART 2, RoBERTa pad_id + 1)
     padding_positions: bool = False  # RoBERTa: count non-pad tokens only; pad tokens sit at -1
     relative_buckets: int = 32  # position="relative" (T5): buckets of the per-head bias table
@@ -56,9 +71,14 @@ class ModelConfig:
 
     # Attention
     attention_bias: bool = True  # biases on q, k, v and output projections
+    attention_out_bias: Optional[bool] = None  # bias on the output projection; None = attention_bias (Qwen2: False)
     attention_dropout: float = 0.0
     scale_attention: bool = True  # logits q.k / sqrt(H); False = unscaled (T5)
     sliding_window: Optional[int] = None
+    # Per-layer kinds repeated over the stack: layer i is attention_pattern[i % len]; "local" layers
+    # see sliding_window keys, "global" ones all. None = every layer uses sliding_window (if set).
+    # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
+    attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
@@ -76,6 +96,7 @@ class ModelConfig:
 
     # Block
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
+    parallel_norms: int = 1  # parallel_block: 1 shared norm (GPT-J), 2 = x + attn(n1 x) + ffn(n2 x) (GPT-NeoX)
     dropout_rate: float = 0.0  # residual and embedding dropout
 
     # Embeddings and output
@@ -127,6 +148,13 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
+        self._check_rope_and_pattern()
+        if self.parallel_norms not in (1, 2):
+            raise ValueError(f"ModelConfig.parallel_norms must be 1 or 2, got {self.parallel_norms}")
+        if self.parallel_norms == 2 and not self.parallel_block:
+            raise ValueError("ModelConfig.parallel_norms=2 needs parallel_block=True")
+        if self.alibi_bias_max <= 0:
+            raise ValueError(f"ModelConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
         for name in ("attention_dropout", "dropout_rate"):
@@ -163,6 +191,9 @@ class ModelConfig:
         if self.position == "relative" and self.attention_impl != "xla":
             raise ValueError(f"ModelConfig.position='relative' (T5 relative position bias) needs "
                              f"attention_impl='xla'; attention_impl={self.attention_impl!r} takes no additive bias")
+        if self.rescale_tied_output and not self.tie_embeddings:
+            raise ValueError("ModelConfig.rescale_tied_output scales the tied output projection; it needs "
+                             "tie_embeddings=True")
         if self.image_size:
             if self.image_size < 0 or self.patch_size < 1 or self.image_size % self.patch_size:
                 raise ValueError(f"ModelConfig.patch_size={self.patch_size} must divide image_size={self.image_size}")
@@ -170,6 +201,50 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.num_channels must be >= 1, got {self.num_channels}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_rope_and_pattern(self):
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim={self.rotary_dim} must be even and in (0, head_dim="
+                             f"{self.head_size}]")
+        if self.rope_scaling in ("llama3", "yarn", "dynamic") and (self.rope_original_max_len or 0) < 1:
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} needs rope_original_max_len "
+                             f"(the pretraining context length), got {self.rope_original_max_len}")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"ModelConfig.rope_low_freq_factor={self.rope_low_freq_factor} must be > 0 and "
+                             f"below rope_high_freq_factor={self.rope_high_freq_factor}")
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow <= self.rope_beta_fast:
+            raise ValueError(f"ModelConfig.rope_beta_slow={self.rope_beta_slow} must be > 0 and <= "
+                             f"rope_beta_fast={self.rope_beta_fast}")
+        if self.rope_attention_factor is not None and self.rope_attention_factor <= 0:
+            raise ValueError(f"ModelConfig.rope_attention_factor must be > 0, got {self.rope_attention_factor}")
+        pattern = self.attention_pattern
+        if pattern is None:
+            return
+        if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
+            raise ValueError(f"ModelConfig.attention_pattern must be a non-empty tuple of {ATTENTION_KINDS}, "
+                             f"got {pattern!r}")
+        object.__setattr__(self, "attention_pattern", tuple(pattern))
+        bad = sorted(set(pattern) - set(ATTENTION_KINDS))
+        if bad:
+            raise ValueError(f"ModelConfig.attention_pattern has unknown kinds {bad}; choose from {ATTENTION_KINDS}")
+        if "local" in pattern and self.sliding_window is None:
+            raise ValueError("ModelConfig.attention_pattern has 'local' layers but sliding_window is None")
+        for name in ("num_layers", "decoder_layers"):
+            if getattr(self, name) % len(pattern):
+                raise ValueError(f"ModelConfig.attention_pattern of length {len(pattern)} does not divide "
+                                 f"{name}={getattr(self, name)}")
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The attention window of layer `layer` (None = global) under attention_pattern."""
+        if self.attention_pattern is None:
+            return self.sliding_window
+        kind = self.attention_pattern[layer % len(self.attention_pattern)]
+        return self.sliding_window if kind == "local" else None
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated part of each head (rotary_dim, default the whole head)."""
+        return self.head_size if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_heads(self) -> int:
