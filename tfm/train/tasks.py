@@ -7,6 +7,9 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
                               (the keys of `tfm.data.pretraining`; without nsp_label, MLM only).
   Seq2SeqTask (EncoderDecoder) inputs [B, S]; targets_in, targets [B, T]; optional weights,
                               {inputs,targets}_{segment_ids,positions}.
+  ClassificationTask,         input_ids, token_type_ids, attention_mask [B, T]; optional
+  RegressionTask,             weights [B] (0 = a padding row); label [B] (int class /
+  SpanTask (EncoderModel)     float score), or start_positions, end_positions [B] (span).
 
 `loss` returns the objective of one (micro)batch with every sum already divided by the
 full batch's totals, so summing microbatch results gives exactly the full-batch value.
@@ -56,7 +59,8 @@ class Task:
         raise NotImplementedError
 
     def loss_terms(self, outputs, batch: dict) -> dict[str, dict]:
-        """name -> cross_entropy() sums; the first term names "accuracy"."""
+        """name -> cross_entropy()-style sums ("ce", "z", and "correct" where predictions can
+        be right or wrong); the first term's "correct" gives "accuracy"."""
         raise NotImplementedError
 
     def num_tokens(self, batch: dict) -> int:
@@ -93,7 +97,7 @@ class Task:
             objective += (t["ce"] + t["z"]) / norm
             metrics["loss"] += t["ce"] / norm
             metrics["z_loss"] += t["z"] / norm
-            if i == 0:
+            if i == 0 and "correct" in t:
                 metrics["accuracy"] = t["correct"] / norm
             if len(terms) > 1:
                 metrics[f"{name}_loss"] = t["ce"] / norm
@@ -206,3 +210,70 @@ class Seq2SeqTask(Task):
     def id_fields(self, config, batch):
         V = config.vocab_size
         return [IdField("inputs", V), IdField("targets_in", V), IdField("targets", V, "weights")]
+
+
+class _FineTuneTask(Task):
+    """Encoder fine-tuning: one example a row, a "weights" [B] entry marking real rows."""
+
+    def model_kwargs(self, batch):
+        mask = batch.get("attention_mask")
+        return {"tokens": batch["input_ids"], "token_type_ids": batch.get("token_type_ids"),
+                "segment_ids": None if mask is None else mask.astype(jnp.int32)}
+
+    def weights(self, batch):
+        rows = batch["input_ids"].shape[:1]
+        return {self.term: batch["weights"] if "weights" in batch else jnp.ones(rows, jnp.float32)}
+
+    def num_tokens(self, batch):
+        return int(batch["input_ids"].size)
+
+    def id_fields(self, config, batch):
+        fields = [IdField("input_ids", config.vocab_size)]
+        if config.type_vocab_size:
+            fields.append(IdField("token_type_ids", config.type_vocab_size))
+        return fields
+
+
+class ClassificationTask(_FineTuneTask):
+    """Sentence (pair) classification from the pooled [CLS] state: GLUE."""
+    term = "label"
+
+    def loss_terms(self, out, batch):
+        w = self.weights(batch)[self.term]
+        return {self.term: cross_entropy(out["logits"], *_scored(batch["label"], w, out["logits"].shape[-1]),
+                                         label_smoothing=self.label_smoothing, z_loss=self.z_loss)}
+
+    def id_fields(self, config, batch):
+        return super().id_fields(config, batch) + [IdField("label", config.num_labels, "weights")]
+
+
+class RegressionTask(_FineTuneTask):
+    """A real-valued score from the pooled [CLS] state, squared-error loss: GLUE STS-B."""
+    term = "score"
+
+    def loss_terms(self, out, batch):
+        w = self.weights(batch)[self.term].astype(jnp.float32)
+        err = out["score"] - batch["label"].astype(jnp.float32)
+        return {self.term: {"ce": jnp.sum(w * err ** 2), "z": jnp.zeros((), jnp.float32), "weight": jnp.sum(w)}}
+
+
+class SpanTask(_FineTuneTask):
+    """Answer start and end positions over the sequence (SQuAD): the mean of the two
+    cross-entropies, as Devlin et al.; "accuracy" counts rows with both ends right."""
+    term = "span"
+
+    def loss_terms(self, out, batch):
+        w = self.weights(batch)[self.term]
+        T = out["start_logits"].shape[-1]
+        kw = dict(label_smoothing=self.label_smoothing, z_loss=self.z_loss)
+        start = cross_entropy(out["start_logits"], *_scored(batch["start_positions"], w, T), **kw)
+        end = cross_entropy(out["end_logits"], *_scored(batch["end_positions"], w, T), **kw)
+        hit = ((jnp.argmax(out["start_logits"], -1) == batch["start_positions"])
+               & (jnp.argmax(out["end_logits"], -1) == batch["end_positions"]))
+        return {self.term: {"ce": (start["ce"] + end["ce"]) / 2, "z": (start["z"] + end["z"]) / 2,
+                            "correct": jnp.sum(hit * w.astype(jnp.float32)), "weight": start["weight"]}}
+
+    def id_fields(self, config, batch):
+        T = batch["input_ids"].shape[1]
+        return super().id_fields(config, batch) + [IdField("start_positions", T, "weights"),
+                                                   IdField("end_positions", T, "weights")]
