@@ -242,6 +242,11 @@ class ModelConfig:
         return self.sliding_window if kind == "local" else None
 
     @property
+    def pattern_period(self) -> int:
+        """Layers per repeat of attention_pattern (1 without one)."""
+        return 1 if self.attention_pattern is None else len(self.attention_pattern)
+
+    @property
     def rope_dim(self) -> int:
         """The rotated part of each head (rotary_dim, default the whole head)."""
         return self.head_size if self.rotary_dim is None else self.rotary_dim
