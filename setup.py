@@ -37,6 +37,8 @@ setup(
             "nbclient>=0.10,<0.11",
             "ipykernel>=6.29,<8",
             "matplotlib>=3.8,<4",
+            "scikit-learn>=1.5,<2",
+            "scipy>=1.13,<2",
         ],
         "notebooks": ["jupyter", "matplotlib>=3.8,<4"],
         "tf": ["tensorflow>=2.18"],
