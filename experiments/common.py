@@ -118,10 +118,12 @@ def settings_of(config, settings_cls):
     return _build(settings_cls, {k: raw[k] for k in keys if k in raw}, "config")
 
 
-def resolve(config, settings_cls, task_cls, **derived) -> Experiment:
+def resolve(config, settings_cls, task_cls, *, model_from_checkpoint: bool = False, **derived) -> Experiment:
     """The dataclasses behind an experiment config (a ConfigDict or a plain dict). `derived`:
     TrainConfig values the experiment computed (e.g. batch_size from a token budget); the
-    config must leave those unset (None), so that a value a user sets is never overridden."""
+    config must leave those unset (None), so that a value a user sets is never overridden.
+    model_from_checkpoint: the model comes from a checkpoint (fine-tuning), so
+    config.model.preset must stay unset; model.overrides still apply."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     for key, value in derived.items():
         if raw.get(key) is not None:
@@ -132,7 +134,10 @@ def resolve(config, settings_cls, task_cls, **derived) -> Experiment:
     _check_keys(raw, train_keys + settings_keys + ["model", "task"], "config")
     model = dict(raw.get("model") or {})
     _check_keys(model, ["preset", "overrides"], "config.model")
-    if not model.get("preset"):
+    if model_from_checkpoint and model.get("preset"):
+        raise ValueError(f"config.model.preset={model['preset']!r} is set, but this experiment takes "
+                         "its model from a checkpoint; unset it")
+    if not model_from_checkpoint and not model.get("preset"):
         raise ValueError(f"config.model.preset is not set; choose from {sorted(presets.PRESETS)}")
     return Experiment(
         train=_build(TrainConfig, {**{k: raw[k] for k in train_keys if k in raw}, **derived}, "config"),
