@@ -1,8 +1,9 @@
 """Hugging Face import: a transformers PyTorch model or a local checkpoint directory ->
-(tfm ModelConfig, params, tfm model).
+(tfm ModelConfig, params, tfm model), and back (`to_hf`, see `export`).
 
     config, params, model = tfm.convert.from_hf("path/to/checkpoint")   # or a live HF model
     logits = model.apply({"params": params}, tokens)
+    tfm.convert.to_hf(config, params, "out/")   # config.json + model.safetensors for transformers
 
 One mapping module per architecture (bert, gpt2, llama, mixtral, marian), each a `Converter`;
 `common` holds the shared layouts and error reporting, `loading` reads models and directories.
@@ -21,6 +22,7 @@ import flax.linen as nn
 from tfm.config import ModelConfig
 from tfm.convert import bert, gpt2, llama, marian, mixtral
 from tfm.convert.common import ConversionError, HFConfig, Weights
+from tfm.convert.export import to_hf
 from tfm.convert.loading import from_directory, from_model
 from tfm.models import EncoderDecoder
 
@@ -28,7 +30,7 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **marian.ARCHITECTURES}
 SUPPORTED = tuple(sorted(CONVERTERS))
 
-__all__ = ["from_hf", "ConversionError", "SUPPORTED", "CONVERTERS"]
+__all__ = ["from_hf", "to_hf", "ConversionError", "SUPPORTED", "CONVERTERS"]
 
 
 def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jnp.float32,

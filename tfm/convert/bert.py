@@ -10,6 +10,7 @@ import functools
 
 from tfm.config import ModelConfig
 from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.convert.export import hf_activation
 from tfm.models import EncoderModel
 
 
@@ -68,9 +69,19 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); the heads pick the class."""
+    return dict(model_type="bert", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_attention_heads=cfg.num_heads, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff,
+                max_position_embeddings=cfg.max_len, layer_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation),
+                type_vocab_size=cfg.type_vocab_size, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id,
+                hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout)
+
+
 ARCHITECTURES = {
     "BertForPreTraining": Converter(EncoderModel, functools.partial(config, heads=("mlm", "nsp")), params,
-                                    ignore=("*position_ids", "*token_type_ids")),
+                                    ignore=("*position_ids", "*token_type_ids"), hf_config=hf_config),
     "BertModel": Converter(EncoderModel, config, params,
-                           ignore=("*position_ids", "*token_type_ids", "pooler.*", "bert.pooler.*")),
+                           ignore=("*position_ids", "*token_type_ids", "pooler.*", "bert.pooler.*"),
+                           hf_config=hf_config, export_zeros=("pooler.*",)),
 }

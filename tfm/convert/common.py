@@ -25,6 +25,11 @@ class Converter:
     config: Callable[["HFConfig"], object]  # -> tfm ModelConfig
     params: Callable[["Weights", object], dict]  # (checkpoint tensors, tfm config) -> param tree
     ignore: Sequence[str] = ()  # glob patterns of tensors that carry no parameters
+    # Export (tfm.convert.export): (tfm config) -> HF config dict with "model_type", the inverse of
+    # `config`; None = this architecture does not export. `export_zeros`: glob patterns of HF tensors
+    # that tfm drops on import but HF requires (BertModel's pooler), written as zeros.
+    hf_config: Optional[Callable[[object], dict]] = None
+    export_zeros: Sequence[str] = ()
 
 
 # HF activation names -> tfm activation names (tfm "gelu" is exact erf GELU, "gelu_tanh" the tanh one).

@@ -9,6 +9,7 @@ import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, stack_layers
+from tfm.convert.export import hf_activation
 from tfm.models import DecoderLM
 
 
@@ -59,6 +60,16 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    return dict(model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_head=cfg.num_heads,
+                n_layer=cfg.num_layers, n_inner=cfg.d_ff, n_positions=cfg.max_len, layer_norm_epsilon=cfg.norm_eps,
+                activation_function=hf_activation(cfg.activation), tie_word_embeddings=cfg.tie_embeddings,
+                pad_token_id=cfg.pad_id, resid_pdrop=cfg.dropout_rate, embd_pdrop=cfg.dropout_rate,
+                attn_pdrop=cfg.attention_dropout)
+
+
 ARCHITECTURES = {
-    "GPT2LMHeadModel": Converter(DecoderLM, config, params, ignore=("*.attn.bias", "*.attn.masked_bias")),
+    "GPT2LMHeadModel": Converter(DecoderLM, config, params, ignore=("*.attn.bias", "*.attn.masked_bias"),
+                                 hf_config=hf_config),
 }

@@ -10,6 +10,7 @@ from typing import Callable
 from tfm.config import ModelConfig
 from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope,
                                 stack_layers)
+from tfm.convert.export import hf_activation, hf_rope
 from tfm.models import DecoderLM
 
 
@@ -57,5 +58,15 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
+    """The inverse of `config` (export); variants drop or add their own fields."""
+    return dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
+                num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_len,
+                rms_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation, gated=True),
+                attention_bias=cfg.attention_bias, mlp_bias=cfg.ffn_bias, tie_word_embeddings=cfg.tie_embeddings,
+                pad_token_id=cfg.pad_id, attention_dropout=cfg.attention_dropout, **hf_rope(cfg))
+
+
 IGNORE = ("*rotary_emb.inv_freq",)
-ARCHITECTURES = {"LlamaForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}
+ARCHITECTURES = {"LlamaForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config)}

@@ -11,6 +11,7 @@ import numpy as np
 from tfm.config import ModelConfig
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
                                 stack_layers)
+from tfm.convert.export import hf_activation
 from tfm.layers.embeddings import sinusoidal_table
 from tfm.models import EncoderDecoder
 
@@ -87,4 +88,16 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); decoding starts from the pad token, as in Marian."""
+    return dict(model_type="marian", vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+                encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len,
+                activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
+                tie_word_embeddings=cfg.tie_embeddings, share_encoder_decoder_embeddings=cfg.share_source_target_embeddings,
+                pad_token_id=cfg.pad_id, decoder_start_token_id=cfg.pad_id, dropout=cfg.dropout_rate,
+                attention_dropout=cfg.attention_dropout)
+
+
+ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params, hf_config=hf_config)}

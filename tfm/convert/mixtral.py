@@ -11,7 +11,7 @@ import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.convert import llama
-from tfm.convert.common import Converter, HFConfig, Weights
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
 from tfm.models import DecoderLM
 
 
@@ -43,4 +43,14 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return llama.params(w, cfg, ffn=moe_ffn)
 
 
-ARCHITECTURES = {"MixtralForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export): Llama's fields less the biases Mixtral has no field for."""
+    if cfg.num_experts < 1:
+        raise ConversionError(f"num_experts={cfg.num_experts}: Mixtral's feed-forward is a mixture of experts")
+    out = llama.hf_config(cfg, model_type="mixtral")
+    del out["attention_bias"], out["mlp_bias"]
+    return dict(out, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=cfg.sliding_window)
+
+
+ARCHITECTURES = {"MixtralForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config)}

@@ -1,0 +1,265 @@
+"""Hugging Face export: tfm (ModelConfig, params) -> a transformers checkpoint directory.
+
+    tfm.convert.to_hf(config, params, "out/")        # config.json + model.safetensors
+    model = transformers.AutoModelForCausalLM.from_pretrained("out/")
+
+How it works. Every importer (`Converter.params`) builds tfm params from HF tensors with layout
+changes only (transpose, reshape, split, slice, stack), so it is a bijection between element
+positions, and export runs it backwards instead of keeping a second, hand-written copy of every
+family's tensor names (which could drift from the importer):
+
+1. The family's config writer (`Converter.hf_config`, the inverse of `Converter.config`) gives
+   the HF config; importing that config must give back the tfm config, otherwise HF cannot
+   express it and export refuses, naming the fields that differ.
+2. The HF model is built on torch's meta device (no memory) for its tensor names and shapes.
+3. The importer runs on placeholder tensors holding each element's global index (`_Recorder`):
+   every tfm leaf comes out as the indices of the HF elements it holds, so one scatter
+   `hf[index] = tfm value` writes every HF tensor exactly. `w.tied(key, reference)` records that
+   `key` holds `reference`'s elements (tied output, MLM decoder bias, shared embeddings).
+4. `save_pretrained(directory, state_dict=...)` of the meta model writes the files as HF expects:
+   tied copies dropped, `_keys_to_ignore_on_save` left out (Marian's position tables, which HF
+   recomputes), checkpoint layouts restored (Mixtral's per-expert w1/w2/w3), config.json.
+5. The directory is imported again and must give the same config and bit-identical params; an
+   importer that did arithmetic instead of a layout change would fail here, never silently.
+
+Adding a family: give its `Converter` an `hf_config(tfm_config) -> dict` holding `model_type`
+and the fields the family's `config` reads (helpers below: `hf_activation`, `hf_rope`); write
+only what HF has a field for, and let the round-trip check refuse the rest. HF tensors that tfm
+drops on import and that HF still requires (BertModel's pooler) go in `Converter.export_zeros`
+(glob patterns) and are written as zeros. Any other HF tensor the importer does not read is an
+error naming it. Tensors are written in float32; ModelConfig fields that do not change the
+function (dtype, scan_layers, remat, attention backend, dropout) are not compared.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from typing import Dict, Optional
+
+import numpy as np
+
+from tfm.config import ModelConfig
+from tfm.convert.common import ACTIVATIONS, GATED_ACTIVATIONS, ConversionError, Converter, HFConfig, Weights
+
+__all__ = ["to_hf", "hf_activation", "hf_rope"]
+
+# ModelConfig fields that do not change the function a checkpoint computes; HF configs need not
+# carry them, and `from_hf(..., **overrides)` sets them again.
+_NOT_COMPARED = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
+                 "attention_block_sizes", "dropout_rate", "attention_dropout")
+
+
+# ---- helpers for config writers -----------------------------------------------------------
+
+def hf_activation(activation: str, gated: bool = False) -> str:
+    """tfm activation -> the HF `hidden_act` name that imports back to it (gated: the gate's)."""
+    for hf_name, tfm_name in ACTIVATIONS.items():
+        if (GATED_ACTIVATIONS.get(tfm_name) if gated else tfm_name) == activation:
+            return hf_name
+    kinds = sorted(GATED_ACTIVATIONS.values()) if gated else sorted(set(ACTIVATIONS.values()))
+    raise ConversionError(f"activation={activation!r} has no Hugging Face name here; it writes {kinds}")
+
+
+def hf_rope(cfg: ModelConfig) -> dict:
+    """RoPE fields as transformers 5 `rope_parameters` (default, linear, dynamic, llama3, yarn)."""
+    params = {"rope_type": cfg.rope_scaling or "default", "rope_theta": float(cfg.rope_theta)}
+    if cfg.rope_scaling is not None:
+        params["factor"] = float(cfg.rope_scaling_factor)
+    if cfg.rope_scaling in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = cfg.rope_original_max_len
+    if cfg.rope_scaling == "llama3":
+        params.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    elif cfg.rope_scaling == "yarn":
+        params.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+        if cfg.rope_attention_factor is not None:
+            params["attention_factor"] = cfg.rope_attention_factor
+    elif cfg.rope_scaling not in (None, "linear", "dynamic"):
+        raise ConversionError(f"rope_scaling={cfg.rope_scaling!r} has no Hugging Face rope_type")
+    return {"rope_parameters": params}
+
+
+# ---- export -------------------------------------------------------------------------------
+
+def to_hf(config: ModelConfig, params, directory, *, architecture: Optional[str] = None,
+          verify: bool = True) -> str:
+    """Writes `params` of a tfm model as a Hugging Face checkpoint directory.
+
+    config: the tfm ModelConfig of `params`.
+    params: the param tree (`from_hf`'s, or `model.init(...)["params"]`, boxed or not).
+    directory: created if missing; gets config.json, model.safetensors (and generation_config.json
+      for generative classes).
+    architecture: the HF class to write (e.g. "LlamaForCausalLM"); None = the one class whose
+      config reproduces `config` (an error lists the candidates when several do).
+    verify: import the written directory again and require the same config and bit-identical params.
+    Returns the directory.
+    """
+    import flax.linen as nn
+    import jax
+
+    params = jax.tree.map(np.asarray, nn.meta.unbox(params))
+    arch, converter, hf_cfg = _resolve(config, architecture)
+    model = _meta_model(arch, hf_cfg)
+    tensors = _hf_tensors(arch, converter, config, params, model)
+    import torch
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    for alias, owner in _tied_groups(model).items():  # one tensor object, so save_pretrained drops copies
+        if not np.array_equal(tensors[alias], tensors[owner]):
+            raise ConversionError(f"{arch}: {alias} must equal {owner}, which HF ties to it, but tfm's differ")
+        state[alias] = state[owner]
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, state_dict=state)
+    if verify:
+        _verify(directory, arch, config, params)
+    return directory
+
+
+def _resolve(config: ModelConfig, architecture: Optional[str]):
+    """(architecture, Converter, transformers config) whose import reproduces `config`."""
+    from tfm.convert import CONVERTERS
+    writable = {a: c for a, c in CONVERTERS.items() if c.hf_config is not None}
+    if architecture is not None:
+        if architecture not in writable:
+            raise ConversionError(f"to_hf: architecture {architecture!r} has no config writer; "
+                                  f"tfm exports {sorted(writable)}")
+        return (architecture, writable[architecture], _hf_config(architecture, writable[architecture], config))
+    found, reasons = [], {}
+    for arch, converter in writable.items():
+        try:
+            found.append((arch, converter, _hf_config(arch, converter, config)))
+        except ConversionError as e:
+            reasons[arch] = str(e)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ConversionError(f"to_hf: several Hugging Face classes express this config "
+                              f"{[f[0] for f in found]}; pass architecture=...")
+    raise ConversionError("to_hf: no Hugging Face class expresses this config:\n  " + "\n  ".join(reasons.values()))
+
+
+def _hf_config(arch: str, converter: Converter, config: ModelConfig):
+    """The family's HF config for `config`; refuses when importing it would not give `config` back."""
+    import transformers
+    try:
+        fields = dict(converter.hf_config(config))
+        model_type = fields.pop("model_type")
+        hf_cfg = transformers.AutoConfig.for_model(model_type, **fields)
+        hf_cfg.architectures = [arch]
+        written = json.loads(hf_cfg.to_json_string(use_diff=True))
+        back = converter.config(HFConfig(written, arch))
+    except ConversionError as e:
+        raise ConversionError(f"{arch} cannot express this tfm config: {e}") from None
+    want, got = _canonical(config), _canonical(back)
+    diff = [f"{name}={getattr(want, name)!r} (a {arch} config gives {getattr(got, name)!r})"
+            for name in ModelConfig.__dataclass_fields__ if getattr(want, name) != getattr(got, name)]
+    if diff:
+        raise ConversionError(f"{arch} cannot express this tfm config: " + ", ".join(diff))
+    return hf_cfg
+
+
+def _canonical(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with derived defaults spelled out and fields that do not change the function reset."""
+    defaults = {f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED
+                if f in ModelConfig.__dataclass_fields__}
+    return cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, **defaults)
+
+
+def _meta_model(arch: str, hf_cfg):
+    """The HF model on torch's meta device: names, shapes and ties, no memory."""
+    import torch
+    import transformers
+    with torch.device("meta"):
+        return getattr(transformers, arch)(hf_cfg)
+
+
+def _tied_groups(model) -> Dict[str, str]:
+    """{state-dict name: the first name of the same tensor} for tensors HF ties."""
+    first, aliases = {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases
+
+
+class _Recorder(Weights):
+    """Weights whose tensors hold their elements' global indices; records `tied` aliases."""
+
+    def __init__(self, shapes: Dict[str, tuple], arch: str):
+        sizes = [int(np.prod(s)) for s in shapes.values()]
+        self.offsets = dict(zip(shapes, np.cumsum([0] + sizes[:-1]).tolist()))
+        self.total = int(sum(sizes))
+        index = np.arange(self.total, dtype=np.int64)
+        super().__init__({k: index[o:o + int(np.prod(s))].reshape(s) for (k, s), o
+                          in zip(shapes.items(), self.offsets.values())}, f"{arch} export")
+        self.aliases: Dict[str, np.ndarray] = {}
+
+    def tied(self, key: str, reference: np.ndarray, field: str):
+        if self.has(key):
+            self(key)
+            self.aliases[key] = np.asarray(reference)
+
+
+def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, model) -> Dict[str, np.ndarray]:
+    """Every tensor of `model`'s state dict (less `_keys_to_ignore_on_save`), from tfm params."""
+    import jax
+    skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in skip}
+    rec = _Recorder(shapes, arch)
+    index_tree = converter.params(rec, config)
+
+    flat = lambda tree: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    indices, values = flat(index_tree), flat(params)
+    if {k: np.shape(v) for k, v in indices.items()} != {k: np.shape(v) for k, v in values.items()}:
+        missing, extra = sorted(set(indices) - set(values)), sorted(set(values) - set(indices))
+        wrong = sorted(k for k in set(indices) & set(values) if np.shape(indices[k]) != np.shape(values[k]))
+        raise ConversionError(f"{arch}: params do not fit the config: missing {missing}, unexpected {extra}, "
+                              f"wrong shapes {wrong}")
+    flat_hf = np.zeros(rec.total, np.float32)
+    written = np.zeros(rec.total, bool)
+    for key, idx in indices.items():
+        if idx.dtype != np.int64:
+            raise ConversionError(f"{arch}: the importer computes {key} with arithmetic ({idx.dtype}); export "
+                                  f"inverts layout changes only")
+        idx, val = idx.ravel(), np.asarray(values[key], np.float32).ravel()
+        seen = written[idx]
+        if seen.any() and not np.array_equal(flat_hf[idx[seen]], val[seen]):
+            raise ConversionError(f"{arch}: {key} holds HF elements that another param holds with other values")
+        flat_hf[idx], written[idx] = val, True
+
+    out = {}
+    for key, shape in shapes.items():
+        if key in rec.aliases:
+            idx = rec.aliases[key]
+            if idx.shape != shape:
+                raise ConversionError(f"{arch}: {key} {shape} is tied to a tensor of shape {idx.shape}")
+            if not written[idx].all():
+                raise ConversionError(f"{arch}: {key} is tied to HF elements no tfm param holds")
+            out[key] = flat_hf[idx]
+            continue
+        start, size = rec.offsets[key], int(np.prod(shape))
+        done = written[start:start + size]
+        if key not in rec.used and any(fnmatch.fnmatchcase(key, p) for p in converter.export_zeros):
+            out[key] = np.zeros(shape, np.float32)
+        elif not done.all():
+            what = "does not read it" if key not in rec.used else f"leaves {int((~done).sum())} element(s) unset"
+            raise ConversionError(f"{arch}: cannot export HF tensor {key!r}: the importer {what}; list it in "
+                                  f"Converter.export_zeros if tfm drops it on purpose")
+        else:
+            out[key] = flat_hf[start:start + size].reshape(shape)
+    return out
+
+
+def _verify(directory: str, arch: str, config: ModelConfig, params):
+    """Importing `directory` again must give `config` (up to _NOT_COMPARED) and identical params."""
+    import jax
+    from tfm.convert import from_hf
+    back_config, back_params, _ = from_hf(directory, architecture=arch, scan_layers=config.scan_layers)
+    if _canonical(back_config) != _canonical(config):
+        raise ConversionError(f"to_hf: {directory} imports as a different config: {back_config}")
+    flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    want, got = flat(params), flat(back_params)
+    bad = sorted(k for k in want if k not in got or not np.array_equal(np.asarray(want[k], np.float32), got[k]))
+    if bad or set(got) != set(want):
+        raise ConversionError(f"to_hf: {directory} does not import back to the same params: {bad[:8]}")
