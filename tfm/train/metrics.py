@@ -87,7 +87,9 @@ class MetricLogger:
         self.tb.flush()
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": v for k, v in scalars.items()}, step=step)
-        shown = {k: scalars[k] for k in ("loss", "accuracy", "tokens_per_s", "mfu") if k in scalars}
+        # train: the headline; eval: every metric (an experiment's own names included)
+        shown = ({k: scalars[k] for k in ("loss", "accuracy", "tokens_per_s", "mfu") if k in scalars}
+                 if prefix == "train" else scalars)
         text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
         if self.bar is not None:
             if prefix == "train":
