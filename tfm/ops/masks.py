@@ -32,11 +32,12 @@ def visibility(q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, window: Optional[i
     return visible
 
 
-def alibi_slopes(num_heads: int) -> jax.Array:
-    """ALiBi head slopes [N] (Press et al. 2022), geometric from 2^(-8/n); non-powers of two
-    interleave the slopes of the next power of two, as in the paper's reference code."""
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> jax.Array:
+    """ALiBi head slopes [N] (Press et al. 2022), geometric from 2^(-bias_max/n) (8 in the paper;
+    MPT's alibi_bias_max); non-powers of two interleave the slopes of the next power of two, as in
+    the paper's reference code (BLOOM and MPT compute the same)."""
     def powers_of_two(n):
-        start = 2.0 ** (-8.0 / n)
+        start = 2.0 ** (-bias_max / n)
         return [start ** (i + 1) for i in range(n)]
 
     closest = 2 ** (num_heads.bit_length() - 1)
