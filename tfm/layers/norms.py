@@ -1,4 +1,4 @@
-"""LayerNorm and RMSNorm, computed in float32 and returned in the computation dtype."""
+"""LayerNorm (with or without bias) and RMSNorm, computed in float32 and returned in the computation dtype."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -23,8 +23,9 @@ class Norm(nn.Module):
             y = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.norm_eps))
             y = y * scale
         else:
-            bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("embed",)), (D,), jnp.float32)
             mean = x32.mean(-1, keepdims=True)
             var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
-            y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + cfg.norm_eps)) * scale + bias
+            y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + cfg.norm_eps)) * scale
+            if cfg.norm_bias:
+                y = y + self.param("bias", param_init(nn.initializers.zeros_init(), ("embed",)), (D,), jnp.float32)
         return y.astype(compute_dtype(cfg))

@@ -1,9 +1,11 @@
-"""Decoder-only language model (GPT-2 and Llama styles)."""
+"""Decoder-only language model (GPT-2 and Llama styles), with GPT-1's optional classification head."""
 from __future__ import annotations
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from tfm.config import ModelConfig
+from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.stack import Stack
 from tfm.models.embedding import (DecodePosition, InputEmbedding, OutputLogits, check_inputs,
                                   default_positions, token_embed)
@@ -16,12 +18,16 @@ class DecoderLM(nn.Module):
     to arange (per-segment positions come from the data pipeline). decode=True runs on the KV
     cache (see `tfm.decode`). logits=False returns the `Unembedding` (final hidden states
     [B, T, D] and the output projection) instead, for `fused_cross_entropy`.
+
+    With "classification" in config.heads (GPT-1's supervised head W_y) it returns
+    {"logits": LM logits, "cls_logits": [B, num_labels] fp32} read from the final hidden state at
+    cls_positions [B] (default: the last position, T - 1); decode mode returns the LM logits only.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, positions=None, deterministic: bool = True,
+    def __call__(self, tokens, segment_ids=None, positions=None, cls_positions=None, deterministic: bool = True,
                  decode: bool = False, logits: bool = True):
         cfg = self.config
         check_inputs(cfg, tokens, segment_ids=segment_ids, positions=positions)
@@ -31,4 +37,26 @@ class DecoderLM(nn.Module):
         x = InputEmbedding(cfg, embed, name="input")(tokens, positions, deterministic=deterministic)
         x = Stack(cfg, cfg.num_layers, causal=True, name="decoder")(
             x, {"segment_ids": segment_ids, "positions": positions}, deterministic, decode)
-        return OutputLogits(cfg, embed, name="output")(x, logits)
+        lm = OutputLogits(cfg, embed, name="output")(x, logits)
+        if "classification" not in cfg.heads or decode:
+            return lm
+        return {"logits": lm, "cls_logits": ClassificationHead(cfg, name="classifier")(x, cls_positions, deterministic)}
+
+
+class ClassificationHead(nn.Module):
+    """hidden [B, T, D] at cls_positions [B] (default T - 1) -> dropout -> dense -> fp32 [B, num_labels]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, hidden, cls_positions=None, deterministic: bool = True):
+        cfg = self.config
+        B, T = hidden.shape[:2]
+        if cls_positions is None:
+            cls_positions = jnp.full((B,), T - 1, jnp.int32)
+        cls_positions = jnp.where(cls_positions < 0, T, cls_positions)  # out of range -> NaN row, never wrapped
+        h = jnp.take_along_axis(hidden, cls_positions[:, None, None], axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
+        h = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(h)
+        dense = Einsum("BD,DO->BO", (cfg.d_model, cfg.num_labels), ("embed", None), (None,), use_bias=True,
+                       dtype=compute_dtype(cfg), name="dense")
+        return dense(h).astype(jnp.float32)
