@@ -5,6 +5,8 @@
   adjective endings), a fronted adverb moves the German verb before the subject (V2) and
   subordinate clauses put the verb last. A tiny Transformer learns it in a few hundred steps.
 * `documents`: English documents (lists of sentences) that share a topic, for LM and NSP.
+* `topical_documents`: documents on one of 32 topics with disjoint nouns and verbs, so a
+  sentence from another document is nearly always off-topic (BERT pretraining's NSP).
 * `prepare_translation` / `prepare_documents`: write them as TFDS array_record datasets
   (`tfm_synthetic_translate` with features {"en", "de"} like `wmt14_translate/de-en`;
   `tfm_synthetic_docs` with {"title", "text"} like `wikipedia`), read back by
@@ -61,6 +63,7 @@ _ARTICLE = {("m", "nom"): "der", ("m", "acc"): "den", ("f", "nom"): "die", ("f",
 
 TRANSLATE_NAME = "tfm_synthetic_translate"
 DOCS_NAME = "tfm_synthetic_docs"
+TOPICS_NAME = "tfm_synthetic_topics"
 
 
 def _noun_phrase(rng: random.Random, case: str, nouns=NOUNS) -> tuple[list[str], list[str]]:
@@ -121,6 +124,29 @@ def documents(n: int, seed: int = 0, min_sentences: int = 3,
     docs = []
     for _ in range(n):
         nouns, verbs = rng.sample(NOUNS, 4), rng.sample(VERBS, 3)
+        num = rng.randint(min_sentences, max_sentences)
+        docs.append([_sentence(rng, nouns, verbs)[0] for _ in range(num)])
+    return docs
+
+
+NOUN_TOPICS, VERB_TOPICS = 8, 4  # NOUNS and VERBS cut into this many disjoint groups
+
+
+def topical_documents(n: int, seed: int = 0, min_sentences: int = 3,
+                      max_sentences: int = 8) -> list[list[str]]:
+    """`n` English documents, each on one topic: a group of 5 nouns and a group of 5 verbs
+    (8 x 4 = 32 topics, disjoint vocabularies), used in every sentence. A random sentence of
+    another document shares the topic with probability 1/32, so next-sentence prediction can
+    reach ~98%, and a masked noun or verb is one of the topic's five."""
+    if not 1 <= min_sentences <= max_sentences:
+        raise ValueError(f"need 1 <= min_sentences <= max_sentences, got "
+                         f"{min_sentences}, {max_sentences}")
+    rng = random.Random(seed)
+    noun_size, verb_size = len(NOUNS) // NOUN_TOPICS, len(VERBS) // VERB_TOPICS
+    docs = []
+    for _ in range(n):
+        t, v = rng.randrange(NOUN_TOPICS), rng.randrange(VERB_TOPICS)
+        nouns, verbs = NOUNS[t * noun_size:(t + 1) * noun_size], VERBS[v * verb_size:(v + 1) * verb_size]
         num = rng.randint(min_sentences, max_sentences)
         docs.append([_sentence(rng, nouns, verbs)[0] for _ in range(num)])
     return docs
@@ -209,6 +235,15 @@ class TfmSyntheticDocs(_LocalBuilder):
             yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
 
 
+class TfmSyntheticTopics(TfmSyntheticDocs):
+    """TFDS builder of `topical_documents` (BERT pretraining); features match `wikipedia`."""
+
+    def _generate_examples(self, split):
+        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
+        for i, doc in enumerate(topical_documents(self._sizes[split], seed)):
+            yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
+
+
 def _prepare(cls, data_dir, sizes, seed) -> str:
     builder = cls(sizes=sizes, seed=seed, data_dir=os.fspath(data_dir),
                   file_format="array_record")
@@ -234,3 +269,9 @@ def prepare_documents(data_dir: str | os.PathLike, train: int = 500, validation:
                       test: int = 50, seed: int = 0) -> str:
     """Writes `tfm_synthetic_docs` (array_record, one document an example) under `data_dir`."""
     return _prepare(TfmSyntheticDocs, data_dir, _split_sizes(train, validation, test), seed)
+
+
+def prepare_topical_documents(data_dir: str | os.PathLike, train: int = 3000, validation: int = 100,
+                              test: int = 100, seed: int = 0) -> str:
+    """Writes `tfm_synthetic_topics` (array_record, one document an example) under `data_dir`."""
+    return _prepare(TfmSyntheticTopics, data_dir, _split_sizes(train, validation, test), seed)
