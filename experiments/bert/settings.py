@@ -10,11 +10,11 @@ from typing import Optional
 
 @dataclasses.dataclass(frozen=True)
 class BertSettings:
-    dataset: str                  # "synthetic_docs" (generated offline), a TFDS wikipedia name
+    dataset: str                  # "synthetic_topics" / "synthetic_docs" (generated offline), a TFDS name
                                   # ("wikipedia", "wikipedia/20230601.en"), or "" (text_dirs only)
     text_dirs: str                # comma-separated plain-text corpus directories (BooksCorpus
                                   # stand-in): a document per file or blank-line separated; "" none
-    synthetic_documents: int      # training documents generated for "synthetic_docs"
+    synthetic_documents: int      # documents generated for the synthetic datasets
     eval_documents: int           # held-out documents, carved deterministically off train's end
     eval_batches: int             # held-out batches per evaluation
     tokenizer: str                # "wordpiece" (BERT, uncased) or "byte_bpe" (RoBERTa)

@@ -1,0 +1,32 @@
+"""BERT-large pretraining, MLM + NSP (Devlin et al. 2018): base.py with L24/H1024/A16.
+
+Command (TPU v3-128 pod slice or 8 GPUs; a gs:// workdir on a pod):
+  python -m experiments.bert.pretrain --config=experiments/bert/configs/large.py --workdir=gs://BUCKET/bert_large
+Hardware and time: the paper took 4 days on 64 Cloud TPU chips (16 Cloud TPUs); not yet run
+with this code.
+Expected: GLUE average 82.1 and SQuAD v1.1 dev F1 90.9 after fine-tuning (paper, Tables 1 and
+2); held-out masked_lm_accuracy 0.720 is MLPerf's BERT-large target (MLPerf Training reference,
+Wikipedia only).
+
+`large.py:lamb` is the large-batch recipe of You et al. 2019 ("76 minutes"): LAMB, batch
+65,536 at 128 for 7,038 steps then 32,768 at 512 for 1,561 (8,599 in all), one schedule with
+peak lr 6e-3 and 2,000 warmup steps (the values NVIDIA's LAMB BERT recipe uses; the paper
+re-warms phase 2, one schedule here). Expected SQuAD v1.1 F1 90.58 (the paper's Table 1).
+`large.py:runlocal` shrinks it as base.py's.
+"""
+from experiments.bert.configs import base
+
+
+def get_config(arg: str = ""):
+    c = base.get_config("runlocal" if arg == "runlocal" else "")
+    if arg == "runlocal":
+        return c
+    c.model.preset = "bert_large"
+    if arg == "lamb":
+        c.batch_size, c.phase2_batch_size = 65_536, 32_768
+        c.num_train_steps, c.phase2_start_step = 8_599, 7_038
+        c.optimizer.update(name="lamb", learning_rate=6e-3, warmup_steps=2_000)
+        c.log_every, c.eval_every, c.checkpoint_every = 10, 500, 500
+    elif arg:
+        raise ValueError(f"unknown config argument {arg!r}; use 'runlocal', 'lamb' or nothing")
+    return c

@@ -1,0 +1,255 @@
+"""BERT pretraining (Devlin et al. 2018): MLM + NSP, or RoBERTa-style MLM only.
+
+    python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py:runlocal --workdir=/tmp/bert
+
+Workdir layout (the fine-tuning experiments load it):
+    config.json          the resolved config, with "model_config" (the ModelConfig built);
+                         config.step<N>.json when a resumed run changed keys (e.g. phase 2's
+                         max_seq_length given on the command line)
+    vocab.txt            the WordPiece vocabulary (tokenizer "wordpiece"); tokenizer.json for
+                         "byte_bpe"
+    checkpoints/<step>/  Orbax TrainState (params under "params") + data-iterator state
+    metrics.jsonl        train and eval records; eval ones hold masked_lm_accuracy,
+                         masked_lm_loss, next_sentence_accuracy, next_sentence_loss
+    data/                the generated corpus (dataset "synthetic_docs" only)
+
+Two phases, as the paper: max_seq_length / max_predictions_per_seq until phase2_start_step,
+then phase2_* (512 / 80) in the same run: step, optimizer state and schedule carry on, since
+the position table is 512 long from the start. The same switch works as a second command on
+the same workdir (`--config.phase2_start_step=0 --config.max_seq_length=512 ...`): the change
+is recorded in config.step<N>.json and the data stream restarts at the new length.
+
+`train_and_evaluate(config, workdir)` is importable (tests, notebooks).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import shutil
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from experiments import common
+from experiments.bert.settings import BertSettings
+from tfm.data import pretraining, sources, synthetic, tokenizers
+from tfm.models import EncoderModel
+from tfm.train import MLMTask, flops_per_token
+from tfm.train.hooks import MetricsLog
+from tfm.train.trainer import train_and_evaluate as run_training
+
+GENERATED = {sources.resolve("synthetic_topics"): synthetic.prepare_topical_documents,
+             sources.resolve("synthetic_docs"): synthetic.prepare_documents}
+METRICS = ("masked_lm_accuracy", "masked_lm_loss", "next_sentence_accuracy", "next_sentence_loss")
+
+
+def load_documents(settings: BertSettings, workdir: str) -> tuple[list, list]:
+    """(train, held-out) documents (lists of sentences) of the dataset and text_dirs. The
+    held-out documents are `eval_documents` spread evenly over them (every n/k-th),
+    deterministic; the rest train. Wikipedia has only a train split, hence the carving."""
+    docs = []
+    if settings.dataset:
+        data_dir = settings.data_dir
+        prepare = GENERATED.get(sources.resolve(settings.dataset))
+        if prepare:
+            data_dir = data_dir or os.path.join(workdir, "data")
+            common.on_first_process(lambda: prepare(data_dir, train=settings.synthetic_documents,
+                                                    validation=1, test=1))
+        docs += sources.documents(sources.load(settings.dataset, "train", data_dir=data_dir))
+    for directory in filter(None, (d.strip() for d in settings.text_dirs.split(","))):
+        docs += sources.text_documents(directory)
+    k = settings.eval_documents
+    if not 2 <= k <= len(docs) - 2:
+        raise ValueError(f"eval_documents={k}: need 2 <= eval_documents <= {len(docs) - 2} "
+                         f"(the corpus has {len(docs)} documents; both sides need 2 for NSP)")
+    held_out = {round(j * len(docs) / k) for j in range(k)}
+    return ([d for i, d in enumerate(docs) if i not in held_out],
+            [d for i, d in enumerate(docs) if i in held_out])
+
+
+def tokenizer(settings: BertSettings, workdir: str, train_docs: list):
+    """The WordPiece (or byte-level BPE) vocabulary: settings.vocab_path, else the workdir's,
+    else trained on the training documents; always left in the workdir (vocab.txt)."""
+    if settings.tokenizer not in ("wordpiece", "byte_bpe"):
+        raise ValueError(f"tokenizer must be 'wordpiece' or 'byte_bpe', got {settings.tokenizer!r}")
+    wordpiece = settings.tokenizer == "wordpiece"
+    cls = tokenizers.WordPieceTokenizer if wordpiece else tokenizers.ByteBPETokenizer
+    train = tokenizers.train_wordpiece if wordpiece else tokenizers.train_byte_bpe
+    name = "vocab.txt" if wordpiece else "tokenizer.json"
+    path = os.path.join(workdir, name)
+    os.makedirs(workdir, exist_ok=True)
+    if settings.vocab_path:
+        given = settings.vocab_path
+        given = os.path.join(given, name) if os.path.isdir(given) else given
+        tok = cls.load(given)
+        if jax.process_index() == 0 and not (os.path.exists(path) and os.path.samefile(given, path)):
+            shutil.copyfile(given, path)
+        return tok
+    if os.path.exists(path):
+        return cls.load(path)
+    texts = (s for d in train_docs for s in d)
+    return train(texts, settings.vocab_size, path=path if jax.process_index() == 0 else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    max_seq_length: int
+    max_predictions: int
+    batch_size: int
+
+
+def phases(settings: BertSettings, batch_size: int) -> tuple[Phase, Optional[Phase]]:
+    first = Phase(settings.max_seq_length, settings.max_predictions_per_seq, batch_size)
+    if not settings.phase2_start_step:
+        return first, None
+    return first, Phase(settings.phase2_max_seq_length, settings.phase2_max_predictions_per_seq,
+                        settings.phase2_batch_size or batch_size)
+
+
+class PhasedBatches:
+    """Phase-1 batches for the first `switch` steps, then phase-2 batches (switch None: one
+    phase). Checkpointable: the state names the phase's shape and the batches drawn, so a
+    restore into a run with another shape (phase 2 as a second command) starts that
+    phase's stream afresh instead of replaying the wrong one."""
+
+    def __init__(self, make: Callable[[Phase], object], first: Phase, second: Optional[Phase],
+                 switch: Optional[int]):
+        self.make, self.first, self.second, self.switch = make, first, second, switch
+        self.drawn, self.inner, self.inner_phase = 0, None, None
+
+    def phase_at(self, step: int) -> Phase:
+        """The phase of the batch trained at 0-based `step`."""
+        return self.second if self.second is not None and step >= self.switch else self.first
+
+    def _iterator(self):
+        phase = self.phase_at(self.drawn)
+        if phase != self.inner_phase:
+            self.inner, self.inner_phase = iter(self.make(phase)), phase
+        return self.inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._iterator())
+        self.drawn += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"drawn": self.drawn, "phase": dataclasses.asdict(self.inner_phase),
+                "inner": self.inner.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        self.drawn = int(state["drawn"])
+        it = self._iterator()
+        if Phase(**state["phase"]) == self.inner_phase:
+            it.set_state(state["inner"])
+
+
+class PhaseTokens(MetricsLog):
+    """MetricsLog whose tokens per step follow the phase (4x more tokens at 512 than 128)."""
+
+    def __init__(self, log: MetricsLog, tokens_at: Callable[[int], int]):
+        self.__dict__.update(log.__dict__)
+        self.tokens_at = tokens_at
+
+    def after_step(self, run, step, metrics):
+        self.tokens_per_step = self.tokens_at(step - 1)
+        super().after_step(run, step, metrics)
+
+
+def baseline_accuracy(batches) -> float:
+    """Accuracy of always predicting the most frequent masked token of `batches`."""
+    counts = collections.Counter()
+    for b in batches:
+        counts.update(b["mlm_ids"][b["mlm_weights"] > 0].tolist())
+    return max(counts.values()) / sum(counts.values())
+
+
+def _check_model(mcfg, settings: BertSettings, longest: int) -> None:
+    if mcfg.max_len < longest:
+        raise ValueError(f"model max_len {mcfg.max_len} < the longest phase's max_seq_length {longest}; "
+                         "the position table must cover phase 2 from the start")
+    if settings.next_sentence != ("nsp" in mcfg.heads):
+        raise ValueError(f"next_sentence={settings.next_sentence} needs model heads "
+                         f"{'with' if settings.next_sentence else 'without'} 'nsp', got {mcfg.heads}")
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Pretrains per `config` in `workdir` (resuming if checkpoints exist); returns the final
+    held-out metrics (METRICS), the most-frequent-token baseline and the histories."""
+    exp = common.resolve(config, BertSettings, MLMTask)
+    s, tcfg = exp.settings, exp.train
+    if s.phase2_start_step and not 0 < s.phase2_start_step < tcfg.num_train_steps:
+        raise ValueError(f"phase2_start_step={s.phase2_start_step} must lie inside the run "
+                         f"(0 < step < num_train_steps={tcfg.num_train_steps}), or be 0 for one phase")
+    train_docs, eval_docs = load_documents(s, workdir)
+    tok = tokenizer(s, workdir, train_docs)
+    mcfg = exp.model(tok.vocab_size)
+    first, second = phases(s, tcfg.batch_size)
+    _check_model(mcfg, s, max(first.max_seq_length, second.max_seq_length if second else 0))
+    shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+    def make(phase: Phase, docs=train_docs, *, shuffle=True, num_epochs=None, seed=tcfg.seed):
+        return pretraining.pretraining_dataset(
+            docs, tok, batch_size=phase.batch_size, max_seq_length=phase.max_seq_length,
+            max_predictions_per_seq=phase.max_predictions, masked_lm_prob=s.masked_lm_prob,
+            short_seq_prob=s.short_seq_prob, dupe_factor=s.dupe_factor,
+            whole_word_masking=s.whole_word_masking, next_sentence=s.next_sentence,
+            shuffle=shuffle, seed=seed, num_epochs=num_epochs, **shard)
+
+    batches = PhasedBatches(make, first, second, s.phase2_start_step or None)
+    held_out = {}
+
+    def eval_batches(phase: Phase) -> list:
+        if phase not in held_out:  # fixed masks: the same examples scored at every evaluation
+            ds = make(phase, eval_docs, shuffle=False, num_epochs=1, seed=tcfg.seed + 1)
+            held_out[phase] = [b for _, b in zip(range(s.eval_batches), ds)]
+            if not held_out[phase]:
+                raise ValueError(f"the {s.eval_documents} held-out documents give no full batch of "
+                                 f"{phase.batch_size}; raise eval_documents or lower batch_size")
+        return held_out[phase]
+
+    def evaluate(trainer, params, step):
+        m = trainer.evaluate(params, eval_batches(batches.phase_at(max(step - 1, 0))))
+        out = {"masked_lm_accuracy": m.get("mlm_accuracy", m["accuracy"]),
+               "masked_lm_loss": m.get("mlm_loss", m["loss"])}
+        if s.next_sentence:  # batch means weighted by masked tokens; batches are full, so ~equal
+            out.update(next_sentence_accuracy=m["nsp_accuracy"], next_sentence_loss=m["nsp_loss"])
+        return out
+
+    def tokens_at(step: int) -> int:
+        phase = batches.phase_at(step)
+        return phase.batch_size * phase.max_seq_length
+
+    def hooks(defaults):
+        return [PhaseTokens(h, tokens_at) if isinstance(h, MetricsLog) else h for h in defaults]
+
+    def fpt(num_params):
+        return flops_per_token(num_params, mcfg.num_layers, mcfg.d_model, first.max_seq_length)
+
+    result = run_training(tcfg, workdir, model=EncoderModel(mcfg), task=exp.task, train_data=batches,
+                          eval_extra=evaluate, hooks=hooks, flops_per_token=fpt,
+                          config_dict=exp.record(mcfg))
+    out = {"step": int(result.state.step), "preempted": result.preempted, "history": result.history,
+           "eval_history": result.eval_history}
+    if result.preempted:
+        return out
+    last = result.eval_history[-1] if result.eval_history else {}
+    out.update({k: last[k] for k in METRICS if k in last})
+    out["baseline_masked_lm_accuracy"] = baseline_accuracy(eval_batches(batches.phase_at(out["step"] - 1)))
+    return out
+
+
+def report(result: dict) -> None:
+    if jax.process_index() != 0:
+        return
+    print(f"held-out after {result['step']} steps: " +
+          ", ".join(f"{k}={result[k]:.4f}" for k in METRICS if k in result))
+    print(f"most-frequent-token baseline: masked_lm_accuracy={result['baseline_masked_lm_accuracy']:.4f}")
+
+
+if __name__ == "__main__":
+    common.main(train_and_evaluate, report)
