@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
-from tfm.layers.embeddings import apply_rope
+from tfm.layers.embeddings import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the
@@ -34,8 +34,9 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
-                 kv_positions=None, deterministic: bool = True, decode: bool = False):
-        """positions [B, T] are the query positions (RoPE, causal, window, ALiBi)."""
+                 kv_positions=None, relative_table=None, deterministic: bool = True, decode: bool = False):
+        """positions [B, T] are the query positions (RoPE, causal, window, ALiBi, relative bias).
+        relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention)."""
         cfg = self.config
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
         proj = dict(use_bias=cfg.attention_bias, dtype=compute_dtype(cfg))
@@ -60,6 +61,11 @@ class Attention(nn.Module):
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         use_positions = decode and not self.cross
+        bias = None
+        if relative_table is not None and not self.cross:
+            q_pos = jnp.arange(x.shape[1])[None] if positions is None else positions
+            bias = relative_bias(relative_table, q_pos, q_pos if kv_positions is None else kv_positions, cfg,
+                                 bidirectional=not self.causal)
         dropout = 0.0 if deterministic else cfg.attention_dropout
         o = dot_product_attention(
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -67,7 +73,8 @@ class Attention(nn.Module):
             kv_positions=kv_positions if use_positions else None,
             window=None if self.cross else cfg.sliding_window,
             alibi_slopes=alibi_slopes(cfg.num_heads) if cfg.position == "alibi" and not self.cross else None,
-            softcap=cfg.attn_logit_softcap, dropout_rate=dropout,
+            softcap=cfg.attn_logit_softcap, bias=bias, scale=None if cfg.scale_attention else 1.0,
+            dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
             block_sizes=cfg.attention_block_sizes)

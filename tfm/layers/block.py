@@ -15,7 +15,7 @@ class Block(nn.Module):
     parallel (x + attn(norm x) + ffn(norm x)). x [B, T, D] -> [B, T, D].
 
     `inputs` is a dict with optional entries: segment_ids, positions (queries), memory [B, S, D],
-    memory_segment_ids [B, S]. Returns (x, None) so it can be scanned over layers.
+    memory_segment_ids [B, S], relative_table [buckets, N] (T5's bias, shared by the stack). Returns (x, None) so it can be scanned over layers.
     """
 
     config: ModelConfig
@@ -39,7 +39,8 @@ class Block(nn.Module):
 
         self_attn = Attention(cfg, causal=self.causal, name="self_attn")
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                     deterministic=deterministic, decode=decode)
+                                     relative_table=inputs.get("relative_table"), deterministic=deterministic,
+                                     decode=decode)
         ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
         if cfg.parallel_block:
             h = Norm(cfg, name="attn_norm")(x)

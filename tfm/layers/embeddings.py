@@ -55,7 +55,8 @@ def sinusoidal_table(positions, features: int):
 
 
 class PositionEmbedding(nn.Module):
-    """Absolute positions [B, T] -> [B, T, D] for config.position in {learned, sinusoidal}."""
+    """Absolute positions [B, T] -> [B, T, D] for config.position in {learned, sinusoidal}; a
+    learned table [max_len, D] is read at row position + config.position_offset."""
 
     config: ModelConfig
 
@@ -66,7 +67,7 @@ class PositionEmbedding(nn.Module):
             return sinusoidal_table(positions, cfg.d_model).astype(compute_dtype(cfg))
         table = self.param("embedding", param_init(nn.initializers.normal(0.02), ("length", "embed")),
                            (cfg.max_len, cfg.d_model), jnp.float32)
-        return jnp.take(table, positions, axis=0).astype(compute_dtype(cfg))
+        return jnp.take(table, positions + cfg.position_offset, axis=0).astype(compute_dtype(cfg))
 
 
 def rope_frequencies(config: ModelConfig):
@@ -90,3 +91,57 @@ def apply_rope(x, positions, config: ModelConfig):
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def relative_position_bucket(distance, *, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's bucket of each key-minus-query distance (int array -> int32 array of the same shape).
+
+    Bidirectional: half the buckets for keys after the query. Within a half, distances below
+    half its buckets get one bucket each; larger ones share log-spaced buckets up to
+    max_distance, and everything beyond falls into the last. Causal: keys after the query are
+    treated as distance 0.
+    """
+    bucket = jnp.zeros_like(distance, jnp.int32)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (distance > 0).astype(jnp.int32) * num_buckets
+        distance = jnp.abs(distance)
+    else:
+        distance = -jnp.minimum(distance, 0)
+    max_exact = num_buckets // 2
+    safe = jnp.maximum(distance, 1).astype(jnp.float32)
+    log_bucket = max_exact + (jnp.log(safe / max_exact) / np.log(max_distance / max_exact)
+                              * (num_buckets - max_exact)).astype(jnp.int32)
+    log_bucket = jnp.minimum(log_bucket, num_buckets - 1)
+    return bucket + jnp.where(distance < max_exact, distance, log_bucket).astype(jnp.int32)
+
+
+class RelativePositionBias(nn.Module):
+    """T5 relative position bias: the per-head table `embedding` [relative_buckets, N], shared by
+    every layer of one stack; bias(q_pos [B|1, T], kv_pos [B|1, S]) -> fp32 [B|1, N, T, S]."""
+
+    config: ModelConfig
+    bidirectional: bool
+
+    def setup(self):
+        cfg = self.config
+        self.embedding = self.param("embedding", param_init(nn.initializers.normal(0.02), (None, "heads")),
+                                    (cfg.relative_buckets, cfg.num_heads), jnp.float32)
+
+    def __call__(self):
+        """The table itself (handed to the layers, which index it by their own positions)."""
+        return self.embedding
+
+
+def relative_bias(table, q_pos, kv_pos, config: ModelConfig, bidirectional: bool):
+    """table [buckets, N] at the buckets of kv_pos - q_pos -> fp32 bias [B|1, N, T, S]."""
+    distance = kv_pos[:, None, :] - q_pos[:, :, None]  # [B, T, S]
+    bucket = relative_position_bucket(distance, bidirectional=bidirectional, num_buckets=config.relative_buckets,
+                                      max_distance=config.relative_max_distance)
+    return jnp.moveaxis(jnp.take(table.astype(jnp.float32), bucket, axis=0), -1, 1)
+
+
+def padding_positions(tokens, pad_id: int):
+    """RoBERTa's positions: the count of non-pad tokens before each (0-based); pad tokens get -1."""
+    real = (tokens != pad_id).astype(jnp.int32)
+    return jnp.cumsum(real, axis=1) * real - 1

@@ -6,6 +6,7 @@ import jax
 
 from tfm.config import ModelConfig
 from tfm.layers.block import Block
+from tfm.layers.embeddings import RelativePositionBias
 from tfm.layers.norms import Norm
 
 REMAT_POLICIES = {
@@ -17,7 +18,8 @@ REMAT_POLICIES = {
 
 class Stack(nn.Module):
     """num_layers Blocks: [B, T, D] -> [B, T, D]. Scanned layers are stacked on a leading
-    "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ..."""
+    "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ...
+    With position="relative" the stack owns one `relative_bias` table that all its layers use."""
 
     config: ModelConfig
     num_layers: int
@@ -31,6 +33,9 @@ class Stack(nn.Module):
         if cfg.remat_policy != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
         kw = dict(causal=self.causal, cross=self.cross, deterministic=deterministic, decode=decode)
+        if cfg.position == "relative":
+            table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
+            inputs = {**inputs, "relative_table": table}
         if cfg.scan_layers:
             scanned = nn.scan(
                 block, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},

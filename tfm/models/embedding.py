@@ -23,9 +23,10 @@ def check_inputs(config: ModelConfig, tokens, name: str = "tokens", **same_shape
     if tokens.ndim != 2:
         raise ValueError(f"{name} must be [batch, length]; got shape {tokens.shape}")
     check_token_ids(tokens, config.vocab_size, name)
-    if config.position == "learned" and tokens.shape[1] > config.max_len:
-        raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len={config.max_len} "
-                         f"of the learned position table")
+    longest = config.max_len - config.position_offset
+    if config.position == "learned" and tokens.shape[1] > longest:
+        raise ValueError(f"{name} length {tokens.shape[1]} exceeds the {longest} positions of the learned "
+                         f"table (max_len={config.max_len}, position_offset={config.position_offset})")
     for other, value in same_shape.items():
         if value is not None and value.shape != tokens.shape:
             raise ValueError(f"{other} shape {value.shape} does not match {name} shape {tokens.shape}")
@@ -121,6 +122,8 @@ class OutputLogits(nn.Module):
     def __call__(self, x, logits: bool = True):
         cfg = self.config
         kernel = self.embed.embedding if cfg.tie_embeddings else _OutputKernel(cfg, name="lm_head")().T
+        if cfg.rescale_tied_output:
+            x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
         bias = None
         if cfg.output_bias:
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.feedforward import activation_fn
+from tfm.layers.embeddings import padding_positions
 from tfm.layers.norms import Norm
 from tfm.layers.stack import Stack
 from tfm.models.embedding import InputEmbedding, OutputLogits, check_inputs, default_positions, token_embed
@@ -24,11 +25,24 @@ def _gather(hidden, positions):
     return jnp.take_along_axis(hidden, positions[..., None], axis=1, mode="fill", fill_value=jnp.nan)
 
 
+def mean_pool(hidden, segment_ids=None):
+    """hidden [B, T, D] -> the L2-normalised fp32 mean over tokens with segment id != 0 [B, D]."""
+    hidden = hidden.astype(jnp.float32)
+    if segment_ids is None:
+        mean = hidden.mean(axis=1)
+    else:
+        real = (segment_ids != 0).astype(jnp.float32)[..., None]
+        mean = (hidden * real).sum(axis=1) / jnp.maximum(real.sum(axis=1), 1.0)
+    return mean / jnp.maximum(jnp.linalg.norm(mean, axis=-1, keepdims=True), 1e-12)
+
+
 class EncoderModel(nn.Module):
     """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
     "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
     "logits" [B, num_labels] (classification), "score" [B] (regression), "start_logits" and
-    "end_logits" [B, T] (span: extractive question answering)}. logits=False puts the MLM
+    "end_logits" [B, T] (span: extractive question answering), "embedding" [B, D] (mean_pool:
+    the L2-normalised mean of the hidden states over non-padding tokens, E5 / sentence
+    embeddings)}; "pooler" alone adds "pooled". logits=False puts the MLM
     head's `Unembedding` (transformed hidden states [B, P, D] and projection) under
     "mlm_logits" instead, for `fused_cross_entropy`."""
 
@@ -41,6 +55,8 @@ class EncoderModel(nn.Module):
         check_inputs(cfg, tokens, token_type_ids=token_type_ids, segment_ids=segment_ids, positions=positions)
         if token_type_ids is not None and cfg.type_vocab_size:
             check_inputs(cfg.replace(vocab_size=cfg.type_vocab_size), token_type_ids, "token_type_ids")
+        if positions is None and cfg.padding_positions:
+            positions = padding_positions(tokens, cfg.pad_id)
         positions = default_positions(tokens, positions)
         embed = token_embed(cfg, "embed")
         x = InputEmbedding(cfg, embed, name="input")(tokens, positions, token_type_ids, deterministic)
@@ -48,8 +64,10 @@ class EncoderModel(nn.Module):
             x, {"segment_ids": segment_ids, "positions": positions}, deterministic)
         out = {"hidden": hidden}
         dt = compute_dtype(cfg)
-        if {"nsp", "classification", "regression"} & set(cfg.heads):
+        if {"nsp", "classification", "regression", "pooler"} & set(cfg.heads):
             out["pooled"] = jnp.tanh(_dense(cfg.d_model, cfg.d_model, "pooler", dt)(hidden[:, 0]))
+        if "mean_pool" in cfg.heads:
+            out["embedding"] = mean_pool(hidden, segment_ids)
         if "nsp" in cfg.heads:
             out["nsp_logits"] = _dense(cfg.d_model, 2, "nsp", dt)(out["pooled"]).astype(jnp.float32)
         if "classification" in cfg.heads:

@@ -12,6 +12,8 @@ Masking is described, never materialised by the caller:
                   them; causal, window and ALiBi are functions of positions.
   alibi_slopes    float [N]; adds -slope * |q_pos - kv_pos| to the logits.
   softcap         logits -> softcap * tanh(logits / softcap), after scaling, before ALiBi.
+  bias            float [B|1, N, T, S] added to the logits (T5's relative position bias);
+                  impl="xla" only.
 A row with no visible key outputs 0 (never NaN).
 
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
@@ -47,6 +49,7 @@ def dot_product_attention(
     window: Optional[int] = None,
     alibi_slopes: Optional[jax.Array] = None,
     softcap: Optional[float] = None,
+    bias: Optional[jax.Array] = None,
     scale: Optional[float] = None,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[jax.Array] = None,
@@ -74,6 +77,12 @@ def dot_product_attention(
         impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None)
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention dropout is implemented only by impl='xla', not {impl!r}")
+    if bias is not None:
+        if impl != "xla":
+            raise ValueError(f"an additive attention bias (relative position bias) is implemented only by "
+                             f"impl='xla', not {impl!r}")
+        if bias.ndim != 4 or bias.shape[1:] != (N, T, S) or bias.shape[0] not in (1, B):
+            raise ValueError(f"attention bias must be [{B} or 1, {N}, {T}, {S}]; got {bias.shape}")
     if impl in ("pallas", "cudnn"):
         if q_positions is not None or kv_positions is not None:
             raise ValueError(f"impl={impl!r} takes no explicit positions (decode with impl='xla')")
@@ -87,5 +96,5 @@ def dot_product_attention(
     common = dict(causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids, q_pos=q_pos,
                   kv_pos=kv_pos, window=window, slopes=alibi_slopes, softcap=softcap, scale=scale)
     if impl == "xla":
-        return xla.attention(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng, **common)
+        return xla.attention(q, k, v, bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng, **common)
     return chunked.attention(q, k, v, chunk_size=chunk_size, **common)
