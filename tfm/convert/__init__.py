@@ -21,13 +21,17 @@ import flax.linen as nn
 
 from tfm.config import ModelConfig
 from tfm.convert import bert, gpt2, llama, marian, mixtral
+from tfm.convert import bart, distilbert, roberta, t5, vit
 from tfm.convert.common import ConversionError, HFConfig, Weights
 from tfm.convert.export import to_hf
 from tfm.convert.loading import from_directory, from_model
 from tfm.models import EncoderDecoder
+from tfm.models.vision import VisionEncoder
 
 CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES, **mixtral.ARCHITECTURES,
               **marian.ARCHITECTURES}
+CONVERTERS.update({**roberta.ARCHITECTURES, **distilbert.ARCHITECTURES, **vit.ARCHITECTURES, **t5.ARCHITECTURES,
+                   **bart.ARCHITECTURES})
 SUPPORTED = tuple(sorted(CONVERTERS))
 
 __all__ = ["from_hf", "to_hf", "ConversionError", "SUPPORTED", "CONVERTERS"]
@@ -80,6 +84,8 @@ def _check_tree(model: nn.Module, config: ModelConfig, params: dict, source: str
     """The converted tree must match the model's own parameters exactly (names and shapes)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     args = (tokens, tokens) if isinstance(model, EncoderDecoder) else (tokens,)
+    if isinstance(model, VisionEncoder):
+        args = (jax.ShapeDtypeStruct((1, config.image_size, config.image_size, config.num_channels), jnp.float32),)
     init = lambda *args: nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args)["params"])
     expected = jax.eval_shape(init, *args)
     flat = lambda tree: {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}

@@ -1,0 +1,57 @@
+"""DistilBERT (DistilBertForMaskedLM) -> tfm EncoderModel.
+
+BERT's post-norm blocks (LayerNorm eps 1e-12) without token types; learned positions; the MLM
+head is vocab_transform (dense) -> activation -> vocab_layer_norm -> vocab_projector (tied to
+the word embeddings, with a bias).
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.models import EncoderModel
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    hf.expect("sinusoidal_pos_embds", [False], False)
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=hf.require("dim"), num_heads=hf.require("n_heads"),
+        num_layers=hf.require("n_layers"), d_ff=hf.require("hidden_dim"),
+        max_len=hf.get("max_position_embeddings", 512), norm="layernorm", norm_eps=1e-12, norm_position="post",
+        final_norm=False, embedding_norm=True, position="learned", activation=hf.activation("activation", "gelu"),
+        type_vocab_size=0, tie_embeddings=bool(hf.get("tie_word_embeddings", True)), output_bias=True,
+        heads=("mlm",), pad_id=hf.pad_id(vocab), dropout_rate=hf.get("dropout", 0.0),
+        attention_dropout=hf.get("attention_dropout", 0.0))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    qkvo = [linear_pair(w, f"{p}.attention.{n}_lin", True) for n in ("q", "k", "v", "out")]
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "attn_norm": norm(w, f"{p}.sa_layer_norm", cfg.norm),
+            "ffn": {"wi": linear(w, f"{p}.ffn.lin1"), "wo": linear(w, f"{p}.ffn.lin2")},
+            "ffn_norm": norm(w, f"{p}.output_layer_norm", cfg.norm)}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("distilbert.embeddings.word_embeddings.weight", (V, D))
+    out = {
+        "embed": {"embedding": embedding},
+        "input": {"position": {"embedding": w("distilbert.embeddings.position_embeddings.weight", (cfg.max_len, D))},
+                  "norm": norm(w, "distilbert.embeddings.LayerNorm", cfg.norm)},
+        "encoder": stack_layers([_layer(w, f"distilbert.transformer.layer.{i}", cfg) for i in range(cfg.num_layers)],
+                                cfg.scan_layers),
+        "mlm_transform": linear(w, "vocab_transform"),
+        "mlm_norm": norm(w, "vocab_layer_norm", cfg.norm),
+        "mlm_output": {"bias": w("vocab_projector.bias", (V,))},
+    }
+    if cfg.tie_embeddings:
+        w.tied("vocab_projector.weight", embedding, "tie_word_embeddings")
+    else:
+        out["mlm_output"]["lm_head"] = {"kernel": w("vocab_projector.weight", (V, D)).T}
+    return out
+
+
+ARCHITECTURES = {
+    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",)),
+}

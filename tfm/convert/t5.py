@@ -1,0 +1,96 @@
+"""T5 v1.0 and v1.1 (T5ForConditionalGeneration) -> tfm EncoderDecoder.
+
+Pre-norm RMS LayerNorm (no mean subtraction, no bias), no biases anywhere, unscaled attention
+logits, relative position bias (one table per stack, in block 0: bidirectional buckets in the
+encoder, causal in the decoder; none in cross-attention), one shared embedding.
+v1.0: ReLU, output tied to the embedding with the decoder output scaled by d_model**-0.5.
+v1.1: gated-GELU (wi_0 gate, wi_1 up), no rescale; an untied `lm_head` where the config says
+so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, norm, stack_layers
+from tfm.models import EncoderDecoder
+
+_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}  # plain feed-forward
+_GATED = {"gelu": "geglu", "gelu_new": "geglu", "silu": "swiglu"}  # gated-<act> (wi_0 gate, wi_1 up)
+
+
+def _activation(hf: HFConfig) -> str:
+    proj = hf.get("feed_forward_proj", "relu")
+    gated, _, act = proj.rpartition("-")
+    table = _GATED if gated == "gated" else _ACTIVATIONS if not gated else {}
+    if act not in table:
+        raise hf.unsupported("feed_forward_proj", proj, f"tfm maps {list(_ACTIVATIONS)} and "
+                             f"{['gated-' + a for a in _GATED]}")
+    return table[act]
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    hf.expect("is_encoder_decoder", [True], True)
+    vocab = hf.require("vocab_size")
+    tied = bool(hf.get("tie_word_embeddings", True))
+    # transformers 5 keeps v1.0's output rescale as scale_decoder_outputs (and always ties);
+    # older configs said both with tie_word_embeddings.
+    rescale = bool(hf.fields.get("scale_decoder_outputs", tied))
+    return ModelConfig(
+        vocab_size=vocab, d_model=hf.require("d_model"), num_heads=hf.require("num_heads"),
+        head_dim=hf.require("d_kv"), num_layers=hf.require("num_layers"),
+        num_decoder_layers=hf.get("num_decoder_layers", hf.require("num_layers")), d_ff=hf.require("d_ff"),
+        max_len=hf.get("n_positions", 512), norm="rmsnorm", norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+        norm_position="pre", final_norm=True, position="relative",
+        relative_buckets=hf.get("relative_attention_num_buckets", 32),
+        relative_max_distance=hf.get("relative_attention_max_distance", 128), scale_attention=False,
+        attention_bias=False, ffn_bias=False, activation=_activation(hf), tie_embeddings=tied,
+        rescale_tied_output=rescale, share_source_target_embeddings=True, pad_id=hf.pad_id(vocab),
+        dropout_rate=hf.get("dropout_rate", 0.0))
+
+
+def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    qkvo = [(w(f"{p}.{n}.weight"), None) for n in ("q", "k", "v", "o")]
+    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+
+
+def _ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    if cfg.activation in ("geglu", "swiglu"):
+        return {"wi_gate": linear(w, f"{p}.wi_0", False), "wi_up": linear(w, f"{p}.wi_1", False),
+                "wo": linear(w, f"{p}.wo", False)}
+    return {"wi": linear(w, f"{p}.wi", False), "wo": linear(w, f"{p}.wo", False)}
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+    ff = f"{p}.layer.{2 if cross else 1}"
+    out = {"self_attn": _attention(w, f"{p}.layer.0.SelfAttention", cfg),
+           "attn_norm": norm(w, f"{p}.layer.0.layer_norm", cfg.norm),
+           "ffn": _ffn(w, f"{ff}.DenseReluDense", cfg), "ffn_norm": norm(w, f"{ff}.layer_norm", cfg.norm)}
+    if cross:
+        out["cross_attn"] = _attention(w, f"{p}.layer.1.EncDecAttention", cfg)
+        out["cross_norm"] = norm(w, f"{p}.layer.1.layer_norm", cfg.norm)
+    return out
+
+
+def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> dict:
+    cross = side == "decoder"
+    bias = w(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+             (cfg.relative_buckets, cfg.num_heads))
+    layers = [_layer(w, f"{side}.block.{i}", cfg, cross) for i in range(num_layers)]
+    return {**stack_layers(layers, cfg.scan_layers), "relative_bias": {"embedding": bias},
+            "final_norm": norm(w, f"{side}.final_layer_norm", cfg.norm)}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    shared = w("shared.weight", (V, D))
+    for side in ("encoder", "decoder"):
+        w.tied(f"{side}.embed_tokens.weight", shared, "the shared embedding")
+    out = {"embed": {"embedding": shared}, "encoder": _stack(w, "encoder", cfg, cfg.num_layers),
+           "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", shared, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    return out
+
+
+ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params)}
