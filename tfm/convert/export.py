@@ -125,29 +125,41 @@ def _resolve(config: ModelConfig, architecture: Optional[str]):
                                   f"tfm exports {sorted(writable)}")
         return (architecture, writable[architecture], _hf_config(architecture, writable[architecture], config))
     found, reasons = [], {}
-    for arch, converter in writable.items():
+    for arch, converter in writable.items():  # the writers' dicts first: no transformers imports
         try:
-            found.append((arch, converter, _hf_config(arch, converter, config)))
-        except ConversionError as e:
+            _check_round_trip(arch, converter, config, _written(arch, converter, config))
+            found.append(arch)
+        except ValueError as e:
             reasons[arch] = str(e)
     if len(found) == 1:
-        return found[0]
+        return found[0], writable[found[0]], _hf_config(found[0], writable[found[0]], config)
     if found:
-        raise ConversionError(f"to_hf: several Hugging Face classes express this config "
-                              f"{[f[0] for f in found]}; pass architecture=...")
+        raise ConversionError(f"to_hf: several Hugging Face classes express this config {found}; "
+                              f"pass architecture=...")
     raise ConversionError("to_hf: no Hugging Face class expresses this config:\n  " + "\n  ".join(reasons.values()))
 
 
-def _hf_config(arch: str, converter: Converter, config: ModelConfig):
-    """The family's HF config for `config`; refuses when importing it would not give `config` back."""
-    import transformers
+def _written(arch: str, converter: Converter, config: ModelConfig) -> dict:
     try:
-        fields = dict(converter.hf_config(config))
-        model_type = fields.pop("model_type")
-        hf_cfg = transformers.AutoConfig.for_model(model_type, **fields)
-        hf_cfg.architectures = [arch]
-        written = json.loads(hf_cfg.to_json_string(use_diff=True))
-        back = converter.config(HFConfig(written, arch))
+        return dict(converter.hf_config(config))
+    except ConversionError as e:
+        raise ConversionError(f"{arch} cannot express this tfm config: {e}") from None
+
+
+def _hf_config(arch: str, converter: Converter, config: ModelConfig):
+    """The family's transformers config for `config`; refuses when importing it would not give `config` back."""
+    import transformers
+    fields = _written(arch, converter, config)
+    hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf_cfg.architectures = [arch]
+    _check_round_trip(arch, converter, config, json.loads(hf_cfg.to_json_string(use_diff=True)))
+    return hf_cfg
+
+
+def _check_round_trip(arch: str, converter: Converter, config: ModelConfig, fields: dict):
+    """Importing the HF config `fields` must give `config` back (up to `_canonical`)."""
+    try:
+        back = converter.config(HFConfig(fields, arch))
     except ConversionError as e:
         raise ConversionError(f"{arch} cannot express this tfm config: {e}") from None
     want, got = _canonical(config), _canonical(back)
@@ -155,14 +167,14 @@ def _hf_config(arch: str, converter: Converter, config: ModelConfig):
             for name in ModelConfig.__dataclass_fields__ if getattr(want, name) != getattr(got, name)]
     if diff:
         raise ConversionError(f"{arch} cannot express this tfm config: " + ", ".join(diff))
-    return hf_cfg
 
 
 def _canonical(cfg: ModelConfig) -> ModelConfig:
     """`cfg` with derived defaults spelled out and fields that do not change the function reset."""
     defaults = {f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED
                 if f in ModelConfig.__dataclass_fields__}
-    return cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, **defaults)
+    return cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, num_decoder_layers=cfg.decoder_layers,
+                       **defaults)
 
 
 def _meta_model(arch: str, hf_cfg):
