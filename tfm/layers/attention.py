@@ -13,16 +13,19 @@ from tfm.ops.attention import alibi_slopes, dot_product_attention
 # Logical names of the cache variables: the rules shard them like activations (batch over the
 # batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
 # search finds the batch (beam) axis of every cached array by the name "cache_batch".
-CACHE_KV_AXES = ("cache_batch", "cache_length", "cache_kv_heads", "head_dim")  # [B, L, K, H]
+# Keys/values are stored heads-major, [B, K, L, H]: a decoding step's two attention products
+# then read the cache as it lies, where [B, L, K, H] made XLA transpose the whole cache on every
+# step (on CPU ~5x the cost of the attention itself; benchmarks/decode.py).
+CACHE_KV_AXES = ("cache_batch", "cache_kv_heads", "cache_length", "head_dim")  # [B, K, L, H]
 CACHE_SEGMENT_AXES = ("cache_batch", "cache_length")  # [B, L]
 
 
 class Attention(nn.Module):
     """Self- or cross-attention. x [B, T, D] (queries); memory [B, S, D] for cross-attention.
 
-    In decode mode self-attention keeps `cache/cached_{key,value}` [B, L, K, H] and
+    In decode mode self-attention keeps `cache/cached_{key,value}` [B, K, L, H] and
     `cache/cached_segment_ids` [B, L]; writing T new entries at `cache/index`. Cross-attention keeps the
-    projected memory `cache/cached_{key,value}` [B, S, K, H] computed once when the cache is made.
+    projected memory `cache/cached_{key,value}` [B, K, S, H] computed once when the cache is made.
     The first decode-mode call creates the cache (zeros, length = the T it was given) and
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
     Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES.
@@ -86,31 +89,37 @@ class Attention(nn.Module):
             return key(memory), value(memory), memory_segment_ids
         if memory_segment_ids is None and memory is not None:
             memory_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
-        k = self._cache("cached_key", CACHE_KV_AXES, lambda: key(memory))
-        v = self._cache("cached_value", CACHE_KV_AXES, lambda: value(memory))
+        k = self._cache("cached_key", CACHE_KV_AXES, lambda: _swap_length_heads(key(memory)))
+        v = self._cache("cached_value", CACHE_KV_AXES, lambda: _swap_length_heads(value(memory)))
         seg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: memory_segment_ids)
-        return k.value, v.value, seg.value
+        return _swap_length_heads(k.value), _swap_length_heads(v.value), seg.value
 
     def _update_cache(self, k, v, segment_ids):
-        """Writes k, v [B, T, K, H] at the cache index; returns the whole cache and its masks."""
+        """Writes k, v [B, T, K, H] at the cache index; returns the whole cache [B, L, K, H] and its masks."""
         B, T = k.shape[:2]
+        k, v = _swap_length_heads(k), _swap_length_heads(v)  # [B, K, T, H], the cache's layout
         creating = not self.has_variable("cache", "cached_key")
         ck = self._cache("cached_key", CACHE_KV_AXES, lambda: jnp.zeros(k.shape, k.dtype))
         cv = self._cache("cached_value", CACHE_KV_AXES, lambda: jnp.zeros(v.shape, v.dtype))
         cseg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: jnp.zeros((B, T), jnp.int32))
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        L = ck.value.shape[1]
+        L = ck.value.shape[2]
         if not creating:
             if segment_ids is None:
                 segment_ids = jnp.ones((B, T), jnp.int32)
             i = index.value
-            ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, i, 0, 0))
-            cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, i, 0, 0))
+            ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, 0, i, 0))
+            cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, 0, i, 0))
             cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment_ids.astype(jnp.int32), (0, i))
             index.value = i + T
-        return ck.value, cv.value, cseg.value, jnp.arange(L)[None]
+        return _swap_length_heads(ck.value), _swap_length_heads(cv.value), cseg.value, jnp.arange(L)[None]
 
     def _cache(self, name: str, axes, make):
         """The cache variable `name`, created by make() and boxed with logical `axes`; reading
         its value constrains it to the sharding the active rules give those names."""
         return self.variable("cache", name, param_init(lambda: constrain(make(), axes), axes))
+
+
+def _swap_length_heads(x):
+    """[B, L, K, H] <-> [B, K, L, H]; XLA folds it into the attention products that read the cache."""
+    return x.transpose(0, 2, 1, 3)
