@@ -5,6 +5,8 @@ biases and unit scales cannot hide a mapping mistake) -> to_hf -> transformers' 
 the directory with no missing or unexpected keys, and its logits equal tfm's within max-abs 1e-4
 (fp32, CPU) -> from_hf of the directory gives the same ModelConfig and bit-identical params.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -107,7 +109,7 @@ def logit_diffs(arch, hf, model, params):
 def test_export_loads_in_transformers_with_equal_logits_and_round_trips(case, tmp_path):
     arch, cfg, auto = CASES[case]
     model, params = random_params(arch, cfg, seed=len(case))
-    directory = to_hf(cfg, params, tmp_path / case, verify=False)  # checked below, independently
+    directory = to_hf(cfg, params, tmp_path / case, architecture=arch, verify=False)  # checked below
 
     hf, info = getattr(tr, auto).from_pretrained(directory, output_loading_info=True, attn_implementation="eager")
     assert type(hf).__name__ == arch
@@ -151,3 +153,25 @@ def test_configs_hf_cannot_express_are_refused(tmp_path):
         to_hf(gpt2, params, tmp_path / "e", architecture="Nope")
     with pytest.raises(ConversionError, match=r"params do not fit the config"):
         to_hf(gpt2.replace(d_ff=50), params, tmp_path / "f", architecture="GPT2LMHeadModel")
+
+
+def test_an_importer_that_is_not_a_layout_change_is_caught(tmp_path, monkeypatch):
+    """Export inverts layout changes only; arithmetic in an importer fails loudly, never silently."""
+    _, cfg, _ = CASES["gpt2"]
+    params = random_params("GPT2LMHeadModel", cfg, 0)[1]
+    converter = CONVERTERS["GPT2LMHeadModel"]
+
+    def scaled(w, c):  # float arithmetic on the position table
+        out = converter.params(w, c)
+        out["input"]["position"]["embedding"] = out["input"]["position"]["embedding"] * 0.5
+        return out
+
+    def shifted(w, c):  # integer arithmetic keeps the index dtype: caught by the overlap/coverage checks
+        out = converter.params(w, c)
+        out["input"]["position"]["embedding"] = out["input"]["position"]["embedding"] + 1
+        return out
+
+    for bad, message in ((scaled, "computes .*position.* with arithmetic"), (shifted, "another param holds")):
+        monkeypatch.setitem(CONVERTERS, "GPT2LMHeadModel", dataclasses.replace(converter, params=bad))
+        with pytest.raises(ConversionError, match=message):
+            to_hf(cfg, params, tmp_path / bad.__name__, architecture="GPT2LMHeadModel")

@@ -28,7 +28,9 @@ only what HF has a field for, and let the round-trip check refuse the rest. HF t
 drops on import and that HF still requires (BertModel's pooler) go in `Converter.export_zeros`
 (glob patterns) and are written as zeros. Any other HF tensor the importer does not read is an
 error naming it. Tensors are written in float32; ModelConfig fields that do not change the
-function (dtype, scan_layers, remat, attention backend, dropout) are not compared.
+function (dtype, scan_layers, remat, attention backend, dropout) are not compared. Memory: the
+placeholder indices and the flat HF vector take about 9 bytes per parameter (13 past 2**31) on top
+of the params, plus the verifying import.
 """
 from __future__ import annotations
 
@@ -89,8 +91,8 @@ def to_hf(config: ModelConfig, params, directory, *, architecture: Optional[str]
     params: the param tree (`from_hf`'s, or `model.init(...)["params"]`, boxed or not).
     directory: created if missing; gets config.json, model.safetensors (and generation_config.json
       for generative classes).
-    architecture: the HF class to write (e.g. "LlamaForCausalLM"); None = the one class whose
-      config reproduces `config` (an error lists the candidates when several do).
+    architecture: the HF class to write (e.g. "LlamaForCausalLM"); None = the first class in
+      `CONVERTERS` order whose config reproduces `config` (a Llama config may also be a Mistral one).
     verify: import the written directory again and require the same config and bit-identical params.
     Returns the directory.
     """
@@ -124,19 +126,15 @@ def _resolve(config: ModelConfig, architecture: Optional[str]):
             raise ConversionError(f"to_hf: architecture {architecture!r} has no config writer; "
                                   f"tfm exports {sorted(writable)}")
         return (architecture, writable[architecture], _hf_config(architecture, writable[architecture], config))
-    found, reasons = [], {}
+    reasons = []
     for arch, converter in writable.items():  # the writers' dicts first: no transformers imports
         try:
             _check_round_trip(arch, converter, config, _written(arch, converter, config))
-            found.append(arch)
         except ValueError as e:
-            reasons[arch] = str(e)
-    if len(found) == 1:
-        return found[0], writable[found[0]], _hf_config(found[0], writable[found[0]], config)
-    if found:
-        raise ConversionError(f"to_hf: several Hugging Face classes express this config {found}; "
-                              f"pass architecture=...")
-    raise ConversionError("to_hf: no Hugging Face class expresses this config:\n  " + "\n  ".join(reasons.values()))
+            reasons.append(str(e))
+            continue
+        return arch, converter, _hf_config(arch, converter, config)
+    raise ConversionError("to_hf: no Hugging Face class expresses this config:\n  " + "\n  ".join(reasons))
 
 
 def _written(arch: str, converter: Converter, config: ModelConfig) -> dict:
@@ -202,9 +200,10 @@ class _Recorder(Weights):
         sizes = [int(np.prod(s)) for s in shapes.values()]
         self.offsets = dict(zip(shapes, np.cumsum([0] + sizes[:-1]).tolist()))
         self.total = int(sum(sizes))
-        index = np.arange(self.total, dtype=np.int64)
+        index = np.arange(self.total, dtype=np.int32 if self.total < 2 ** 31 else np.int64)
         super().__init__({k: index[o:o + int(np.prod(s))].reshape(s) for (k, s), o
                           in zip(shapes.items(), self.offsets.values())}, f"{arch} export")
+        self.index_dtype = index.dtype
         self.aliases: Dict[str, np.ndarray] = {}
 
     def tied(self, key: str, reference: np.ndarray, field: str):
@@ -231,7 +230,7 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
     flat_hf = np.zeros(rec.total, np.float32)
     written = np.zeros(rec.total, bool)
     for key, idx in indices.items():
-        if idx.dtype != np.int64:
+        if idx.dtype != rec.index_dtype:
             raise ConversionError(f"{arch}: the importer computes {key} with arithmetic ({idx.dtype}); export "
                                   f"inverts layout changes only")
         idx, val = idx.ravel(), np.asarray(values[key], np.float32).ravel()
