@@ -5,7 +5,8 @@
     logits = model.apply({"params": params}, tokens)
     tfm.convert.to_hf(config, params, "out/")   # config.json + model.safetensors for transformers
 
-One mapping module per architecture (bert, gpt2, llama, mixtral, marian), each a `Converter`;
+One mapping module per architecture (bert, gpt2, llama, mixtral, marian, openai_gpt, mistral,
+qwen2, gptj, gpt_neox, bloom, mpt), each a `Converter`;
 `common` holds the shared layouts and error reporting, `loading` reads models and directories.
 Config fields tfm cannot reproduce raise `ValueError` (`ConversionError`) naming the field;
 checkpoint tensors with no tfm counterpart raise too, so nothing is dropped silently.
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from tfm.config import ModelConfig
-from tfm.convert import bert, gpt2, llama, marian, mixtral
+from tfm.convert import bert, bloom, gpt2, gpt_neox, gptj, llama, marian, mistral, mixtral, mpt, openai_gpt, qwen2
 from tfm.convert import bart, distilbert, roberta, t5, vit
 from tfm.convert.common import ConversionError, HFConfig, Weights
 from tfm.convert.export import to_hf
@@ -29,7 +30,9 @@ from tfm.models import EncoderDecoder
 from tfm.models.vision import VisionEncoder
 
 CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES, **mixtral.ARCHITECTURES,
-              **marian.ARCHITECTURES}
+              **marian.ARCHITECTURES,
+              **openai_gpt.ARCHITECTURES, **mistral.ARCHITECTURES, **qwen2.ARCHITECTURES, **gptj.ARCHITECTURES,
+              **gpt_neox.ARCHITECTURES, **bloom.ARCHITECTURES, **mpt.ARCHITECTURES}
 CONVERTERS.update({**roberta.ARCHITECTURES, **distilbert.ARCHITECTURES, **vit.ARCHITECTURES, **t5.ARCHITECTURES,
                    **bart.ARCHITECTURES})
 SUPPORTED = tuple(sorted(CONVERTERS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import numpy as np
@@ -218,17 +219,22 @@ def linear_pair(w: Weights, prefix: str, bias: bool):
     return w(f"{prefix}.weight"), (w(f"{prefix}.bias") if bias else None)
 
 
-def stack_layers(layers: Sequence[dict], scan: bool) -> dict:
-    """Per-layer param dicts -> `layer_0..` or, for scanned stacks, `layers` stacked on axis 0."""
+def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1) -> dict:
+    """Per-layer param dicts -> `layer_0..` or, for scanned stacks, `layers` stacked on axis 0
+    (with an attention pattern of period P > 1: `layers/layer_j` stacks layers j, j + P, ...)."""
     if not scan:
         return {f"layer_{i}": p for i, p in enumerate(layers)}
     import jax
-    return {"layers": jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+    stack = lambda group: jax.tree.map(lambda *xs: np.stack(xs), *group)
+    if period == 1:
+        return {"layers": stack(layers)}
+    return {"layers": {f"layer_{j}": stack(layers[j::period]) for j in range(period)}}
 
 
-def rope(hf: HFConfig, default_theta: float) -> dict:
+def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
     """RoPE fields of an HF config (v5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`)
-    -> ModelConfig kwargs. Only default and linear scaling map onto tfm."""
+    -> ModelConfig kwargs: default, linear, dynamic, llama3 and yarn scaling, and (partial=True,
+    for families whose HF model rotates part of each head) partial_rotary_factor as rotary_dim."""
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
@@ -236,13 +242,55 @@ def rope(hf: HFConfig, default_theta: float) -> dict:
     key = "rope_type" if "rope_type" in scaling else "type"
     kind = scaling.get(key) or "default"
     field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
-    if kind == "default":
-        out = dict(rope_theta=float(theta))
-    elif kind == "linear":
-        out = dict(rope_theta=float(theta), rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
-    else:
-        raise hf.unsupported(field, kind, "tfm maps 'default' and 'linear'")
-    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise hf.unsupported("partial_rotary_factor", partial, "tfm rotates the whole head")
+    max_len = hf.get("max_position_embeddings")
+    original = scaling.get("original_max_position_embeddings") or max_len
+    out = dict(rope_theta=float(theta))
+    if kind == "linear":
+        out.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+    elif kind == "dynamic":  # HF stretches past max_position_embeddings itself
+        out.update(rope_scaling="dynamic", rope_scaling_factor=float(scaling["factor"]), rope_original_max_len=max_len)
+    elif kind == "llama3":
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
+                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+    elif kind == "yarn":
+        factor = scaling.get("factor") or max_len / original
+        out.update(rope_scaling="yarn", rope_scaling_factor=float(factor), rope_original_max_len=int(original),
+                   rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow") or 1),
+                   rope_truncate=bool(scaling.get("truncate", True)),
+                   rope_attention_factor=_yarn_attention_factor(scaling, factor))
+    elif kind != "default":
+        raise hf.unsupported(field, kind, "tfm maps 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
+    fraction = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if fraction != 1.0:
+        if not partial:
+            raise hf.unsupported("partial_rotary_factor", fraction, f"{hf.architecture} rotates the whole head")
+        head_dim = hf.get("head_dim") or hf.require("hidden_size") // hf.require("num_attention_heads")
+        out["rotary_dim"] = int(head_dim * fraction)
     return out
+
+
+def _yarn_attention_factor(scaling: dict, factor: float) -> Optional[float]:
+    """yarn's cos/sin factor as HF derives it: given, or from mscale / mscale_all_dim; None leaves
+    tfm's default (0.1 ln(factor) + 1)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        return None
+    m = lambda scale: 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+    return float(m(mscale) / m(mscale_all_dim))
+
+
+def split_qkv(weight: np.ndarray, bias: Optional[np.ndarray], num_heads: int, per_head: bool):
+    """A fused q/k/v torch Linear (weight [3*N*H, D], bias [3*N*H] or None) -> three (weight, bias)
+    pairs in Linear layout. per_head=False: q, k, v one after another (MPT, GPT-1/GPT-2);
+    True: interleaved per head as [N, 3, H] (GPT-NeoX, BLOOM)."""
+    D = weight.shape[1]
+    if per_head:
+        w = weight.reshape(num_heads, 3, -1, D)
+        b = None if bias is None else bias.reshape(num_heads, 3, -1)
+        return [(w[:, i].reshape(-1, D), None if b is None else b[:, i].reshape(-1)) for i in range(3)]
+    biases = [None] * 3 if bias is None else np.split(bias, 3)
+    return list(zip(np.split(weight, 3, axis=0), biases))

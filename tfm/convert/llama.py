@@ -1,7 +1,8 @@
-"""Llama (LlamaForCausalLM) -> tfm DecoderLM; its pieces also serve Mixtral.
+"""Llama (LlamaForCausalLM) -> tfm DecoderLM; its pieces also serve Mistral, Qwen2 and Mixtral.
 
-Pre-norm RMSNorm, RoPE in the rotate-halves layout (HF checkpoints are already permuted for it),
-GQA, SwiGLU, untied output by default.
+Pre-norm RMSNorm, RoPE in the rotate-halves layout (HF checkpoints are already permuted for it)
+with Llama 3.x's long-context scalings (llama3, yarn, dynamic; `common.rope`), GQA, SwiGLU,
+untied output by default.
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def dense_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:
     b = cfg.attention_bias
-    qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v", "o")]
+    out_bias = b if cfg.attention_out_bias is None else cfg.attention_out_bias
+    qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v")]
+    qkvo.append(linear_pair(w, f"{p}.self_attn.o_proj", out_bias))
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
             "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
@@ -50,7 +53,7 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
     embedding = w("model.embed_tokens.weight", (V, D))
     layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
     out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers), "final_norm": norm(w, "model.norm", cfg.norm)}}
+           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "model.norm", cfg.norm)}}
     if cfg.tie_embeddings:
         w.tied("lm_head.weight", embedding, "tie_word_embeddings")
     else:

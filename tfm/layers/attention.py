@@ -34,6 +34,7 @@ class Attention(nn.Module):
     config: ModelConfig
     causal: bool = False
     cross: bool = False
+    layer_index: int = 0  # the layer's place in the stack: its kind under config.attention_pattern
 
     @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
@@ -49,7 +50,9 @@ class Attention(nn.Module):
                           ("kv_heads", "head_dim"), name="key", **proj)
         value = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
                             ("kv_heads", "head_dim"), name="value", **proj)
-        out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), name="out", **proj)
+        out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
+        out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), name="out",
+                     **{**proj, "use_bias": out_bias})
         q = constrain(query(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         if self.cross:
             k, v, kv_segment_ids = self._cross_kv(key, value, memory, kv_segment_ids, decode)
@@ -74,8 +77,9 @@ class Attention(nn.Module):
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             q_positions=positions if use_positions else None,
             kv_positions=kv_positions if use_positions else None,
-            window=None if self.cross else cfg.sliding_window,
-            alibi_slopes=alibi_slopes(cfg.num_heads) if cfg.position == "alibi" and not self.cross else None,
+            window=None if self.cross else cfg.layer_window(self.layer_index),
+            alibi_slopes=(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max)
+                          if cfg.position == "alibi" and not self.cross else None),
             softcap=cfg.attn_logit_softcap, bias=bias, scale=None if cfg.scale_attention else 1.0,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,

@@ -12,7 +12,9 @@ from tfm.layers.norms import Norm
 
 class Block(nn.Module):
     """Self-attention, optional cross-attention, feed-forward; pre- or post-norm; sequential or
-    parallel (x + attn(norm x) + ffn(norm x)). x [B, T, D] -> [B, T, D].
+    parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
+    x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
+    kind under config.attention_pattern.
 
     `inputs` is a dict with optional entries: segment_ids, positions (queries), memory [B, S, D],
     memory_segment_ids [B, S], relative_table [buckets, N] (T5's bias, shared by the stack). Returns (x, None) so it can be scanned over layers.
@@ -21,6 +23,7 @@ class Block(nn.Module):
     config: ModelConfig
     causal: bool = False
     cross: bool = False
+    layer_index: int = 0
     deterministic: bool = True
     decode: bool = False
 
@@ -37,14 +40,15 @@ class Block(nn.Module):
             y = drop(fn(norm(x) if pre else x))
             return x + y if pre else norm(x + y)
 
-        self_attn = Attention(cfg, causal=self.causal, name="self_attn")
+        self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
                                      relative_table=inputs.get("relative_table"), deterministic=deterministic,
                                      decode=decode)
         ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
         if cfg.parallel_block:
             h = Norm(cfg, name="attn_norm")(x)
-            x = x + drop(attend(h)) + drop(ffn(h, deterministic))
+            h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
+            x = x + drop(attend(h)) + drop(ffn(h_ffn, deterministic))
         else:
             x = sublayer(x, "attn", attend)
             if self.cross:

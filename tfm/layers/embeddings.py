@@ -1,6 +1,8 @@
 """Token, token-type and position embeddings; rotary position encoding."""
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -70,27 +72,88 @@ class PositionEmbedding(nn.Module):
         return jnp.take(table, positions + cfg.position_offset, axis=0).astype(compute_dtype(cfg))
 
 
-def rope_frequencies(config: ModelConfig):
-    """Inverse frequencies [H / 2] with the configured scaling."""
-    H = config.head_size
-    theta = config.rope_theta
-    if config.rope_scaling == "ntk":  # NTK-aware: stretch the base, keep positions
-        theta = theta * config.rope_scaling_factor ** (H / (H - 2))
-    return 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+def rope_frequencies(config: ModelConfig, max_position=None):
+    """Inverse frequencies [R / 2] of the rotated dims R = config.rope_dim under config.rope_scaling,
+    as Hugging Face's rope init functions compute them. max_position (may be traced): the largest
+    position of the call, which "dynamic" NTK scaling stretches the base for."""
+    R, factor, theta = config.rope_dim, config.rope_scaling_factor, config.rope_theta
+    kind, original = config.rope_scaling, config.rope_original_max_len
+    if kind == "ntk":  # NTK-aware: stretch the base, keep positions
+        theta = theta * factor ** (R / (R - 2))
+    if kind == "dynamic":  # NTK with the stretch growing past the original length
+        length = jnp.maximum(max_position + 1, original).astype(jnp.float32)
+        theta = theta * (factor * length / original - (factor - 1)) ** (R / (R - 2))
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
+    if kind == "linear":  # position interpolation
+        inv_freq = inv_freq / factor
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, config)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, config)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq, config: ModelConfig):
+    """Llama 3.1: wavelengths beyond original / low_freq_factor are interpolated (/ factor), those
+    below original / high_freq_factor kept, the band between blended linearly in original / wavelength."""
+    factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    original = config.rope_original_max_len
+    wavelength = 2 * np.pi / inv_freq
+    scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(inv_freq, config: ModelConfig):
+    """YaRN (Peng et al. 2023): interpolated frequencies (/ factor) below the dims that turn
+    beta_slow times over the original length, original ones above beta_fast turns, a linear ramp between."""
+    R, base, original = config.rope_dim, config.rope_theta, config.rope_original_max_len
+
+    def dim_of(turns):  # the dim whose frequency turns `turns` times over the original length
+        return R * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(config.rope_beta_fast), dim_of(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(R // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_freq / config.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: yarn's rope_attention_factor (None = 0.1 ln(factor) + 1), else 1."""
+    if config.rope_scaling != "yarn":
+        return 1.0
+    if config.rope_attention_factor is not None:
+        return config.rope_attention_factor
+    factor = config.rope_scaling_factor
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x, positions, config: ModelConfig):
-    """Rotate halves (the Llama/GPT-NeoX layout): x [B, T, heads, H], positions [B, T]."""
+    """Rotary positions on the first config.rope_dim dims of each head (the rest pass through):
+    halves rotated together (Llama / GPT-NeoX) or adjacent pairs (GPT-J, rope_interleaved).
+    x [B, T, heads, H], positions [B, T]."""
+    R = config.rope_dim
     pos = positions.astype(jnp.float32)
-    if config.rope_scaling == "linear":  # position interpolation
-        pos = pos / config.rope_scaling_factor
-    angles = pos[..., None] * rope_frequencies(config)  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    inv_freq = rope_frequencies(config, jnp.max(positions) if config.rope_scaling == "dynamic" else None)
+    angles = pos[..., None] * inv_freq  # [B, T, R/2]
+    factor = rope_attention_factor(config)
+    cos = (jnp.cos(angles) * factor)[:, :, None, :]
+    sin = (jnp.sin(angles) * factor)[:, :, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    rot, rest = x32[..., :R], x32[..., R:]
+    if config.rope_interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = jnp.split(rot, 2, axis=-1)
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated, rest], axis=-1).astype(x.dtype)
 
 
 def relative_position_bucket(distance, *, bidirectional: bool, num_buckets: int, max_distance: int):

@@ -1,6 +1,9 @@
 """A stack of Blocks: loop or scan over layers, optional remat, final norm."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import flax.linen as nn
 import jax
 
@@ -19,6 +22,8 @@ REMAT_POLICIES = {
 class Stack(nn.Module):
     """num_layers Blocks: [B, T, D] -> [B, T, D]. Scanned layers are stacked on a leading
     "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ...
+    With an attention_pattern of period P > 1 a scanned stack repeats a `BlockGroup` of P layers
+    num_layers / P times (params `layers/layer_0..layer_{P-1}/...`, each stacked on axis 0).
     With position="relative" the stack owns one `relative_bias` table that all its layers use."""
 
     config: ModelConfig
@@ -33,17 +38,38 @@ class Stack(nn.Module):
         if cfg.remat_policy != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
         kw = dict(causal=self.causal, cross=self.cross, deterministic=deterministic, decode=decode)
+        period = cfg.pattern_period
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
             inputs = {**inputs, "relative_table": table}
         if cfg.scan_layers:
+            unit = block if period == 1 else functools.partial(BlockGroup, block=block)
             scanned = nn.scan(
-                block, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},
-                in_axes=nn.broadcast, length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+                unit, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast, length=self.num_layers // period, metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = scanned(cfg, name="layers", **kw)(x, inputs)
         else:
             for i in range(self.num_layers):
-                x, _ = block(cfg, name=f"layer_{i}", **kw)(x, inputs)
+                x, _ = block(cfg, layer_index=i, name=f"layer_{i}", **kw)(x, inputs)
         if cfg.norm_position == "pre" and cfg.final_norm:
             x = Norm(cfg, name="final_norm")(x)
         return x
+
+
+class BlockGroup(nn.Module):
+    """One period of config.attention_pattern: Blocks `layer_0`..`layer_{P-1}` in order, each of its
+    kind; (x, inputs) -> (x, None) like a Block, so a scan can repeat it."""
+
+    config: ModelConfig
+    block: Callable = Block
+    causal: bool = False
+    cross: bool = False
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, inputs: dict):
+        kw = dict(causal=self.causal, cross=self.cross, deterministic=self.deterministic, decode=self.decode)
+        for j in range(self.config.pattern_period):
+            x, _ = self.block(self.config, layer_index=j, name=f"layer_{j}", **kw)(x, inputs)
+        return x, None

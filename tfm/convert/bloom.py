@@ -1,0 +1,51 @@
+"""BLOOM (BloomForCausalLM) -> tfm DecoderLM.
+
+ALiBi instead of position embeddings (BLOOM's slopes, non-powers of two included, are tfm's
+`alibi_slopes`), a LayerNorm on the word embeddings, pre-norm blocks with tanh-GELU, fused
+query_key_value interleaved per head ([N, 3, H]), tied output.
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, split_qkv,
+                                stack_layers)
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    hf.expect("apply_residual_connection_post_layernorm", [False], False)
+    # pretraining_tp / slow_but_exact only change how the dense layers are summed (tensor-parallel slices).
+    D, N = hf.require("hidden_size"), hf.require("n_head")
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=N, num_layers=hf.require("n_layer"), d_ff=4 * D,
+        max_len=hf.get("seq_length", 2048), norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm_position="pre", final_norm=True, embedding_norm=True, position="alibi", activation="gelu_tanh",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), pad_id=hf.pad_id(vocab),
+        dropout_rate=hf.get("hidden_dropout", 0.0), attention_dropout=hf.get("attention_dropout", 0.0))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    q, k, v = split_qkv(*linear_pair(w, f"{p}.self_attention.query_key_value", True), cfg.num_heads, per_head=True)
+    o = linear_pair(w, f"{p}.self_attention.dense", True)
+    return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
+            "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("transformer.word_embeddings.weight", (V, D))
+    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
+    out = {"embed": {"embedding": embedding},
+           "input": {"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)},
+           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    return out
+
+
+ARCHITECTURES = {"BloomForCausalLM": Converter(DecoderLM, config, params)}

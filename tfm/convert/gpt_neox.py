@@ -1,0 +1,56 @@
+"""GPT-NeoX / Pythia (GPTNeoXForCausalLM) -> tfm DecoderLM.
+
+Parallel residual with two LayerNorms, x + attn(ln1 x) + mlp(ln2 x) (use_parallel_residual;
+False gives the sequential pre-norm block); rotary positions in the rotate-halves layout on the
+first rotary_pct of each head; fused query_key_value interleaved per head ([N, 3, H]); untied
+output layer `embed_out` without bias.
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope, split_qkv,
+                                stack_layers)
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    D, N = hf.require("hidden_size"), hf.require("num_attention_heads")
+    vocab = hf.require("vocab_size")
+    parallel = bool(hf.get("use_parallel_residual", True))
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=N, num_layers=hf.require("num_hidden_layers"),
+        d_ff=hf.require("intermediate_size"), max_len=hf.get("max_position_embeddings", 2048), norm="layernorm",
+        norm_eps=hf.get("layer_norm_eps", 1e-5), norm_position="pre", final_norm=True, position="rope",
+        parallel_block=parallel, parallel_norms=2 if parallel else 1, attention_bias=bool(hf.get("attention_bias", True)),
+        activation=hf.activation("hidden_act", "gelu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        pad_id=hf.pad_id(vocab), dropout_rate=hf.get("hidden_dropout", 0.0),
+        attention_dropout=hf.get("attention_dropout", 0.0), **rope(hf, 10_000.0, partial=True))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    b = cfg.attention_bias
+    q, k, v = split_qkv(*linear_pair(w, f"{p}.attention.query_key_value", b), cfg.num_heads, per_head=True)
+    o = linear_pair(w, f"{p}.attention.dense", b)
+    return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
+            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("gpt_neox.embed_in.weight", (V, D))
+    layers = [_layer(w, f"gpt_neox.layers.{i}", cfg) for i in range(cfg.num_layers)]
+    out = {"embed": {"embedding": embedding},
+           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
+                       "final_norm": norm(w, "gpt_neox.final_layer_norm", cfg.norm)}}
+    head = "embed_out.weight" if w.has("embed_out.weight") else "lm_head.weight"  # older / newer name
+    if cfg.tie_embeddings:
+        w.tied(head, embedding, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w(head, (V, D)).T}}
+    return out
+
+
+IGNORE = ("*.attention.bias", "*.attention.masked_bias", "*rotary_emb.inv_freq")
+ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}

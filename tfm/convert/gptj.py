@@ -1,0 +1,43 @@
+"""GPT-J (GPTJForCausalLM) -> tfm DecoderLM.
+
+Parallel block with one shared LayerNorm (x + attn(ln x) + mlp(ln x)); rotary positions on the
+first rotary_dim dims of each head in adjacent pairs (0, 1), (2, 3), ... (rope_interleaved);
+q, k, v and output projections without bias; untied output layer with a bias.
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    D, N = hf.require("n_embd"), hf.require("n_head")
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=N, num_layers=hf.require("n_layer"), d_ff=hf.get("n_inner") or 4 * D,
+        max_len=hf.get("n_positions", 2048), norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm_position="pre", final_norm=True, position="rope", rotary_dim=hf.get("rotary_dim") or D // N,
+        rope_interleaved=True, parallel_block=True, parallel_norms=1, attention_bias=False,
+        activation=hf.activation("activation_function", "gelu_new"), tie_embeddings=False, output_bias=True,
+        pad_id=hf.pad_id(vocab), dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    qkvo = [linear_pair(w, f"{p}.attn.{n}", False) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
+            "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn": {"wi": linear(w, f"{p}.mlp.fc_in"), "wo": linear(w, f"{p}.mlp.fc_out")}}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
+    return {"embed": {"embedding": w("transformer.wte.weight", (V, D))},
+            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
+                        "final_norm": norm(w, "transformer.ln_f", cfg.norm)},
+            "output": {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}, "bias": w("lm_head.bias", (V,))}}
+
+
+IGNORE = ("*.attn.bias", "*.attn.masked_bias", "*embed_positions")
+ARCHITECTURES = {"GPTJForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}

@@ -1,0 +1,65 @@
+"""MPT (MptForCausalLM) -> tfm DecoderLM.
+
+ALiBi (slopes from alibi_bias_max), LayerNorms without bias and linear layers without bias
+(HF's MPT has none, whatever no_bias says), exact GELU feed-forward of width 4 D, fused Wqkv
+with q, k, v one after another, tied output.
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, split_qkv, stack_layers
+from tfm.models import DecoderLM
+
+# attn_config fields whose non-default values change the math tfm reproduces.
+_ATTN_DEFAULTS = {"clip_qkv": None, "softmax_scale": None, "prefix_lm": False, "qk_ln": False,
+                  "attn_uses_sequence_id": False, "alibi": True, "alibi_bias_max": 8}
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    attn = hf.get("attn_config") or {}
+    if not isinstance(attn, dict):
+        attn = attn.to_dict()
+    for name, default in _ATTN_DEFAULTS.items():
+        value = attn.get(name, default)
+        if value != default:
+            detail = ("HF's MptModel builds its ALiBi with the default 8 whatever this says"
+                      if name == "alibi_bias_max" else f"tfm supports {default!r}")
+            raise hf.unsupported(f"attn_config.{name}", value, detail)
+    hf.expect("expansion_ratio", [4], 4)  # HF's MptMLP is 4 * d_model wide whatever this says
+    hf.expect("logit_scale", [None], None)
+    hf.expect("embedding_fraction", [1.0, 1], 1.0)
+    D = hf.require("d_model")
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=hf.require("n_heads"), num_layers=hf.require("n_layers"), d_ff=4 * D,
+        max_len=hf.get("max_seq_len", 2048), norm="layernorm", norm_bias=False,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), norm_position="pre", final_norm=True, position="alibi",
+        alibi_bias_max=8.0, attention_bias=False, ffn_bias=False, activation="gelu",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), pad_id=hf.pad_id(vocab),
+        dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=float(attn.get("attn_pdrop", 0.0)))
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    q, k, v = split_qkv(*linear_pair(w, f"{p}.attn.Wqkv", False), cfg.num_heads, per_head=False)
+    o = linear_pair(w, f"{p}.attn.out_proj", False)
+    return {"attn_norm": norm(w, f"{p}.norm_1", "rmsnorm"),  # scale only
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn_norm": norm(w, f"{p}.norm_2", "rmsnorm"),
+            "ffn": {"wi": linear(w, f"{p}.ffn.up_proj", False), "wo": linear(w, f"{p}.ffn.down_proj", False)}}
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    embedding = w("transformer.wte.weight", (V, D))
+    layers = [_layer(w, f"transformer.blocks.{i}", cfg) for i in range(cfg.num_layers)]
+    out = {"embed": {"embedding": embedding},
+           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
+                       "final_norm": norm(w, "transformer.norm_f", "rmsnorm")}}
+    if cfg.tie_embeddings:
+        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+    else:
+        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    return out
+
+
+ARCHITECTURES = {"MptForCausalLM": Converter(DecoderLM, config, params)}

@@ -1,0 +1,71 @@
+"""GPT-1 (OpenAIGPTDoubleHeadsModel, OpenAIGPTLMHeadModel) -> tfm DecoderLM.
+
+Post-norm blocks (LayerNorm after each residual, none at the end), learned positions, tanh-GELU,
+tied output; Conv1D weights are [in, out] and c_attn packs q, k, v along the output axis. The
+double-heads model's multiple-choice head (summary_type "cls_index", a projection to num_labels)
+is tfm's "classification" head: the final hidden state at cls_positions, dropout, a dense layer.
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, split_qkv, stack_layers
+from tfm.models import DecoderLM
+
+
+def config(hf: HFConfig, heads=()) -> ModelConfig:
+    D = hf.require("n_embd")
+    vocab = hf.require("vocab_size")
+    num_labels = 2
+    if heads:
+        hf.expect("summary_type", ["cls_index"], "cls_index")
+        hf.expect("summary_use_proj", [True], True)
+        hf.expect("summary_proj_to_labels", [True], True)
+        hf.expect("summary_activation", [None], None)
+        num_labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
+    afn = {"gelu": "gelu_new", "swish": "silu"}.get(hf.get("afn", "gelu"), hf.get("afn"))  # GPT-1's "gelu" is tanh
+    return ModelConfig(
+        vocab_size=vocab, d_model=D, num_heads=hf.require("n_head"), num_layers=hf.require("n_layer"), d_ff=4 * D,
+        max_len=hf.get("n_positions", 512), norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm_position="post", final_norm=False, position="learned",
+        activation=HFConfig({"afn": afn}, hf.architecture).activation("afn"),
+        tie_embeddings=True, pad_id=hf.pad_id(vocab), heads=tuple(heads), num_labels=num_labels,
+        dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+
+
+def _conv1d(w: Weights, prefix: str):
+    """Conv1D (weight [in, out], bias) -> torch Linear layout (weight [out, in], bias)."""
+    return w(f"{prefix}.weight").T, w(f"{prefix}.bias")
+
+
+def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    q, k, v = split_qkv(*_conv1d(w, f"{p}.attn.c_attn"), cfg.num_heads, per_head=False)
+    dense = lambda name: {"kernel": w(f"{p}.mlp.{name}.weight"), "bias": w(f"{p}.mlp.{name}.bias")}
+    return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
+            "self_attn": attention(q, k, v, _conv1d(w, f"{p}.attn.c_proj"), cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "ffn_norm": norm(w, f"{p}.ln_2", cfg.norm),
+            "ffn": {"wi": dense("c_fc"), "wo": dense("c_proj")}}  # Conv1D is already [in, out]
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    V, D = cfg.vocab_size, cfg.d_model
+    if w.has("transformer.tokens_embed.weight"):
+        embedding = w("transformer.tokens_embed.weight", (V, D))
+        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+    else:  # save_pretrained keeps the tied pair under the head's name
+        embedding = w("lm_head.weight", (V, D))
+    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
+    out = {"embed": {"embedding": embedding},
+           "input": {"position": {"embedding": w("transformer.positions_embed.weight", (cfg.max_len, D))}},
+           "decoder": stack_layers(layers, cfg.scan_layers, cfg.pattern_period)}
+    if "classification" in cfg.heads:
+        summary = w("multiple_choice_head.summary.weight", (cfg.num_labels, D))
+        out["classifier"] = {"dense": {"kernel": summary.T, "bias": w("multiple_choice_head.summary.bias")}}
+    return out
+
+
+IGNORE = ("*.attn.bias", "transformer.position_ids")
+ARCHITECTURES = {
+    "OpenAIGPTLMHeadModel": Converter(DecoderLM, config, params, ignore=IGNORE),
+    "OpenAIGPTDoubleHeadsModel": Converter(DecoderLM, lambda hf: config(hf, heads=("classification",)), params,
+                                           ignore=IGNORE),
+}

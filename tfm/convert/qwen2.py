@@ -1,0 +1,42 @@
+"""Qwen2 (Qwen2ForCausalLM) -> tfm DecoderLM: the Llama mapping with biases on the q, k, v
+projections (none on the output one), and HF's per-layer `layer_types` (full or sliding
+attention) as tfm's repeating attention_pattern."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+from tfm.config import ModelConfig
+from tfm.convert import llama
+from tfm.convert.common import ConversionError, Converter, HFConfig
+from tfm.models import DecoderLM
+
+KINDS = {"full_attention": "global", "sliding_attention": "local"}
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    hf.expect("attention_bias", [True], True)
+    pattern = attention_pattern(hf, hf.get("layer_types") or ["full_attention"])
+    window = hf.get("sliding_window") if pattern and "local" in pattern else None
+    if pattern is not None and set(pattern) == {"local"}:
+        pattern = None  # every layer local: plain sliding_window
+    if pattern == ("global",):
+        pattern = None
+    return llama.config(hf, default_theta=1e6, attention_bias=True, attention_out_bias=False,
+                        sliding_window=window, attention_pattern=pattern)
+
+
+def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Optional[Tuple[str, ...]]:
+    """HF layer_types -> the shortest repeating tuple of "global"/"local" that reproduces them."""
+    unknown = sorted(set(layer_types) - set(KINDS))
+    if unknown:
+        raise hf.unsupported("layer_types", unknown, f"tfm maps {sorted(KINDS)}")
+    kinds = tuple(KINDS[t] for t in layer_types)
+    if "local" in kinds and not hf.get("sliding_window"):
+        raise ConversionError(f"{hf.architecture}: layer_types has sliding layers but sliding_window is unset")
+    for period in range(1, len(kinds) + 1):
+        if len(kinds) % period == 0 and kinds == kinds[:period] * (len(kinds) // period):
+            return kinds[:period]
+    return kinds
+
+
+ARCHITECTURES = {"Qwen2ForCausalLM": Converter(DecoderLM, config, llama.params, ignore=llama.IGNORE)}
