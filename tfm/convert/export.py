@@ -27,7 +27,9 @@ and the fields the family's `config` reads (helpers below: `hf_activation`, `hf_
 only what HF has a field for, and let the round-trip check refuse the rest. HF tensors that tfm
 drops on import and that HF still requires (BertModel's pooler) go in `Converter.export_zeros`
 (glob patterns) and are written as zeros. Any other HF tensor the importer does not read is an
-error naming it. Tensors are written in float32; ModelConfig fields that do not change the
+error naming it. Importers must not look at tensor values (other than through `w.tied`): under
+export they see indices; tensors HF recomputes and leaves out of its files (`_keys_to_ignore_on_save`,
+like Marian's position tables) are hidden from them. Tensors are written in float32; ModelConfig fields that do not change the
 function (dtype, scan_layers, remat, attention backend, dropout) are not compared. Memory: the
 placeholder indices and the flat HF vector take about 9 bytes per parameter (13 past 2**31) on top
 of the params, plus the verifying import.
@@ -106,6 +108,8 @@ def to_hf(config: ModelConfig, params, directory, *, architecture: Optional[str]
     import torch
     state = {k: torch.from_numpy(v) for k, v in tensors.items()}
     for alias, owner in _tied_groups(model).items():  # one tensor object, so save_pretrained drops copies
+        if alias not in tensors or owner not in tensors:
+            continue
         if not np.array_equal(tensors[alias], tensors[owner]):
             raise ConversionError(f"{arch}: {alias} must equal {owner}, which HF ties to it, but tfm's differ")
         state[alias] = state[owner]
