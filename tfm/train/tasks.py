@@ -10,6 +10,8 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   ClassificationTask,         input_ids, token_type_ids, attention_mask [B, T]; optional
   RegressionTask,             weights [B] (0 = a padding row); label [B] (int class /
   SpanTask (EncoderModel)     float score), or start_positions, end_positions [B] (span).
+  LMClassificationTask        inputs, targets [B, T] or [B, choices, T]; label [B]; optional
+  (DecoderLM + head, GPT-1)   weights, cls_positions: task loss + lm_weight * LM loss.
 
 `loss` returns the objective of one (micro)batch with every sum already divided by the
 full batch's totals, so summing microbatch results gives exactly the full-batch value.
@@ -93,16 +95,21 @@ class Task:
         objective = self.moe_aux_weight * aux / num_micro
         metrics = {"loss": 0.0, "z_loss": 0.0, "moe_aux_loss": aux / num_micro}
         for i, (name, t) in enumerate(terms.items()):
-            norm = totals[name]
-            objective += (t["ce"] + t["z"]) / norm
-            metrics["loss"] += t["ce"] / norm
-            metrics["z_loss"] += t["z"] / norm
+            norm, scale = totals[name], self.term_weight(name)
+            objective += scale * (t["ce"] + t["z"]) / norm
+            metrics["loss"] += scale * t["ce"] / norm
+            metrics["z_loss"] += scale * t["z"] / norm
             if i == 0 and "correct" in t:
                 metrics["accuracy"] = t["correct"] / norm
             if len(terms) > 1:
                 metrics[f"{name}_loss"] = t["ce"] / norm
                 metrics[f"{name}_accuracy"] = t["correct"] / norm
         return objective, metrics
+
+    def term_weight(self, name: str) -> float:
+        """What loss term `name` is multiplied by in the objective (and in "loss"); its own
+        "<name>_loss" metric stays unweighted."""
+        return 1.0
 
     def weight_totals(self, batch: dict) -> dict:
         return {name: jnp.maximum(jnp.sum(w.astype(jnp.float32)), 1.0)
@@ -277,3 +284,55 @@ class SpanTask(_FineTuneTask):
         T = batch["input_ids"].shape[1]
         return super().id_fields(config, batch) + [IdField("start_positions", T, "weights"),
                                                    IdField("end_positions", T, "weights")]
+
+
+@dataclasses.dataclass(frozen=True)
+class LMClassificationTask(Task):
+    """GPT-1 fine-tuning (Radford et al. 2018, eq. 5): task loss + lm_weight * LM loss on the same
+    text, for a DecoderLM with the "classification" head.
+
+    Batch: inputs, targets [B, T], or [B, C, T] for multiple choice (C candidates, each scored by
+    a head with num_labels=1, softmax over the C scores); optional weights (LM targets, same shape),
+    cls_positions [B] / [B, C] (the token the head reads; default T - 1); label [B] (the class, or
+    the correct choice).
+    """
+
+    lm_weight: float = 0.5  # the paper's lambda
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lm_weight < 0:
+            raise ValueError(f"LMClassificationTask.lm_weight must be >= 0, got {self.lm_weight}")
+
+    def model_kwargs(self, batch):
+        T = batch["inputs"].shape[-1]
+        flat = lambda x: None if x is None else x.reshape(-1, *x.shape[batch["inputs"].ndim - 1:])
+        return {"tokens": batch["inputs"].reshape(-1, T), "segment_ids": flat(batch.get("segment_ids")),
+                "cls_positions": flat(batch.get("cls_positions")), **self._logits_kwarg()}
+
+    def weights(self, batch):
+        lm = _weights_or_ones(batch, "weights", "targets")
+        return {"task": jnp.ones(batch["label"].shape, jnp.float32), "lm": lm.reshape(-1, lm.shape[-1])}
+
+    def term_weight(self, name):
+        return self.lm_weight if name == "lm" else 1.0
+
+    def loss_terms(self, outputs, batch):
+        w = self.weights(batch)
+        scores = outputs["cls_logits"]  # [B * C, 1] for multiple choice, else [B, num_labels]
+        if batch["inputs"].ndim == 3:
+            scores = scores.reshape(batch["inputs"].shape[:2])  # [B, C]
+        targets = batch["targets"].reshape(-1, batch["targets"].shape[-1])
+        return {"task": cross_entropy(scores, *_scored(batch["label"], w["task"], scores.shape[-1])),
+                "lm": self._ce(outputs["logits"], targets, w["lm"])}
+
+    def num_tokens(self, batch):
+        return int(batch["inputs"].size)
+
+    def id_fields(self, config, batch):
+        V, shape = config.vocab_size, batch["inputs"].shape
+        fields = [IdField("inputs", V), IdField("targets", V, "weights"),
+                  IdField("label", shape[1] if len(shape) == 3 else config.num_labels)]
+        if "cls_positions" in batch:
+            fields.append(IdField("cls_positions", shape[-1]))
+        return fields
