@@ -245,9 +245,10 @@ def test_published_parameter_counts(size):
 
 # ---- attention backends and refused configs -----------------------------------------------
 
-@pytest.mark.parametrize("name", ["roberta", "distilbert", "bart", "vit"])
+@pytest.mark.parametrize("name", ["distilbert", "bart", "vit"])
 def test_pallas_equals_xla(hf_models, name):
-    """The flash kernels (interpreted on CPU) give the xla backend's outputs."""
+    """The flash kernels (interpreted on CPU) give the xla backend's outputs: padded bidirectional
+    (DistilBERT; RoBERTa's attention is the same), causal and cross-attention (BART), unmasked (ViT)."""
     hf, path = hf_models(name)
     _, params, model = from_hf(hf)
     _, _, pallas = from_hf(path, attention_impl="pallas", attention_dropout=0.0)
@@ -355,20 +356,20 @@ def quadrant_images(rng, rows):
 
 def test_vit_learns_which_quadrant_is_bright():
     """ViT trained from scratch under the sharded engine on fresh generated images: the loss falls
-    from chance (ln 4 = 1.39) to below half of it within 40 steps."""
+    from chance (ln 4 = 1.39) to below a quarter of it within 80 steps."""
     from tfm.config import ModelConfig
     cfg = ModelConfig(vocab_size=1, d_model=32, num_heads=4, num_layers=1, d_ff=64, norm_eps=1e-12, position="learned",
                       activation="gelu", image_size=IMAGE, patch_size=PATCH, heads=("classification",), num_labels=4,
                       max_len=1 + (IMAGE // PATCH) ** 2)
     rng = np.random.default_rng(0)
     batches = []
-    for _ in range(40):
+    for _ in range(80):
         images, labels = quadrant_images(rng, 16)
         batches.append({"images": images, "label": labels})
-    losses, unsharded = train_on_mesh(VisionEncoder(cfg), ImageClassificationTask(), batches, 3e-3)
-    print(f"ViT quadrant losses {np.round(losses[::5], 3)}")
+    losses, unsharded = train_on_mesh(VisionEncoder(cfg), ImageClassificationTask(), batches, 1e-2)
+    print(f"ViT quadrant losses {np.round(losses[::10], 3)}")
     assert abs(losses[0] - unsharded) < 1e-5
-    assert losses[0] > 1.2 and losses[-5:].mean() < 0.5 * np.log(4)
+    assert losses[:10].mean() > 1.0 and losses[-10:].mean() < 0.25 * np.log(4)
 
 
 def paraphrase_pairs(rng, rows, length=12, vocab=V):
@@ -388,8 +389,8 @@ def paraphrase_pairs(rng, rows, length=12, vocab=V):
 
 def test_e5_contrastive_training_separates_paraphrases(hf_models):
     """BertModel + mean pooling trained with InfoNCE (in-batch negatives, temperature 0.05) on
-    fresh generated paraphrase pairs under the sharded engine: the loss falls from near
-    chance (ln 16 = 2.77) by more than half."""
+    fresh generated paraphrase pairs under the sharded engine: the loss (first step ~2.1, chance
+    ln 16 = 2.77) falls by more than half."""
     cfg, _, _ = converted(hf_models, "e5")
     cfg = cfg.replace(heads=("mean_pool",), dropout_rate=0.0, attention_dropout=0.0)
     rng = np.random.default_rng(0)
