@@ -336,3 +336,75 @@ class LMClassificationTask(Task):
         if "cls_positions" in batch:
             fields.append(IdField("cls_positions", shape[-1]))
         return fields
+
+
+class ImageClassificationTask(Task):
+    """Image classification (`tfm.models.vision.VisionEncoder` with the "classification" head).
+
+    Batch: images [B, H, W, C] float; label [B]; optional weights [B] (0 = a padding row).
+    """
+    term = "label"
+
+    def model_kwargs(self, batch):
+        return {"images": batch["images"]}
+
+    def weights(self, batch):
+        rows = batch["label"].shape
+        return {self.term: batch["weights"] if "weights" in batch else jnp.ones(rows, jnp.float32)}
+
+    def loss_terms(self, out, batch):
+        w = self.weights(batch)[self.term]
+        return {self.term: cross_entropy(out["logits"], *_scored(batch["label"], w, out["logits"].shape[-1]),
+                                         label_smoothing=self.label_smoothing, z_loss=self.z_loss)}
+
+    def num_tokens(self, batch):
+        return int(batch["images"].shape[0])  # images, not patches
+
+    def id_fields(self, config, batch):
+        return [IdField("label", config.num_labels, "weights")]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContrastiveTask(Task):
+    """InfoNCE with in-batch negatives (E5 / sentence embeddings), for an EncoderModel with the
+    "mean_pool" head (L2-normalised embeddings).
+
+    Batch: query_ids, query_mask, doc_ids, doc_mask [B, T] (mask 1 = token, 0 = padding): row i's
+    document is query i's positive and every other row's document a negative, so the loss is
+    cross-entropy over the similarities q_i . d_j / temperature with target j = i. Queries and
+    documents go through the model in one call, stacked on the batch axis. The negatives are the
+    rows of the (micro)batch the loss sees; "accuracy" is the share of queries whose own
+    document scores highest.
+    """
+
+    temperature: float = 0.05
+    term = "contrastive"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.temperature <= 0:
+            raise ValueError(f"ContrastiveTask.temperature must be > 0, got {self.temperature}")
+
+    def model_kwargs(self, batch):
+        if batch["query_ids"].shape != batch["doc_ids"].shape:
+            raise ValueError(f"ContrastiveTask needs query_ids and doc_ids of one shape; got "
+                             f"{batch['query_ids'].shape} and {batch['doc_ids'].shape}")
+        stack = lambda a, b: jnp.concatenate([jnp.asarray(a), jnp.asarray(b)], axis=0)
+        return {"tokens": stack(batch["query_ids"], batch["doc_ids"]),
+                "segment_ids": stack(batch["query_mask"], batch["doc_mask"]).astype(jnp.int32)}
+
+    def weights(self, batch):
+        return {self.term: jnp.ones(batch["query_ids"].shape[:1], jnp.float32)}
+
+    def loss_terms(self, out, batch):
+        B = batch["query_ids"].shape[0]
+        queries, docs = out["embedding"][:B], out["embedding"][B:]  # [B, D] each
+        similarity = jnp.einsum("QD,KD->QK", queries, docs) / self.temperature
+        return {self.term: cross_entropy(similarity, jnp.arange(B), self.weights(batch)[self.term],
+                                         z_loss=self.z_loss)}
+
+    def num_tokens(self, batch):
+        return int(batch["query_ids"].size + batch["doc_ids"].size)
+
+    def id_fields(self, config, batch):
+        return [IdField("query_ids", config.vocab_size), IdField("doc_ids", config.vocab_size)]
