@@ -218,14 +218,12 @@ class _Recorder(Weights):
 
 def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, model) -> Dict[str, np.ndarray]:
     """Every tensor of `model`'s state dict (less `_keys_to_ignore_on_save`), from tfm params."""
-    import jax
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in skip}
     rec = _Recorder(shapes, arch)
     index_tree = converter.params(rec, config)
 
-    flat = lambda tree: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-    indices, values = flat(index_tree), flat(params)
+    indices, values = _flat(index_tree), _flat(params)
     if {k: np.shape(v) for k, v in indices.items()} != {k: np.shape(v) for k, v in values.items()}:
         missing, extra = sorted(set(indices) - set(values)), sorted(set(values) - set(indices))
         wrong = sorted(k for k in set(indices) & set(values) if np.shape(indices[k]) != np.shape(values[k]))
@@ -268,13 +266,17 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
 
 def _verify(directory: str, arch: str, config: ModelConfig, params):
     """Importing `directory` again must give `config` (up to _NOT_COMPARED) and identical params."""
-    import jax
     from tfm.convert import from_hf
     back_config, back_params, _ = from_hf(directory, architecture=arch, scan_layers=config.scan_layers)
     if _canonical(back_config) != _canonical(config):
         raise ConversionError(f"to_hf: {directory} imports as a different config: {back_config}")
-    flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-    want, got = flat(params), flat(back_params)
+    want, got = _flat(params), _flat(back_params)
     bad = sorted(k for k in want if k not in got or not np.array_equal(np.asarray(want[k], np.float32), got[k]))
     if bad or set(got) != set(want):
         raise ConversionError(f"to_hf: {directory} does not import back to the same params: {bad[:8]}")
+
+
+def _flat(tree) -> Dict[str, np.ndarray]:
+    """{key path: leaf as numpy} of a param tree."""
+    import jax
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
