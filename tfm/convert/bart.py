@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import marian
+from tfm.convert.export import hf_activation
 from tfm.convert.common import Converter, HFConfig, Weights, norm, stack_layers
 from tfm.models import EncoderDecoder
 
@@ -57,4 +58,15 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"BartForConditionalGeneration": Converter(EncoderDecoder, config, params)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    return dict(model_type="bart", vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+                encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len - POSITION_OFFSET,
+                activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
+                tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, dropout=cfg.dropout_rate,
+                attention_dropout=cfg.attention_dropout)
+
+
+ARCHITECTURES = {"BartForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config)}

@@ -7,6 +7,7 @@ the word embeddings, with a bias).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
+from tfm.convert.export import hf_activation
 from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
 from tfm.models import EncoderModel
 
@@ -52,6 +53,15 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    return dict(model_type="distilbert", vocab_size=cfg.vocab_size, dim=cfg.d_model, n_heads=cfg.num_heads,
+                n_layers=cfg.num_layers, hidden_dim=cfg.d_ff, max_position_embeddings=cfg.max_len,
+                activation=hf_activation(cfg.activation), sinusoidal_pos_embds=False,
+                tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, dropout=cfg.dropout_rate,
+                attention_dropout=cfg.attention_dropout)
+
+
 ARCHITECTURES = {
-    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",)),
+    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",), hf_config=hf_config),
 }

@@ -40,6 +40,12 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export): BERT's fields under model_type "roberta"."""
+    return {**bert.hf_config(cfg), "model_type": "roberta"}
+
+
 ARCHITECTURES = {
-    "RobertaForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids", "*token_type_ids")),
+    "RobertaForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids", "*token_type_ids"),
+                                    hf_config=hf_config),
 }

@@ -10,7 +10,7 @@ so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, norm, stack_layers
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, attention, linear, norm, stack_layers
 from tfm.models import EncoderDecoder
 
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}  # plain feed-forward
@@ -30,10 +30,13 @@ def _activation(hf: HFConfig) -> str:
 def config(hf: HFConfig) -> ModelConfig:
     hf.expect("is_encoder_decoder", [True], True)
     vocab = hf.require("vocab_size")
-    tied = bool(hf.get("tie_word_embeddings", True))
-    # transformers 5 keeps v1.0's output rescale as scale_decoder_outputs (and always ties);
-    # older configs said both with tie_word_embeddings.
-    rescale = bool(hf.fields.get("scale_decoder_outputs", tied))
+    # transformers 5 keeps v1.0's output rescale as scale_decoder_outputs and always ties the
+    # output; older configs said both with tie_word_embeddings.
+    if "scale_decoder_outputs" in hf.fields:
+        tied, rescale = True, bool(hf.fields["scale_decoder_outputs"])
+    else:
+        tied = bool(hf.get("tie_word_embeddings", True))
+        rescale = tied
     return ModelConfig(
         vocab_size=vocab, d_model=hf.require("d_model"), num_heads=hf.require("num_heads"),
         head_dim=hf.require("d_kv"), num_layers=hf.require("num_layers"),
@@ -93,4 +96,19 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export). transformers 5 derives scale_decoder_outputs from the
+    tie_word_embeddings it is given, then ties the output regardless."""
+    proj = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "geglu": "gated-gelu",
+            "swiglu": "gated-silu"}.get(cfg.activation)
+    if proj is None:
+        raise ConversionError(f"activation={cfg.activation!r} has no T5 feed_forward_proj")
+    return dict(model_type="t5", vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_size, d_ff=cfg.d_ff,
+                num_layers=cfg.num_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.num_heads,
+                relative_attention_num_buckets=cfg.relative_buckets,
+                relative_attention_max_distance=cfg.relative_max_distance, layer_norm_epsilon=cfg.norm_eps,
+                feed_forward_proj=proj, tie_word_embeddings=cfg.rescale_tied_output,
+                scale_decoder_outputs=cfg.rescale_tied_output, pad_token_id=cfg.pad_id, dropout_rate=cfg.dropout_rate)
+
+
+ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from tfm.config import ModelConfig
+from tfm.convert.export import hf_activation
 from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
 from tfm.models.vision import VisionEncoder, num_patches
 
@@ -72,8 +73,17 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); the heads pick the class."""
+    return dict(model_type="vit", hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, intermediate_size=cfg.d_ff, hidden_act=hf_activation(cfg.activation),
+                layer_norm_eps=cfg.norm_eps, image_size=cfg.image_size, patch_size=cfg.patch_size,
+                num_channels=cfg.num_channels, qkv_bias=cfg.attention_bias, num_labels=cfg.num_labels,
+                hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout)
+
+
 ARCHITECTURES = {
-    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params),
+    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params, hf_config=hf_config),
     "ViTForImageClassification": Converter(VisionEncoder, functools.partial(config, heads=("classification",)),
-                                           params),
+                                           params, hf_config=hf_config),
 }
