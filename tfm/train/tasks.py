@@ -12,6 +12,10 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   SpanTask (EncoderModel)     float score), or start_positions, end_positions [B] (span).
   LMClassificationTask        inputs, targets [B, T] or [B, choices, T]; label [B]; optional
   (DecoderLM + head, GPT-1)   weights, cls_positions: task loss + lm_weight * LM loss.
+  ImageClassificationTask     images [B, H, W, C]; label [B]; optional weights [B].
+  (VisionEncoder, ViT)
+  ContrastiveTask             query_ids, query_mask, doc_ids, doc_mask [B, T]: InfoNCE over
+  (EncoderModel + mean_pool)  in-batch negatives (E5-style sentence embeddings).
 
 `loss` returns the objective of one (micro)batch with every sum already divided by the
 full batch's totals, so summing microbatch results gives exactly the full-batch value.
