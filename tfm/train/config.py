@@ -23,7 +23,8 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0        # adamw / lamb
-    decay_mask: str = "kernels"      # "kernels": only params with ndim >= 2 decay; or "all"
+    decay_mask: str = "kernels"      # "kernels": weight matrices and embeddings decay, biases
+                                     # (any shape) and norm scales do not; or "all"
     schedule: str = "constant"
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # linear/cosine: defaults to the run's length

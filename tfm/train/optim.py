@@ -32,10 +32,20 @@ def make_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:
     return main
 
 
+NO_DECAY = ("bias", "scale")  # parameter names that never decay under decay_mask="kernels"
+
+
+def _decays(path, p) -> bool:
+    """A weight matrix or embedding (ndim >= 2), not a bias or a norm's scale: attention
+    biases are [N, H], so the shape alone does not tell (BERT excludes every bias)."""
+    name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+    return jnp.ndim(p) >= 2 and name not in NO_DECAY
+
+
 def _decay_mask(cfg: OptimizerConfig):
     if cfg.decay_mask == "all":
         return None
-    return lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+    return lambda params: jax.tree_util.tree_map_with_path(_decays, params)
 
 
 def make_optimizer(cfg: OptimizerConfig, num_train_steps: int):
