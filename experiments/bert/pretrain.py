@@ -177,9 +177,10 @@ def _check_model(mcfg, settings: BertSettings, longest: int) -> None:
                          f"{'with' if settings.next_sentence else 'without'} 'nsp', got {mcfg.heads}")
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
     """Pretrains per `config` in `workdir` (resuming if checkpoints exist); returns the final
-    held-out metrics (METRICS), the most-frequent-token baseline and the histories."""
+    held-out metrics (METRICS), the most-frequent-token baseline and the histories. `mesh`:
+    default from config.mesh over all devices."""
     exp = common.resolve(config, BertSettings, MLMTask)
     s, tcfg = exp.settings, exp.train
     if s.phase2_start_step and not 0 < s.phase2_start_step < tcfg.num_train_steps:
@@ -231,7 +232,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         return flops_per_token(num_params, mcfg.num_layers, mcfg.d_model, first.max_seq_length)
 
     result = run_training(tcfg, workdir, model=EncoderModel(mcfg), task=exp.task, train_data=batches,
-                          eval_extra=evaluate, hooks=hooks, flops_per_token=fpt,
+                          eval_extra=evaluate, hooks=hooks, flops_per_token=fpt, mesh=mesh,
                           config_dict=exp.record(mcfg))
     out = {"step": int(result.state.step), "preempted": result.preempted, "history": result.history,
            "eval_history": result.eval_history}

@@ -131,11 +131,11 @@ def create_full_sentence_instances(documents: Sequence[Sequence[Sequence[int]]],
     return [(r, [], -1) for r in rows]
 
 
-def _words(candidates: np.ndarray, continues_word: np.ndarray | None) -> list[np.ndarray]:
+def _words(candidates: np.ndarray, continues_word: np.ndarray) -> list[np.ndarray]:
     """Candidate positions grouped into words: a position starts a new word unless it
-    continues the previous candidate position's word (`continues_word` [L]); None: one each."""
-    if continues_word is None or not len(candidates):
-        return [candidates[i:i + 1] for i in range(len(candidates))]
+    continues the previous candidate position's word (`continues_word` [L])."""
+    if not len(candidates):
+        return []
     joins = continues_word[candidates[1:]] & (np.diff(candidates) == 1)
     return np.split(candidates, np.flatnonzero(~joins) + 1)
 
@@ -153,15 +153,18 @@ def mask_tokens(tokens: np.ndarray, rng: np.random.Generator, *, mask_id: int,
     """
     candidates = np.flatnonzero(~np.isin(tokens, special_ids))
     n = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))), len(candidates))
-    words = _words(candidates, continues_word)
-    chosen, count = [], 0
-    for w in rng.permutation(len(words)):
-        if count >= n:
-            break
-        if count + len(words[w]) <= n:
-            chosen.append(words[w])
-            count += len(words[w])
-    positions = np.sort(np.concatenate(chosen)) if chosen else np.zeros((0,), np.int64)
+    if continues_word is None:
+        positions = np.sort(rng.permutation(candidates)[:n])
+    else:
+        words = _words(candidates, continues_word)
+        chosen, count = [], 0
+        for w in rng.permutation(len(words)):
+            if count >= n:
+                break
+            if count + len(words[w]) <= n:
+                chosen.append(words[w])
+                count += len(words[w])
+        positions = np.sort(np.concatenate(chosen)) if chosen else np.zeros((0,), np.int64)
     labels = tokens[positions]
     draw = rng.random(len(positions))
     masked = tokens.copy()
@@ -183,16 +186,14 @@ def _features(instance: Instance, rng: np.random.Generator, *, tokenizer: WordPi
         replacement_ids=replacement_ids, masked_lm_prob=masked_lm_prob,
         max_predictions=max_predictions,
         continues_word=None if continuation_ids is None else np.isin(tokens, continuation_ids))
-    length, pad, n = len(tokens), max_seq_length - len(tokens), len(positions)
-    out = {
-        "input_ids": np.pad(masked, (0, pad)).astype(np.int32),
-        "token_type_ids": np.asarray([0] * (len(a) + 2) + [1] * len(second) + [0] * pad,
-                                     np.int32),
-        "attention_mask": np.asarray([1] * length + [0] * pad, np.int32),
-        "mlm_positions": np.pad(positions, (0, max_predictions - n)).astype(np.int32),
-        "mlm_ids": np.pad(labels, (0, max_predictions - n)).astype(np.int32),
-        "mlm_weights": np.asarray([1] * n + [0] * (max_predictions - n), np.int32),
-    }
+    length, n = len(tokens), len(positions)
+    out = {k: np.zeros((max_seq_length,), np.int32)
+           for k in ("input_ids", "token_type_ids", "attention_mask")}
+    out.update({k: np.zeros((max_predictions,), np.int32) for k in ("mlm_positions", "mlm_ids", "mlm_weights")})
+    out["input_ids"][:length] = masked
+    out["token_type_ids"][len(a) + 2:length] = 1
+    out["attention_mask"][:length] = 1
+    out["mlm_positions"][:n], out["mlm_ids"][:n], out["mlm_weights"][:n] = positions, labels, 1
     if label >= 0:
         out["nsp_label"] = np.asarray(label, np.int32)
     return out
