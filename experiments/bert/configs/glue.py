@@ -1,0 +1,28 @@
+"""BERT fine-tuning on one GLUE task (Devlin et al. 2018, section 4.1): max_seq_length 128,
+batch 32, 3 epochs, learning rate picked on dev from {5,4,3,2}e-5 (--sweep).
+
+Command:   python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte \\
+               --init=DIR --workdir=/tmp/ft/rte --sweep
+           (task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte; ":rte,runlocal" shrinks the run
+           for a CPU: 64 training examples, 16 dev examples, one epoch of batch 8)
+Hardware:  one GPU or TPU host; RTE (2.5k examples, 234 steps) takes minutes per learning rate
+           for BERT-base, MNLI (393k, 36.8k steps) hours.
+Expected:  the paper's dev-set-selected test scores (Table 1), BERT-base / BERT-large:
+           MNLI-m/mm 84.6/83.4 / 86.7/85.9, QQP F1 71.2 / 72.1, QNLI 90.5 / 92.7,
+           SST-2 93.5 / 94.9, CoLA 52.1 / 60.5, STS-B Spearman 85.8 / 86.5, MRPC F1 88.9 / 89.3,
+           RTE 66.4 / 70.1; GLUE average 79.6 / 82.1. Dev scores are reported here (the test
+           labels are not public); they run about a point above these.
+Data:      TFDS glue/<task>, prepared once as array_record (see README).
+"""
+from experiments.bert import finetune
+from experiments.bert.glue import task_of
+
+
+def get_config(arg: str = "rte"):
+    task, *flags = [a.strip() for a in arg.split(",")]
+    name, _ = task_of(task)
+    unknown = set(flags) - {"runlocal"}
+    if unknown:
+        raise ValueError(f"glue.py config: unknown option(s) {sorted(unknown)}; use 'TASK' or 'TASK,runlocal'")
+    c = finetune.base_config(f"glue/{name}", max_seq_length=128, learning_rate=2e-5)
+    return finetune.runlocal(c) if flags else c
