@@ -48,4 +48,12 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"BloomForCausalLM": Converter(DecoderLM, config, params)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); seq_length (not a BloomConfig field) keeps max_len."""
+    return dict(model_type="bloom", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, n_head=cfg.num_heads,
+                n_layer=cfg.num_layers, seq_length=cfg.max_len, layer_norm_epsilon=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, hidden_dropout=cfg.dropout_rate,
+                attention_dropout=cfg.attention_dropout)
+
+
+ARCHITECTURES = {"BloomForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tfm.config import ModelConfig
 from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope, split_qkv,
                                 stack_layers)
+from tfm.convert.export import hf_activation, hf_rope
 from tfm.models import DecoderLM
 
 
@@ -52,5 +53,17 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); the rotated fraction goes in rope_parameters."""
+    rope = hf_rope(cfg)
+    rope["rope_parameters"]["partial_rotary_factor"] = cfg.rope_dim / cfg.head_size
+    return dict(model_type="gpt_neox", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_attention_heads=cfg.num_heads, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff,
+                max_position_embeddings=cfg.max_len, layer_norm_eps=cfg.norm_eps,
+                hidden_act=hf_activation(cfg.activation), use_parallel_residual=cfg.parallel_block,
+                attention_bias=cfg.attention_bias, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id,
+                hidden_dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout, **rope)
+
+
 IGNORE = ("*.attention.bias", "*.attention.masked_bias", "*rotary_emb.inv_freq")
-ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}
+ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config)}

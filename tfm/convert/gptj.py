@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.convert.export import hf_activation
 from tfm.models import DecoderLM
 
 
@@ -39,5 +40,14 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
             "output": {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}, "bias": w("lm_head.bias", (V,))}}
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    return dict(model_type="gptj", vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_head=cfg.num_heads,
+                n_layer=cfg.num_layers, n_inner=cfg.d_ff, n_positions=cfg.max_len, rotary_dim=cfg.rope_dim,
+                layer_norm_epsilon=cfg.norm_eps, activation_function=hf_activation(cfg.activation),
+                tie_word_embeddings=False, pad_token_id=cfg.pad_id, resid_pdrop=cfg.dropout_rate,
+                embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout)
+
+
 IGNORE = ("*.attn.bias", "*.attn.masked_bias", "*embed_positions")
-ARCHITECTURES = {"GPTJForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE)}
+ARCHITECTURES = {"GPTJForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config)}

@@ -12,4 +12,12 @@ def config(hf: HFConfig) -> ModelConfig:
     return llama.config(hf, sliding_window=hf.get("sliding_window"))
 
 
-ARCHITECTURES = {"MistralForCausalLM": Converter(DecoderLM, config, llama.params, ignore=llama.IGNORE)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export): Llama's fields less the biases Mistral has no field for."""
+    out = llama.hf_config(cfg, model_type="mistral")
+    del out["attention_bias"], out["mlp_bias"]
+    return dict(out, sliding_window=cfg.sliding_window)
+
+
+ARCHITECTURES = {"MistralForCausalLM": Converter(DecoderLM, config, llama.params, ignore=llama.IGNORE,
+                                                    hf_config=hf_config)}

@@ -62,4 +62,12 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"MptForCausalLM": Converter(DecoderLM, config, params)}
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    return dict(model_type="mpt", vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_heads=cfg.num_heads,
+                n_layers=cfg.num_layers, max_seq_len=cfg.max_len, layer_norm_epsilon=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, resid_pdrop=cfg.dropout_rate,
+                attn_config={"attn_pdrop": cfg.attention_dropout or 0})  # HF types it int; 0.0 fails
+
+
+ARCHITECTURES = {"MptForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config)}

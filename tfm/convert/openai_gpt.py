@@ -8,8 +8,12 @@ is tfm's "classification" head: the final hidden state at cls_positions, dropout
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, split_qkv, stack_layers
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, attention, norm, split_qkv, stack_layers
 from tfm.models import DecoderLM
+
+
+# GPT-1's activation names (its "gelu" is the tanh approximation) -> tfm's.
+AFN = {"gelu": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 def config(hf: HFConfig, heads=()) -> ModelConfig:
@@ -22,12 +26,14 @@ def config(hf: HFConfig, heads=()) -> ModelConfig:
         hf.expect("summary_proj_to_labels", [True], True)
         hf.expect("summary_activation", [None], None)
         num_labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2
-    afn = {"gelu": "gelu_new", "swish": "silu"}.get(hf.get("afn", "gelu"), hf.get("afn"))  # GPT-1's "gelu" is tanh
+    afn = hf.get("afn", "gelu")
+    if afn not in AFN:
+        raise hf.unsupported("afn", afn, f"tfm maps {sorted(AFN)}")
     return ModelConfig(
         vocab_size=vocab, d_model=D, num_heads=hf.require("n_head"), num_layers=hf.require("n_layer"), d_ff=4 * D,
         max_len=hf.get("n_positions", 512), norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         norm_position="post", final_norm=False, position="learned",
-        activation=HFConfig({"afn": afn}, hf.architecture).activation("afn"),
+        activation=AFN[afn],
         tie_embeddings=True, pad_id=hf.pad_id(vocab), heads=tuple(heads), num_labels=num_labels,
         dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
 
@@ -63,9 +69,20 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export); GPT-1 names tanh-GELU "gelu"."""
+    afn = {tfm: name for name, tfm in reversed(list(AFN.items()))}.get(cfg.activation)
+    if afn is None:
+        raise ConversionError(f"activation={cfg.activation!r} has no GPT-1 name; it writes {sorted(set(AFN.values()))}")
+    return dict(model_type="openai-gpt", vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_head=cfg.num_heads,
+                n_layer=cfg.num_layers, n_positions=cfg.max_len, layer_norm_epsilon=cfg.norm_eps, afn=afn,
+                pad_token_id=cfg.pad_id, num_labels=cfg.num_labels, resid_pdrop=cfg.dropout_rate,
+                embd_pdrop=cfg.dropout_rate, attn_pdrop=cfg.attention_dropout)
+
+
 IGNORE = ("*.attn.bias", "transformer.position_ids")
 ARCHITECTURES = {
-    "OpenAIGPTLMHeadModel": Converter(DecoderLM, config, params, ignore=IGNORE),
+    "OpenAIGPTLMHeadModel": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config),
     "OpenAIGPTDoubleHeadsModel": Converter(DecoderLM, lambda hf: config(hf, heads=("classification",)), params,
-                                           ignore=IGNORE),
+                                           ignore=IGNORE, hf_config=hf_config),
 }
