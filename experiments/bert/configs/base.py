@@ -73,10 +73,10 @@ def shrink(c) -> None:
     """`runlocal`: the same recipe and keys at CPU size on the generated corpus (~8 min)."""
     c.model.overrides.update(d_model=96, num_heads=4, num_layers=2, d_ff=384, max_len=96,
                              dropout_rate=0.0, attention_dropout=0.0)
-    c.dataset, c.synthetic_documents, c.eval_documents, c.eval_batches = "synthetic_topics", 3000, 200, 4
+    c.dataset, c.synthetic_documents, c.eval_documents, c.eval_batches = "synthetic_topics", 4000, 300, 4
     c.vocab_size = 1000
-    c.max_seq_length, c.max_predictions_per_seq = 80, 12
-    c.phase2_start_step, c.phase2_max_seq_length, c.phase2_max_predictions_per_seq = 450, 96, 15
-    c.batch_size, c.num_train_steps = 32, 500
-    c.optimizer.update(learning_rate=2e-3, warmup_steps=50)
-    c.log_every, c.eval_every, c.checkpoint_every = 50, 250, 250
+    c.max_seq_length, c.max_predictions_per_seq = 48, 8
+    c.phase2_start_step, c.phase2_max_seq_length, c.phase2_max_predictions_per_seq = 1800, 96, 15
+    c.batch_size, c.num_train_steps = 64, 2000
+    c.optimizer.update(learning_rate=2e-3, warmup_steps=100)
+    c.log_every, c.eval_every, c.checkpoint_every = 100, 1000, 1000
