@@ -75,7 +75,9 @@ class PositionEmbedding(nn.Module):
 def rope_frequencies(config: ModelConfig, max_position=None):
     """Inverse frequencies [R / 2] of the rotated dims R = config.rope_dim under config.rope_scaling,
     as Hugging Face's rope init functions compute them. max_position (may be traced): the largest
-    position of the call, which "dynamic" NTK scaling stretches the base for."""
+    position of the call, which "dynamic" NTK scaling stretches the base for. That makes "dynamic"
+    a function of each call (as HF's is of each forward): past rope_original_max_len, a cached
+    decoding step rotates its query and key with its own stretch, the full forward with the last's."""
     R, factor, theta = config.rope_dim, config.rope_scaling_factor, config.rope_theta
     kind, original = config.rope_scaling, config.rope_original_max_len
     if kind == "ntk":  # NTK-aware: stretch the base, keep positions
