@@ -213,6 +213,8 @@ def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] =
                                  f"{phase.batch_size}; raise eval_documents or lower batch_size")
         return held_out[phase]
 
+    eval_batches(second or first)  # a held-out split too small fails now, not after training
+
     def evaluate(trainer, params, step):
         m = trainer.evaluate(params, eval_batches(batches.phase_at(max(step - 1, 0))))
         out = {"masked_lm_accuracy": m.get("mlm_accuracy", m["accuracy"]),
