@@ -86,6 +86,8 @@ def features(source, task: GlueTask, tokenizer: WordPieceTokenizer, max_seq_leng
     n = len(source) if not limit else min(limit, len(source))
     out = []
     for i in range(n):
+        if i and i % 50_000 == 0:
+            print(f"  {i}/{n} examples", flush=True)
         ex = source[i]
         f = encode(tokenizer, [sources.as_text(ex[k]) for k in task.text_keys], max_seq_length)
         f["label"] = np.asarray(ex["label"], np.float32 if task.regression else np.int32)

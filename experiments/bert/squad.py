@@ -77,6 +77,8 @@ def features(source, tokenizer: WordPieceTokenizer, settings, *, train: bool,
     n = len(source) if not limit else min(limit, len(source))
     feats, windows, examples = [], [], []
     for i in range(n):
+        if i and i % 20_000 == 0:
+            print(f"  {i}/{n} questions", flush=True)
         ex = source[i]
         context, question = sources.as_text(ex["context"]), sources.as_text(ex["question"])
         texts, starts = _answers(ex)

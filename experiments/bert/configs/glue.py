@@ -5,13 +5,13 @@ Command:   python -m experiments.bert.finetune --config=experiments/bert/configs
                --init=DIR --workdir=/tmp/ft/rte --sweep
            (task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte; ":rte,runlocal" shrinks the run
            for a CPU: 64 training examples, 16 dev examples, one epoch of batch 8)
-Hardware:  one GPU or TPU host; RTE (2.5k examples, 234 steps) takes minutes per learning rate
-           for BERT-base, MNLI (393k, 36.8k steps) hours.
+Hardware:  one GPU or TPU host (run time not measured yet: no accelerator so far); RTE is 233
+           steps per learning rate (2.5k examples), MNLI 36.8k (393k).
 Expected:  the paper's dev-set-selected test scores (Table 1), BERT-base / BERT-large:
            MNLI-m/mm 84.6/83.4 / 86.7/85.9, QQP F1 71.2 / 72.1, QNLI 90.5 / 92.7,
            SST-2 93.5 / 94.9, CoLA 52.1 / 60.5, STS-B Spearman 85.8 / 86.5, MRPC F1 88.9 / 89.3,
            RTE 66.4 / 70.1; GLUE average 79.6 / 82.1. Dev scores are reported here (the test
-           labels are not public); they run about a point above these.
+           labels are not public).
 Data:      TFDS glue/<task>, prepared once as array_record (see README).
 """
 from experiments.bert import finetune

@@ -5,7 +5,7 @@ most 30 tokens from the 20 best starts and ends, read back from the context's ch
 Command:   python -m experiments.bert.finetune --config=experiments/bert/configs/squad.py \\
                --init=DIR --workdir=/tmp/ft/squad
            (":runlocal" shrinks it for a CPU: 64 training and 16 dev questions, one epoch)
-Hardware:  one GPU or TPU host; ~88k windows, 8.2k steps (BERT-base: about an hour on a TPU v3-8).
+Hardware:  one GPU or TPU host (run time not measured yet); ~88k training windows, ~8.2k steps.
 Expected:  dev EM/F1 80.8/88.5 (BERT-base), 84.1/90.9 (BERT-large), Table 2 of the paper.
 Data:      TFDS squad/v1.1, prepared once as array_record (see README).
 """
