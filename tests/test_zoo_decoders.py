@@ -4,7 +4,9 @@ Each family: one tiny random HF model (d_model 32-48, 2 layers, vocab 100) with 
 perturbed, built once per module, converted from the live model and from its save_pretrained
 directory; logits match within max-abs 1e-4. Then, from the same conversion: KV-cache decoding
 equals the full forward (1e-5), attention_impl="pallas" (interpreted on CPU) equals "xla" (1e-5),
-and a sharded training run (data 2 x tensor 4) equals the single-device run (1e-5 on the loss).
+a sharded training run (data 4 x tensor 2) equals the single-device run (1e-5 on the loss), and
+to_hf writes a directory transformers reloads bit-identically. (Pallas and sharded training skip
+the llama3 and dynamic RoPE variants: yarn stands for them, see GRAPH_FAMILIES.)
 Parameter counts of one published size per family come from jax.eval_shape and are compared with
 HF's counts for the same config (computed with torch.device("meta") and written out as numbers).
 """
@@ -91,6 +93,11 @@ def max_abs(a, b, mask=None):
     return float(diff[np.asarray(mask, bool)].max() if mask is not None else diff.max())
 
 
+# Families the compiled-graph tests (pallas, sharded training) run: the three Llama 3.x scalings
+# differ only in RoPE frequencies, which neither the kernels nor the sharding rules see, so yarn
+# (which also scales cos/sin) stands for them there.
+GRAPH_FAMILIES = sorted(set(FAMILIES) - {"llama3", "dynamic"})
+
 MASK = (np.arange(T)[None] < np.array([[T], [6]])).astype(np.int64)  # right padding on row 1
 
 
@@ -165,7 +172,7 @@ def test_kv_cache_decoding_equals_full_forward(family):
     assert diff < 1e-5, (name, diff)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+@pytest.mark.parametrize("family", GRAPH_FAMILIES, indirect=True)
 def test_pallas_equals_xla(family):
     """attention_impl="pallas" (the flash kernels, interpreted on CPU) gives xla's logits."""
     name, hf, _ = family
@@ -207,7 +214,7 @@ def _losses(name, cfg, mesh_name, steps=3):
     return np.array(out)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+@pytest.mark.parametrize("family", GRAPH_FAMILIES, indirect=True)
 def test_sharded_training_equals_single_device(family):
     """3 Adam steps on data 4 x tensor 2 give the single-device losses (fp32, 1e-5), and they fall."""
     name, hf, _ = family
@@ -365,7 +372,7 @@ def test_attention_pattern_per_layer_mask_is_brute_force(pattern):
 def test_attention_pattern_layers_equal_single_kind_models_and_scan(pattern):
     """Each layer of a patterned stack equals that layer built in a model of its one kind; the
     scanned stack (a scan over groups of P layers) gives the looped logits; cached decoding of
-    the scanned stack equals its full forward."""
+    the scanned GPT-3 stack equals its full forward."""
     from tfm.convert.common import stack_layers
     from tfm.layers.block import Block
     cfg = ModelConfig(**PATTERN, attention_pattern=PATTERNS[pattern])
@@ -378,8 +385,8 @@ def test_attention_pattern_layers_equal_single_kind_models_and_scan(pattern):
         kind = PATTERNS[pattern][i % len(PATTERNS[pattern])]
         single = cfg.replace(attention_pattern=(kind,))
         layer = {"params": params["decoder"][f"layer_{i}"]}
-        a, _ = Block(cfg, causal=True, layer_index=i).apply(layer, x, inputs)
-        b, _ = Block(single, causal=True).apply(layer, x, inputs)
+        a, _ = jax.jit(Block(cfg, causal=True, layer_index=i).apply)(layer, x, inputs)
+        b, _ = jax.jit(Block(single, causal=True).apply)(layer, x, inputs)
         np.testing.assert_array_equal(a, b)
     looped = jax.jit(model.apply)({"params": params}, ids)
     scan_cfg = cfg.replace(scan_layers=True)
@@ -388,6 +395,8 @@ def test_attention_pattern_layers_equal_single_kind_models_and_scan(pattern):
                                             "final_norm": params["decoder"]["final_norm"]}}
     scanned = DecoderLM(scan_cfg)
     np.testing.assert_allclose(jax.jit(scanned.apply)({"params": scanned_params}, ids), looped, atol=1e-5)
+    if pattern != "gpt3":
+        return  # cached decoding through the scanned groups: once
     step = jax.jit(decode.step_fn(scanned, scanned_params))
     cache = decode.init_cache(scanned, scanned_params, B, 8)
     steps = []
