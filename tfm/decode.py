@@ -152,7 +152,8 @@ def _gather_beams(cache, rows):
     def gather(leaf):
         if not isinstance(leaf, nn.LogicallyPartitioned) or "cache_batch" not in leaf.names:
             return leaf
-        return leaf.replace_boxed(jnp.take(leaf.value, rows, axis=leaf.names.index("cache_batch")))
+        return leaf.replace_boxed(jnp.take(leaf.value, rows, axis=leaf.names.index("cache_batch"),
+                                           mode="clip"))  # rows are in range: clip, not fill-and-select
     return jax.tree.map(gather, cache, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
@@ -184,11 +185,15 @@ def beam_search(step: StepFn, cache: dict, bos: jax.Array, max_len: int, *, beam
     def body(state):
         i, seqs, alive_logp, done_seqs, done_scores, last, cache = state
         logits, cache = step(cache, last.reshape(B * W, 1))
-        V = logits.shape[-1]
-        logp = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32)).reshape(B, W, V)
-        cand = (alive_logp[..., None] + logp).reshape(B, W * V)
-        top_logp, top = jax.lax.top_k(cand, 2 * W)  # enough to keep W alive after eos
-        beam, token = top // V, (top % V).astype(jnp.int32)
+        logits = logits[:, -1].astype(jnp.float32).reshape(B, W, -1)  # [B, W, V]
+        # The best 2W extensions (enough to keep W alive after eos) are among each beam's 2W
+        # likeliest tokens: rank within beams, then merge those W * 2W by total log-probability.
+        per_beam = min(2 * W, logits.shape[-1])
+        row_logits, row_tokens = jax.lax.top_k(logits, per_beam)  # [B, W, per_beam]
+        offset = alive_logp - jax.nn.logsumexp(logits, axis=-1)  # log p = logit - logsumexp
+        top_logp, top = jax.lax.top_k((row_logits + offset[..., None]).reshape(B, W * per_beam), 2 * W)
+        beam = top // per_beam
+        token = jnp.take_along_axis(row_tokens.reshape(B, W * per_beam), top, axis=1)
         cand_seqs = jnp.take_along_axis(seqs, beam[..., None], axis=1).at[:, :, i].set(token)
         ends = (token == eos_id) | (i + 1 >= limit)[:, None]
         # finished: merge the new ending candidates with those kept so far
