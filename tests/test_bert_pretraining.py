@@ -370,6 +370,10 @@ def test_wikipedia_on_mock_data(tmp_path):
     tok = pretrain.tokenizer(dataclasses.replace(settings, vocab_size=200), str(tmp_path), train)
     assert os.path.exists(tmp_path / "vocab.txt")
     assert tokenizers.WordPieceTokenizer.load(tmp_path / "vocab.txt").vocab_size == tok.vocab_size
+    other = tmp_path / "other"  # an existing vocabulary (e.g. a HF checkpoint dir) is used as is
+    loaded = pretrain.tokenizer(dataclasses.replace(settings, vocab_path=str(tmp_path)), str(other), [])
+    assert loaded.encode("the garden opens") == tok.encode("the garden opens")
+    assert (other / "vocab.txt").read_text() == (tmp_path / "vocab.txt").read_text()
     batch = next(iter(pretraining.pretraining_dataset(train, tok, batch_size=4, max_seq_length=32,
                                                       max_predictions_per_seq=5)))
     assert batch["input_ids"].shape == (4, 32) and (batch["input_ids"][:, 0] == tok.cls_id).all()
