@@ -389,3 +389,32 @@ def test_bad_settings_are_named(tmp_path):
     c = _tiny_config(tmp_path, num_train_steps=3, next_sentence=False)
     with pytest.raises(ValueError, match="next_sentence=False needs model heads without 'nsp'"):
         pretrain.train_and_evaluate(c, str(tmp_path / "c"))
+
+
+def test_mlm_only_task_without_nsp():
+    """RoBERTa's batches have no nsp_label: MLMTask scores the MLM term alone, equal to the
+    mean negative log-likelihood of the masked tokens computed here in numpy."""
+    import flax.linen as nn
+    cfg = presets.tiny("encoder", heads=("mlm",), type_vocab_size=1)
+    rng = np.random.default_rng(0)
+    batch = dict(input_ids=rng.integers(5, 64, (2, 16)).astype(np.int32),
+                 token_type_ids=np.zeros((2, 16), np.int32), attention_mask=np.ones((2, 16), np.int32),
+                 mlm_positions=np.array([[1, 4, 7], [2, 3, 0]], np.int32),
+                 mlm_ids=rng.integers(5, 64, (2, 3)).astype(np.int32),
+                 mlm_weights=np.array([[1, 1, 1], [1, 1, 0]], np.int32))
+    model, task = EncoderModel(cfg), MLMTask()
+
+    @jax.jit
+    def run():
+        params = nn.unbox(task.init_variables(model, jax.random.PRNGKey(0), batch)["params"])
+        logits = model.apply({"params": params}, batch["input_ids"], batch["token_type_ids"],
+                             segment_ids=batch["attention_mask"], mlm_positions=batch["mlm_positions"])["mlm_logits"]
+        totals = task.weight_totals(batch)
+        return logits, task.loss(model, params, batch, jax.random.PRNGKey(1), totals, deterministic=True)
+
+    logits, (objective, metrics) = run()
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), batch["mlm_ids"][..., None], axis=-1)[..., 0]
+    expected = (nll * batch["mlm_weights"]).sum() / batch["mlm_weights"].sum()
+    assert float(objective) == pytest.approx(expected, rel=1e-5)
+    assert "nsp_loss" not in metrics and float(metrics["loss"]) == pytest.approx(expected, rel=1e-5)
