@@ -81,7 +81,7 @@ def test_gpt2_small_and_llama_counts():
     (dict(num_kv_heads=3), "num_heads=4 is not a multiple of num_kv_heads=3"),
     (dict(num_kv_heads=0), "num_kv_heads must be >= 1"),
     (dict(norm="batchnorm"), "norm='batchnorm' is not one of"),
-    (dict(position="relative"), "position='relative' is not one of"),
+    (dict(position="relative_key"), "position='relative_key' is not one of"),
     (dict(activation="tanh"), "activation='tanh' is not one of"),
     (dict(attention_impl="flash"), "attention_impl='flash' is not one of"),
     (dict(position="rope", head_dim=7), "even head_dim"),
