@@ -25,8 +25,9 @@ def check_inputs(config: ModelConfig, tokens, name: str = "tokens", **same_shape
     check_token_ids(tokens, config.vocab_size, name)
     longest = config.max_len - config.position_offset
     if config.position == "learned" and tokens.shape[1] > longest:
-        raise ValueError(f"{name} length {tokens.shape[1]} exceeds the {longest} positions of the learned "
-                         f"table (max_len={config.max_len}, position_offset={config.position_offset})")
+        offset = f" less position_offset={config.position_offset}" if config.position_offset else ""
+        raise ValueError(f"{name} length {tokens.shape[1]} exceeds max_len={config.max_len}{offset} "
+                         f"of the learned position table")
     for other, value in same_shape.items():
         if value is not None and value.shape != tokens.shape:
             raise ValueError(f"{other} shape {value.shape} does not match {name} shape {tokens.shape}")
