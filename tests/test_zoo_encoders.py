@@ -21,7 +21,7 @@ tr = pytest.importorskip("transformers")
 
 from test_convert_parity import max_abs, padding_mask, randomize  # noqa: E402
 from tfm import decode  # noqa: E402
-from tfm.convert import CONVERTERS, ConversionError, from_hf  # noqa: E402
+from tfm.convert import CONVERTERS, ConversionError, from_hf, to_hf  # noqa: E402
 from tfm.convert.common import HFConfig  # noqa: E402
 from tfm.models import EncoderDecoder, EncoderModel  # noqa: E402
 from tfm.models.vision import VisionEncoder  # noqa: E402
@@ -402,3 +402,62 @@ def test_e5_contrastive_training_separates_paraphrases(hf_models):
     print(f"E5 InfoNCE losses {np.round(losses[::5], 3)}")
     assert abs(losses[0] - unsharded) < 1e-4
     assert losses[-5:].mean() < 0.5 * losses[0]
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_export_round_trip(hf_models, name, tmp_path):
+    """to_hf writes a directory transformers loads with no missing or unexpected keys and with
+    every tensor bit-identical to the model it was imported from (to_hf itself checks that
+    importing it again gives the same tfm config and params)."""
+    hf, _ = hf_models(name)
+    cfg, params, _ = converted(hf_models, name)
+    to_hf(cfg, params, tmp_path)
+    back, info = type(hf).from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    want, got = hf.state_dict(), back.state_dict()
+    # E5's source has no pooler; BertModel's export writes HF's required pooler as zeros
+    extra = {"pooler.dense.weight", "pooler.dense.bias"} if name == "e5" else set()
+    assert set(want) <= set(got) and set(got) - set(want) == extra
+    assert not [k for k in want if not torch.equal(want[k], got[k])]
+
+
+def test_t5_legacy_untied_head(hf_models, tmp_path):
+    """A v1.1 checkpoint whose config predates transformers 5 (tie_word_embeddings: false, no
+    scale_decoder_outputs) keeps its own lm_head: logits = the decoder's final hidden states
+    (HF's last decoder_hidden_states) times that head, with no rescale."""
+    import json
+    from safetensors.torch import save_file
+    hf, path = hf_models("t5_v1_1")
+    fields = json.load(open(f"{path}/config.json"))
+    fields.pop("scale_decoder_outputs")
+    fields["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    head = torch.randn(V, 32, generator=torch.Generator().manual_seed(9))
+    state = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file({**state, "lm_head.weight": head}, str(tmp_path / "model.safetensors"))
+    cfg, params, model = from_hf(tmp_path)
+    assert not cfg.tie_embeddings and not cfg.rescale_tied_output
+    src, tgt, src_mask, tgt_mask = _seq2seq_inputs()
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src_mask), decoder_input_ids=torch.tensor(tgt),
+                 decoder_attention_mask=torch.tensor(tgt_mask), output_hidden_states=True)
+        ref = out.decoder_hidden_states[-1] @ head.T
+    got = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
+                      targets_segment_ids=jnp.asarray(tgt_mask))
+    assert max_abs(got, ref, tgt_mask) < TOL
+
+
+def test_t5_scanned_layers_share_one_relative_bias(hf_models):
+    """scan_layers=True stacks the blocks; the stack's one relative-bias table is broadcast to
+    every scanned layer, so the logits stay those of the looped layers."""
+    hf, _ = hf_models("t5_v1_0")
+    _, params, model = from_hf(hf)
+    cfg, scanned, scanned_model = from_hf(hf, scan_layers=True)
+    assert "layers" in scanned["encoder"] and scanned["encoder"]["relative_bias"]["embedding"].shape == (8, 4)
+    src, tgt, src_mask, _ = _seq2seq_inputs()
+    args = (jnp.asarray(src), jnp.asarray(tgt))
+    a = model.apply({"params": params}, *args, inputs_segment_ids=jnp.asarray(src_mask))
+    b = scanned_model.apply({"params": scanned}, *args, inputs_segment_ids=jnp.asarray(src_mask))
+    assert max_abs(a, b) < 1e-5
