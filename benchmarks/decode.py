@@ -7,7 +7,7 @@ ids (same lengths, padded the same way) to the same maximum output length. PyTor
 many threads as XLA's CPU client uses (one per core this process may run on). Throughput is
 sentences/s over the whole set, the best of --rounds interleaved passes (`interleaved`).
 
-    python -m benchmarks.decode [--sentences 32] [--source-len 20] [--max-new 30] [--batch 32]
+    python -m benchmarks.decode [--sentences 32] [--source-len 20] [--max-new 30] [--batch 1,8,32]
     taskset -c 0 python -m benchmarks.decode   # both on one core (XLA and torch follow the affinity)
     python -m benchmarks.decode --smoke     # tiny model, a few sentences: a check that it runs
 
@@ -109,13 +109,13 @@ def main(argv=None):
     p.add_argument("--sentences", type=int, default=32)
     p.add_argument("--source-len", type=int, default=20, help="longest source, EOS included")
     p.add_argument("--max-new", type=int, default=30, help="maximum output tokens")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", default="1,8,32", help="sentences per call; a comma-separated list runs each")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny model, 4 sentences, 1 round")
     args = p.parse_args(argv)
     size = SMOKE if args.smoke else BASE
     if args.smoke:
-        args.sentences, args.source_len, args.max_new, args.batch, args.rounds = 4, 8, 6, 4, 1
+        args.sentences, args.source_len, args.max_new, args.batch, args.rounds = 4, 8, 6, "4", 1
 
     threads = len(os.sched_getaffinity(0))  # XLA's CPU client uses one thread per usable core
     torch.set_num_threads(threads)
@@ -125,18 +125,19 @@ def main(argv=None):
           f"threads {threads} (torch.set_num_threads = XLA CPU threads)"
           + ("  SMOKE: tiny model, no meaning for speed" if args.smoke else ""))
     print(f"# model {size}  sentences {args.sentences}  source len {args.source_len // 2}-{args.source_len}  "
-          f"max new {args.max_new}  batch {args.batch}  rounds {args.rounds}")
-    print(f"{'impl':<6} {'beam':>4} {'sent/s':>9} {'s/pass':>8} {'tokens/sent':>12}")
-    for beam in (1, 4):
-        runs = [over_batches(make(size, args.max_new, beam), ids, args.batch)
-                for make in (tfm_translator, hf_translator)]
-        for run, _ in runs:
-            run()  # warm-up: compiles tfm's decode, lets torch allocate
-        seconds = interleaved([run for run, _ in runs], args.rounds)
-        for name, s, (_, produced) in zip(("tfm", "hf"), seconds, runs):
-            print(f"{name:<6} {beam:>4} {args.sentences / s:>9.2f} {s:>8.3f} "
-                  f"{produced['tokens'] / args.sentences:>12.1f}")
-        print(f"ratio tfm/hf, beam {beam}: {seconds[1] / seconds[0]:.2f}x (sentences/s)")
+          f"max new {args.max_new}  rounds {args.rounds}")
+    print(f"{'impl':<6} {'batch':>5} {'beam':>4} {'sent/s':>9} {'s/pass':>8} {'tokens/sent':>12}")
+    for batch in (int(b) for b in args.batch.split(",")):
+        for beam in (1, 4):
+            runs = [over_batches(make(size, args.max_new, beam), ids, batch)
+                    for make in (tfm_translator, hf_translator)]
+            for run, _ in runs:
+                run()  # warm-up: compiles tfm's decode, lets torch allocate
+            seconds = interleaved([run for run, _ in runs], args.rounds)
+            for name, s, (_, produced) in zip(("tfm", "hf"), seconds, runs):
+                print(f"{name:<6} {batch:>5} {beam:>4} {args.sentences / s:>9.2f} {s:>8.3f} "
+                      f"{produced['tokens'] / args.sentences:>12.1f}")
+            print(f"ratio tfm/hf, batch {batch}, beam {beam}: {seconds[1] / seconds[0]:.2f}x (sentences/s)", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -86,10 +86,10 @@ _reference = functools.lru_cache(maxsize=None)(_run)
 
 
 def _expected_spec(mesh_name, names, shape):
-    """The rule sets restated: cache batch over the batch axis, kv heads over tensor when it
-    divides them, everything else (layers, length, head dim) whole."""
+    """The rule sets restated: cache batch (self- and cross-attention's) over the batch axis, kv
+    heads over tensor when it divides them, everything else (layers, length, head dim) whole."""
     _, _, batch_axis, tensor = MESHES[mesh_name]
-    spec = [batch_axis if n == "cache_batch" else
+    spec = [batch_axis if n in ("cache_batch", "cache_memory_batch") else
             "tensor" if n == "cache_kv_heads" and tensor > 1 and dim % tensor == 0 else None
             for n, dim in zip(names, shape)]
     while spec and spec[-1] is None:

@@ -147,7 +147,9 @@ def _gather_beams(cache, rows):
     """Reorders the B*W cache rows: rows int [B*W] -> cache rows[i] at row i.
 
     The batch axis of each cached array is the one its logical names call "cache_batch"
-    (wherever layer stacking put it); unnamed leaves (the write index) are kept as they are.
+    (wherever layer stacking put it); unnamed leaves (the write index) and cross-attention's
+    projected memory ("cache_memory_batch": the same for the W beams of an example, as
+    `translate` repeats it) are kept as they are.
     """
     def gather(leaf):
         if not isinstance(leaf, nn.LogicallyPartitioned) or "cache_batch" not in leaf.names:

@@ -18,6 +18,10 @@ from tfm.ops.attention import alibi_slopes, dot_product_attention
 # step (on CPU ~5x the cost of the attention itself; benchmarks/decode.py).
 CACHE_KV_AXES = ("cache_batch", "cache_kv_heads", "cache_length", "head_dim")  # [B, K, L, H]
 CACHE_SEGMENT_AXES = ("cache_batch", "cache_length")  # [B, L]
+# Cross-attention's projected memory: its batch has its own name because beam search leaves it in
+# place (the W beams of an example attend to the same source, so reordering them changes nothing).
+MEMORY_KV_AXES = ("cache_memory_batch",) + CACHE_KV_AXES[1:]  # [B, K, S, H]
+MEMORY_SEGMENT_AXES = ("cache_memory_batch", "cache_length")  # [B, S]
 
 
 class Attention(nn.Module):
@@ -28,7 +32,8 @@ class Attention(nn.Module):
     projected memory `cache/cached_{key,value}` [B, K, S, H] computed once when the cache is made.
     The first decode-mode call creates the cache (zeros, length = the T it was given) and
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
-    Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES.
+    Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES (cross-attention:
+    MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
     """
 
     config: ModelConfig
@@ -93,9 +98,9 @@ class Attention(nn.Module):
             return key(memory), value(memory), memory_segment_ids
         if memory_segment_ids is None and memory is not None:
             memory_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
-        k = self._cache("cached_key", CACHE_KV_AXES, lambda: _swap_length_heads(key(memory)))
-        v = self._cache("cached_value", CACHE_KV_AXES, lambda: _swap_length_heads(value(memory)))
-        seg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: memory_segment_ids)
+        k = self._cache("cached_key", MEMORY_KV_AXES, lambda: _swap_length_heads(key(memory)))
+        v = self._cache("cached_value", MEMORY_KV_AXES, lambda: _swap_length_heads(value(memory)))
+        seg = self._cache("cached_segment_ids", MEMORY_SEGMENT_AXES, lambda: memory_segment_ids)
         return _swap_length_heads(k.value), _swap_length_heads(v.value), seg.value
 
     def _update_cache(self, k, v, segment_ids):

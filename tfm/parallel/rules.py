@@ -13,7 +13,8 @@ name, e.g. `make_rules("fsdp", "tensor")`:
           dispatched activations [B, E, C, D] name their batch "expert_batch" (the batch axes
           less `expert`), so E is split over `expert` and XLA moves tokens all-to-all.
 
-The KV cache of decoding is named "cache_batch" (the batch axes, as "batch"), "cache_kv_heads"
+The KV cache of decoding is named "cache_batch" (cross-attention's: "cache_memory_batch"; both
+the batch axes, as "batch"), "cache_kv_heads"
 (as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
 a decode under a mesh keeps the cache sharded like the activations it came from.
 
@@ -54,6 +55,7 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     merged["batch"].add("data")
     merged["expert_batch"] = merged["batch"] - {"expert"}
     merged["cache_batch"] = set(merged["batch"])
+    merged["cache_memory_batch"] = set(merged["batch"])
     if activations:
         for name in _PARAM_ONLY:
             merged.pop(name, None)
