@@ -3,7 +3,7 @@ projections (none on the output one), and HF's per-layer `layer_types` (full or 
 attention) as tfm's repeating attention_pattern."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 from tfm.config import ModelConfig
 from tfm.convert import llama
@@ -16,16 +16,14 @@ KINDS = {"full_attention": "global", "sliding_attention": "local"}
 def config(hf: HFConfig) -> ModelConfig:
     hf.expect("attention_bias", [True], True)
     pattern = attention_pattern(hf, hf.get("layer_types") or ["full_attention"])
-    window = hf.get("sliding_window") if pattern and "local" in pattern else None
-    if pattern is not None and set(pattern) == {"local"}:
-        pattern = None  # every layer local: plain sliding_window
-    if pattern == ("global",):
-        pattern = None
+    window = hf.get("sliding_window") if "local" in pattern else None
+    if len(set(pattern)) == 1:
+        pattern = None  # one kind on every layer: sliding_window alone says which
     return llama.config(hf, default_theta=1e6, attention_bias=True, attention_out_bias=False,
                         sliding_window=window, attention_pattern=pattern)
 
 
-def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Optional[Tuple[str, ...]]:
+def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ...]:
     """HF layer_types -> the shortest repeating tuple of "global"/"local" that reproduces them."""
     unknown = sorted(set(layer_types) - set(KINDS))
     if unknown:
