@@ -57,11 +57,11 @@ def test_clean_checkpoints_convert(checkpoints, name):
 
 
 @pytest.mark.parametrize("name, changes, field", [
-    ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
-                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 8192}), "rope_type"),
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
-    ("llama", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling"),
+    # llama3, yarn and dynamic scalings convert (tests/test_zoo_decoders.py); Phi-3's longrope does not
+    ("llama", dict(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                    "long_factor": [1.0] * 4, "original_max_position_embeddings": 16}), "rope_type"),
+    ("llama", dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 4,
+                                                       "long_factor": [1.0] * 4}), "rope_scaling"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),  # tfm's GeGLU gate is tanh-GELU, not erf
     ("llama", dict(tie_word_embeddings=True), "tie_word_embeddings"),  # lm_head differs from the embedding
     ("bert", dict(position_embedding_type="relative_key"), "position_embedding_type"),

@@ -23,7 +23,7 @@ def test_output_lengths_stop_at_first_eos():
 def test_smoke_run_prints_both_impls_and_ratios(capsys):
     bench.main(["--smoke"])
     out = capsys.readouterr().out
-    for beam in (1, 4):
-        assert re.search(rf"^tfm +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
-        assert re.search(rf"^hf +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
-        assert re.search(rf"^ratio tfm/hf, beam {beam}: [\d.]+x", out, re.M)
+    for beam in (1, 4):  # the smoke run's one batch size: 4 sentences
+        assert re.search(rf"^tfm +4 +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
+        assert re.search(rf"^hf +4 +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
+        assert re.search(rf"^ratio tfm/hf, batch 4, beam {beam}: [\d.]+x", out, re.M)
