@@ -5,8 +5,8 @@ perturbed, built once per module, converted from the live model and from its sav
 directory; logits match within max-abs 1e-4. Then, from the same conversion: KV-cache decoding
 equals the full forward (1e-5), attention_impl="pallas" (interpreted on CPU) equals "xla" (1e-5),
 a sharded training run (data 4 x tensor 2) equals the single-device run (1e-5 on the loss), and
-to_hf writes a directory transformers reloads bit-identically. (Pallas skips the llama3 and
-dynamic RoPE variants, yarn stands for them; sharded training runs SHARDED_FAMILIES.)
+to_hf writes a directory transformers reloads bit-identically. (The pallas and sharded runs skip the llama3 and
+dynamic RoPE variants, yarn stands for them.)
 Parameter counts of one published size per family come from jax.eval_shape and are compared with
 HF's counts for the same config (computed with torch.device("meta") and written out as numbers).
 """
@@ -97,13 +97,8 @@ def max_abs(a, b, mask=None):
 # differ only in RoPE frequencies, which neither the kernels nor the sharding rules see, so yarn
 # (which also scales cos/sin) stands for them there.
 GRAPH_FAMILIES = sorted(set(FAMILIES) - {"llama3", "dynamic"})
-# Sharded training (the suite's costliest test: two compiled trainers per family) runs the families
-# whose blocks bring each sharding-relevant piece: BLOOM (ALiBi, embedding norm, 6 heads on tensor 2),
-# GPT-1 (post-norm, the classification head and its task), GPT-NeoX (two-norm parallel block,
-# fused qkv, partial rotary), Qwen2 (a pattern of global and local layers, GQA, q/k/v
-# bias without o bias). Mistral's window, MPT's bias-free layers, GPT-J's one-norm parallel block
-# and yarn's RoPE are compositions of these and pass the same test (not run here: time budget).
-SHARDED_FAMILIES = ["bloom", "gpt1", "neox", "qwen2"]
+# Sharded training: every family of the graph tests (one layer each to bound compile time).
+SHARDED_FAMILIES = GRAPH_FAMILIES
 
 MASK = (np.arange(T)[None] < np.array([[T], [6]])).astype(np.int64)  # right padding on row 1
 
