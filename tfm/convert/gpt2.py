@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, stack_layers
+from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, output_head, stack_layers
 from tfm.convert.export import hf_activation
 from tfm.models import DecoderLM
 
@@ -53,10 +53,9 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
            "decoder": {**stack_layers([_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)],
                                       cfg.scan_layers),
                        "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    if cfg.tie_embeddings:
-        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    head = output_head(w, embedding, cfg)
+    if head:
+        out["output"] = head
     return out
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope,
-                                stack_layers)
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, output_head,
+                                rope, stack_layers)
 from tfm.convert.export import hf_activation, hf_rope
 from tfm.models import DecoderLM
 
@@ -54,10 +54,9 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
     layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
     out = {"embed": {"embedding": embedding},
            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "model.norm", cfg.norm)}}
-    if cfg.tie_embeddings:
-        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    head = output_head(w, embedding, cfg)
+    if head:
+        out["output"] = head
     return out
 
 

@@ -7,7 +7,8 @@ with q, k, v one after another, tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, split_qkv, stack_layers
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, output_head,
+                                split_qkv, stack_layers)
 from tfm.models import DecoderLM
 
 # attn_config fields whose non-default values change the math tfm reproduces.
@@ -55,10 +56,9 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     out = {"embed": {"embedding": embedding},
            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
                        "final_norm": norm(w, "transformer.norm_f", "rmsnorm")}}
-    if cfg.tie_embeddings:
-        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    head = output_head(w, embedding, cfg)
+    if head:
+        out["output"] = head
     return out
 
 

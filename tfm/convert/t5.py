@@ -10,7 +10,8 @@ so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, attention, linear, norm, stack_layers
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, norm, output_head,
+                                stack_layers)
 from tfm.models import EncoderDecoder
 
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}  # plain feed-forward
@@ -89,10 +90,9 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
         w.tied(f"{side}.embed_tokens.weight", shared, "the shared embedding")
     out = {"embed": {"embedding": shared}, "encoder": _stack(w, "encoder", cfg, cfg.num_layers),
            "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
-    if cfg.tie_embeddings:
-        w.tied("lm_head.weight", shared, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}}
+    head = output_head(w, shared, cfg)
+    if head:
+        out["output"] = head
     return out
 
 
