@@ -4,6 +4,7 @@ The host check (`check_batch`) names the entry, the value and the row; inside ji
 out-of-range id or weighted target turns the loss into NaN instead of being wrapped to
 another id, and padding (weight 0) may hold anything.
 """
+import dataclasses
 import functools
 
 import jax
@@ -123,3 +124,43 @@ def test_the_trainer_refuses_out_of_range_ids_where_data_enters(layout, key, val
     trainer.global_batch(good_batch(layout))
     with pytest.raises(ValueError, match=rf"batch\['{key}'\] has id {value} outside"):
         trainer.global_batch(with_value(good_batch(layout), key, value))
+
+
+# Explicit positions of packed rows index a learned table [max_len, D] at every token.
+POSITIONS = [("lm", "positions"), ("seq2seq", "inputs_positions"), ("seq2seq", "targets_positions")]
+
+
+def learned_positions_case(layout: str):
+    """(model, task, config with learned positions, max_len 16, and a packed batch: two
+    examples a row, positions restarting at each)."""
+    family, model_cls, task_cls = LAYOUTS[layout]
+    config = dataclasses.replace(tiny(family), position="learned", max_len=16)
+    batch = good_batch(layout)
+    segments = np.tile(np.asarray([1, 1, 1, 2, 2, 2, 0, 0], np.int32), (B, 1))
+    positions = np.tile(np.asarray([0, 1, 2, 0, 1, 2, 0, 0], np.int32), (B, 1))
+    sides = ("",) if layout == "lm" else ("inputs_", "targets_")
+    for side in sides:
+        batch[f"{side}segment_ids"], batch[f"{side}positions"] = segments.copy(), positions.copy()
+    return model_cls(config), task_cls(), config, batch
+
+
+@pytest.mark.parametrize("value", [-1, 16, 40])
+@pytest.mark.parametrize("layout, key", POSITIONS)
+def test_learned_positions_outside_the_table_are_refused_and_nan_under_jit(layout, key, value):
+    model, task, config, batch = learned_positions_case(layout)
+    check_batch(task, batch, config)
+    bad = with_value(batch, key, value)
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] has id {value} outside \[0, 16\).* at row 1"):
+        check_batch(task, bad, config)
+    params = task.init_variables(model, jax.random.PRNGKey(0), batch)["params"]
+    loss = jax.jit(lambda b: task.loss(model, params, b, jax.random.PRNGKey(1), task.weight_totals(b),
+                                       deterministic=True)[1]["loss"])
+    assert np.isfinite(loss(batch))
+    assert np.isnan(loss(bad))  # -1 no longer reads the table's last row
+
+
+def test_positions_of_other_kinds_are_not_table_rows():
+    """Sinusoidal positions have no table: a position past max_len is a valid angle."""
+    _, task, config, batch = learned_positions_case("seq2seq")
+    config = dataclasses.replace(config, position="sinusoidal")
+    check_batch(task, with_value(batch, "inputs_positions", 40), config)

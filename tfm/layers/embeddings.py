@@ -58,7 +58,8 @@ def sinusoidal_table(positions, features: int):
 
 class PositionEmbedding(nn.Module):
     """Absolute positions [B, T] -> [B, T, D] for config.position in {learned, sinusoidal}; a
-    learned table [max_len, D] is read at row position + config.position_offset."""
+    learned table [max_len, D] is read at row position + config.position_offset (a row outside
+    the table gives NaN, never another row)."""
 
     config: ModelConfig
 
@@ -69,7 +70,9 @@ class PositionEmbedding(nn.Module):
             return sinusoidal_table(positions, cfg.d_model).astype(compute_dtype(cfg))
         table = self.param("embedding", param_init(nn.initializers.normal(0.02), ("length", "embed")),
                            (cfg.max_len, cfg.d_model), jnp.float32)
-        return jnp.take(table, positions + cfg.position_offset, axis=0).astype(compute_dtype(cfg))
+        rows = positions + cfg.position_offset
+        rows = jnp.where(rows < 0, cfg.max_len, rows)  # as in Embed: every row outside the table is NaN
+        return jnp.take(table, rows, axis=0, mode="fill", fill_value=jnp.nan).astype(compute_dtype(cfg))
 
 
 def rope_frequencies(config: ModelConfig, max_position=None):

@@ -49,6 +49,14 @@ class IdField(NamedTuple):
     weights: Optional[str] = None
 
 
+def learned_position_fields(config, *keys: str) -> list[IdField]:
+    """Explicit positions entries index a learned table [max_len, D] (from row position_offset)
+    at every token, padding included; other position kinds have no table to leave."""
+    if config.position != "learned":
+        return []
+    return [IdField(key, config.max_len - config.position_offset) for key in keys]
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     label_smoothing: float = 0.0
@@ -164,7 +172,8 @@ class LMTask(Task):
 
     def id_fields(self, config, batch):
         V = config.vocab_size
-        return [IdField("inputs", V), IdField("targets", V, "weights")]
+        return [IdField("inputs", V), IdField("targets", V, "weights"),
+                *learned_position_fields(config, "positions")]
 
 
 class MLMTask(Task):
@@ -220,7 +229,8 @@ class Seq2SeqTask(Task):
 
     def id_fields(self, config, batch):
         V = config.vocab_size
-        return [IdField("inputs", V), IdField("targets_in", V), IdField("targets", V, "weights")]
+        return [IdField("inputs", V), IdField("targets_in", V), IdField("targets", V, "weights"),
+                *learned_position_fields(config, "inputs_positions", "targets_positions")]
 
 
 class _FineTuneTask(Task):
