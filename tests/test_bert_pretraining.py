@@ -186,8 +186,9 @@ def _check_moments_carry(before, after, b1=0.9, b2=0.999):
 
 
 def _lr(step, peak=1e-2, warmup=2, decay=6):
-    """The paper's schedule, written out: linear warmup to `peak`, then linear decay to 0."""
-    return peak * step / warmup if step < warmup else peak * (1 - (step - warmup) / (decay - warmup))
+    """Google BERT's schedule, written out: linear warmup to `peak`, then a linear decay to 0
+    at `decay` that counts from step 0 (peak * (1 - step / decay))."""
+    return peak * step / warmup if step < warmup else peak * (1 - step / decay)
 
 
 def _train_lrs(workdir):
@@ -261,7 +262,8 @@ PAPER_TRAINING = dict(batch_size=256, num_train_steps=1_000_000, phase2_start_st
                       phase2_max_predictions_per_seq=80, masked_lm_prob=0.15, short_seq_prob=0.1,
                       vocab_size=30_522, tokenizer="wordpiece", next_sentence=True)
 PAPER_OPTIMIZER = dict(name="adamw", learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01,
-                       decay_mask="kernels", schedule="linear", warmup_steps=10_000, end_lr_factor=0.0)
+                       decay_mask="kernels", bias_correction=False, schedule="bert_linear", warmup_steps=10_000,
+                       end_lr_factor=0.0)
 
 
 @pytest.mark.parametrize("module,size", [(base, "base"), (large, "large")])

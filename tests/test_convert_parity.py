@@ -51,6 +51,17 @@ def padding_mask(lengths, length=T):
     return (np.arange(length)[None] < np.asarray(lengths)[:, None]).astype(np.int64)
 
 
+def seq2seq_max_abs(hf, model, params, src, tgt, src_mask, tgt_mask) -> float:
+    """Max-abs difference of the HF seq2seq model's logits and ours on padded source and target
+    batches (HF attention masks = our segment ids), over the real target positions."""
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src_mask),
+                 decoder_input_ids=torch.tensor(tgt), decoder_attention_mask=torch.tensor(tgt_mask)).logits
+    out = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
+                      targets_segment_ids=jnp.asarray(tgt_mask))
+    return max_abs(out, ref, tgt_mask)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """save_pretrained into a fresh directory; returns the path."""
@@ -221,12 +232,7 @@ def test_marian_logits(marian, source):
     S, Tt = 9, 7
     src, tgt = tokens(6, (B, S)), tokens(7, (B, Tt))
     src_mask, tgt_mask = padding_mask([S, 5], S), padding_mask([Tt, 4], Tt)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src_mask),
-                 decoder_input_ids=torch.tensor(tgt), decoder_attention_mask=torch.tensor(tgt_mask)).logits
-    out = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
-                      targets_segment_ids=jnp.asarray(tgt_mask))
-    diff = max_abs(out, ref, tgt_mask)
+    diff = seq2seq_max_abs(hf, model, params, src, tgt, src_mask, tgt_mask)
     print(f"MarianMTModel[{source}] max-abs {diff:.2e}")
     assert diff < TOL
 

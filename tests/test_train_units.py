@@ -1,4 +1,6 @@
 """Losses, schedules, optimizers, and gradient accumulation equal to the full batch."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,65 @@ def test_schedules():
     assert float(cos(110)) == pytest.approx(0.0, abs=1e-6)
     lin = make_schedule(OptimizerConfig(schedule="linear", learning_rate=1.0, end_lr_factor=0.1), 10)
     assert float(lin(10)) == pytest.approx(0.1)
+
+
+def bert_learning_rate(step, peak, warmup, total):
+    """BERT's create_optimizer (optimization.py), written out: polynomial decay (power 1) of
+    the peak over `total` steps counted from step 0, replaced by peak * step / warmup before
+    `warmup`."""
+    return peak * step / warmup if step < warmup else peak * (1.0 - min(step, total) / total)
+
+
+def test_bert_linear_schedule_counts_its_decay_from_step_zero():
+    cfg = OptimizerConfig(schedule="bert_linear", learning_rate=2.0, warmup_steps=10)
+    lr = make_schedule(cfg, 40)
+    for step in [0, 1, 9, 10, 11, 25, 39, 40, 50]:
+        assert float(lr(step)) == pytest.approx(bert_learning_rate(step, 2.0, 10, 40), abs=1e-6), step
+    assert float(lr(10)) == pytest.approx(1.5)  # the drop at the end of warmup: peak * (1 - 10 / 40)
+    assert float(make_schedule(OptimizerConfig(schedule="bert_linear", learning_rate=1.0,
+                                               end_lr_factor=0.1), 10)(10)) == pytest.approx(0.1)
+
+
+def test_adamw_without_bias_correction_is_berts_optimizer():
+    """Six steps of BERT's AdamWeightDecayOptimizer in numpy (m, v without 1 - b^t divisors,
+    update m / (sqrt(v) + eps) + wd * param for kernels only, times the lr, after clipping the
+    global norm to 1) against make_optimizer with bias_correction=False and bert_linear; the
+    bias-corrected optimizer ends measurably elsewhere, so the comparison can tell them apart."""
+    cfg = OptimizerConfig(name="adamw", learning_rate=0.1, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01,
+                          bias_correction=False, schedule="bert_linear", warmup_steps=2, clip_grad_norm=1.0)
+    rng = np.random.default_rng(0)
+    params = {"dense": {"kernel": rng.normal(size=(4, 3)), "bias": rng.normal(size=(3,))},
+              "attn": {"bias": rng.normal(size=(2, 3))}, "norm": {"scale": rng.normal(size=(3,))}}
+    decays = {"dense": {"kernel": True, "bias": False}, "attn": {"bias": False}, "norm": {"scale": False}}
+    grads = [jax.tree.map(lambda x: rng.normal(size=x.shape) * 3.0, params) for _ in range(6)]
+
+    def run(config):
+        tx, _ = make_optimizer(config, 6)
+        p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        state = tx.init(p)
+        for g in grads:
+            updates, state = tx.update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g), state, p)
+            p = jax.tree.map(jnp.add, p, updates)
+        return p
+
+    ref = jax.tree.map(np.copy, params)
+    m, v = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
+    for step, g in enumerate(grads):
+        norm = np.sqrt(sum(np.sum(x ** 2) for x in jax.tree.leaves(g)))
+        g = jax.tree.map(lambda x: x * min(1.0, 1.0 / norm), g)
+        lr = bert_learning_rate(step, 0.1, 2, 6)
+        m = jax.tree.map(lambda m_, x: 0.9 * m_ + 0.1 * x, m, g)
+        v = jax.tree.map(lambda v_, x: 0.999 * v_ + 0.001 * x * x, v, g)
+        ref = jax.tree.map(lambda p, m_, v_, d: p - lr * (m_ / (np.sqrt(v_) + 1e-6) + (0.01 * p if d else 0.0)),
+                           ref, m, v, decays)
+    error = lambda p: max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref)))
+    assert error(run(cfg)) < 2e-6
+    assert error(run(dataclasses.replace(cfg, bias_correction=True))) > 1e-2
+
+
+def test_bias_correction_off_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="OptimizerConfig.bias_correction=False is for 'adam' and 'adamw'"):
+        OptimizerConfig(name="lamb", bias_correction=False)
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "lamb", "adafactor", "sgd"])

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 
-from test_convert_parity import max_abs, padding_mask, randomize  # noqa: E402
+from test_convert_parity import max_abs, padding_mask, randomize, seq2seq_max_abs  # noqa: E402
 from tfm import decode  # noqa: E402
 from tfm.convert import CONVERTERS, ConversionError, from_hf, to_hf  # noqa: E402
 from tfm.convert.common import HFConfig  # noqa: E402
@@ -148,13 +148,7 @@ def _seq2seq_inputs():
 def test_seq2seq_parity(hf_models, name, source):
     hf, _ = hf_models(name)
     cfg, params, model = converted(hf_models, name, source)
-    src, tgt, src_mask, tgt_mask = _seq2seq_inputs()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src_mask),
-                 decoder_input_ids=torch.tensor(tgt), decoder_attention_mask=torch.tensor(tgt_mask)).logits
-    out = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
-                      targets_segment_ids=jnp.asarray(tgt_mask))
-    diff = max_abs(out, ref, tgt_mask)
+    diff = seq2seq_max_abs(hf, model, params, *_seq2seq_inputs())
     print(f"{name}[{source}] max-abs {diff:.2e}")
     assert diff < TOL
     expected = {"t5_v1_0": ("relu", True, "relative"), "t5_v1_1": ("geglu", False, "relative"),

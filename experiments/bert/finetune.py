@@ -58,8 +58,9 @@ class FinetuneSettings:
 
 
 def base_config(dataset: str, max_seq_length: int, learning_rate: float) -> ml_collections.ConfigDict:
-    """The paper's recipe: batch 32, 3 epochs, Adam with weight decay 0.01 (not on LayerNorm
-    scales and biases), eps 1e-6, 10% linear warmup then linear decay to 0, gradient clip 1.0."""
+    """The paper's recipe as Google's code runs it: batch 32, 3 epochs, Adam without bias
+    correction, weight decay 0.01 (not on LayerNorm scales and biases), eps 1e-6, 10% linear
+    warmup then lr * (1 - step / steps) (the decay counts from step 0), gradient clip 1.0."""
     c = common.new_config(FinetuneSettings, Task)
     c.update(dataset=dataset, max_seq_length=max_seq_length, num_epochs=3.0, warmup_proportion=0.1,
              learning_rates="5e-5,4e-5,3e-5,2e-5", doc_stride=128, max_query_length=64, n_best_size=20,
@@ -67,7 +68,8 @@ def base_config(dataset: str, max_seq_length: int, learning_rate: float) -> ml_c
     c.batch_size = 32
     c.num_train_steps = None  # derived from num_epochs
     c.optimizer.update(name="adamw", learning_rate=learning_rate, b1=0.9, b2=0.999, eps=1e-6,
-                       weight_decay=0.01, decay_mask="kernels", schedule="linear", end_lr_factor=0.0,
+                       weight_decay=0.01, decay_mask="kernels", bias_correction=False, schedule="bert_linear",
+                       end_lr_factor=0.0,
                        warmup_steps=0, clip_grad_norm=1.0)
     c.log_every, c.eval_every, c.checkpoint_every, c.keep_checkpoints = 100, 0, 1000, 1
     return c

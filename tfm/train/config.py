@@ -7,7 +7,7 @@ from typing import Optional
 from tfm.parallel.mesh import MeshConfig
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "adafactor", "sgd")
-SCHEDULES = ("constant", "noam", "linear", "cosine")
+SCHEDULES = ("constant", "noam", "linear", "cosine", "bert_linear")
 
 
 def _require(ok: bool, owner: str, field: str, value, what: str) -> None:
@@ -22,10 +22,13 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    bias_correction: bool = True     # adam / adamw; False: m / (sqrt(v) + eps) as BERT's
+                                     # AdamWeightDecayOptimizer (no 1 - b^t divisors)
     weight_decay: float = 0.0        # adamw / lamb
     decay_mask: str = "kernels"      # "kernels": weight matrices and embeddings decay, biases
                                      # (any shape) and norm scales do not; or "all"
-    schedule: str = "constant"
+    schedule: str = "constant"       # "bert_linear": BERT's create_optimizer, whose linear decay
+                                     # counts from step 0 (lr * (1 - step / decay_steps) after warmup)
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # linear/cosine: defaults to the run's length
     end_lr_factor: float = 0.0       # linear/cosine: final lr = peak * end_lr_factor
@@ -47,6 +50,9 @@ class OptimizerConfig:
         check(0 <= self.end_lr_factor <= 1, "end_lr_factor", "in [0, 1]")
         check(self.noam_d_model is None or self.noam_d_model >= 1, "noam_d_model", "None or >= 1")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "None or > 0")
+        if not self.bias_correction and self.name not in ("adam", "adamw"):
+            raise ValueError(f"OptimizerConfig.bias_correction=False is for 'adam' and 'adamw'; "
+                             f"name={self.name!r} always corrects")
         if self.schedule == "noam" and self.warmup_steps < 1:
             raise ValueError("OptimizerConfig.warmup_steps must be >= 1 for the noam schedule")
 

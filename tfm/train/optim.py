@@ -9,8 +9,18 @@ from tfm.train.config import OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:
-    """constant | noam (inverse sqrt after linear warmup) | linear | cosine (after warmup)."""
+    """constant | noam (inverse sqrt after linear warmup) | linear | cosine (after warmup) |
+    bert_linear (after warmup, peak * (1 - step / decay_steps): the decay counts from step 0)."""
     peak, warmup = cfg.learning_rate, cfg.warmup_steps
+    if cfg.schedule == "bert_linear":
+        total = cfg.decay_steps or num_train_steps
+
+        def bert_linear(step):
+            s = jnp.asarray(step, jnp.float32)
+            done = jnp.minimum(s, total) / total
+            decayed = peak * ((1.0 - cfg.end_lr_factor) * (1.0 - done) + cfg.end_lr_factor)
+            return jnp.where(s < warmup, peak * s / max(warmup, 1), decayed)
+        return bert_linear
     if cfg.schedule == "noam":
         # Vaswani et al.: d^-0.5 * min(s^-0.5, s * w^-1.5); without d, scaled to peak at s=w.
         scale = peak * (cfg.noam_d_model ** -0.5 if cfg.noam_d_model else warmup ** 0.5)
@@ -48,10 +58,32 @@ def _decay_mask(cfg: OptimizerConfig):
     return lambda params: jax.tree_util.tree_map_with_path(_decays, params)
 
 
+def scale_by_uncorrected_adam(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Adam's direction without bias correction, m / (sqrt(v) + eps) with m, v the plain
+    exponential averages (BERT's AdamWeightDecayOptimizer). State as optax's Adam keeps it."""
+
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
+
+    def update(grads, state, params=None):
+        del params
+        mu = jax.tree.map(lambda g, m: b1 * m + (1 - b1) * g, grads, state.mu)
+        nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, grads, state.nu)
+        direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        return direction, optax.ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: OptimizerConfig, num_train_steps: int):
     """(optax transformation with global-norm clipping, schedule)."""
     lr = make_schedule(cfg, num_train_steps)
-    if cfg.name == "adam":
+    if not cfg.bias_correction:
+        decay = [optax.add_decayed_weights(cfg.weight_decay, _decay_mask(cfg))] if cfg.name == "adamw" else []
+        opt = optax.chain(scale_by_uncorrected_adam(cfg.b1, cfg.b2, cfg.eps), *decay,
+                          optax.scale_by_learning_rate(lr))
+    elif cfg.name == "adam":
         opt = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     elif cfg.name == "adamw":
         opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,

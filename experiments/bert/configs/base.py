@@ -16,8 +16,9 @@ WordPiece 30,522 uncased; batch 256; 1M steps, the first 900k at 128 tokens / 20
 predictions, the last 100k at 512 / 80 (same run: step, Adam moments and schedule carry on);
 Adam(W) lr 1e-4, betas (0.9, 0.999), eps 1e-6, weight decay 0.01 not on LayerNorm or biases,
 10k linear warmup then linear decay to 0; gradient clipping at global norm 1.0 and dropout 0.1
-as Google's code. Deviation: optax's Adam has bias correction, Google's AdamWeightDecay has
-none. Masks are dynamic (a new draw per epoch) where the paper used 10 static copies.
+as Google's code, whose AdamWeightDecayOptimizer has no bias correction
+(`bias_correction=False`) and whose decay counts from step 0 (`schedule="bert_linear"`).
+Masks are dynamic (a new draw per epoch) where the paper used 10 static copies.
 
 `runlocal` (`--config=experiments/bert/configs/base.py:runlocal`) keeps every key and shrinks
 sizes: a D-96, 2-layer model on the project's generated topical documents (4,000, 300 held
@@ -56,8 +57,8 @@ def get_config(arg: str = ""):
     c.batch_size = 256
     c.num_train_steps = 1_000_000
     c.optimizer.update(name="adamw", learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01,
-                       decay_mask="kernels", schedule="linear", warmup_steps=10_000, end_lr_factor=0.0,
-                       clip_grad_norm=1.0)
+                       decay_mask="kernels", bias_correction=False, schedule="bert_linear", warmup_steps=10_000,
+                       end_lr_factor=0.0, clip_grad_norm=1.0)
     c.parallelism = "data"
     c.log_every = 100
     c.eval_every = 10_000

@@ -11,7 +11,8 @@ Wikipedia only).
 `large.py:lamb` is the large-batch recipe of You et al. 2019 ("76 minutes"): LAMB, batch
 65,536 at 128 for 7,038 steps then 32,768 at 512 for 1,561 (8,599 in all), one schedule with
 peak lr 6e-3 and 2,000 warmup steps (the values NVIDIA's LAMB BERT recipe uses; the paper
-re-warms phase 2, one schedule here). Expected SQuAD v1.1 F1 90.58 (the paper's Table 1).
+re-warms phase 2, one schedule here), LAMB's bias-corrected moments and a linear decay from the
+end of warmup. Expected SQuAD v1.1 F1 90.58 (the paper's Table 1).
 `large.py:runlocal` shrinks it as base.py's.
 """
 from experiments.bert.configs import base
@@ -25,7 +26,8 @@ def get_config(arg: str = ""):
     if arg == "lamb":
         c.batch_size, c.phase2_batch_size = 65_536, 32_768
         c.num_train_steps, c.phase2_start_step = 8_599, 7_038
-        c.optimizer.update(name="lamb", learning_rate=6e-3, warmup_steps=2_000)
+        c.optimizer.update(name="lamb", learning_rate=6e-3, warmup_steps=2_000, bias_correction=True,
+                           schedule="linear")
         c.log_every, c.eval_every, c.checkpoint_every = 10, 500, 500
     elif arg:
         raise ValueError(f"unknown config argument {arg!r}; use 'runlocal', 'lamb' or nothing")

@@ -5,7 +5,8 @@ Command (TPU v3-128 or 8 GPUs):
 Differs from base.py where RoBERTa does: no NSP head, FULL-SENTENCES inputs (sentences packed
 to 512 tokens across document boundaries, a separator between documents), dynamic masking
 (a new mask every epoch), byte-level BPE 50k (cased), 512 tokens throughout (no phase 2),
-batch 8k for 500k steps, peak lr 6e-4, 24k warmup, Adam beta2 0.98 (Liu et al. Table 9).
+batch 8k for 500k steps, peak lr 6e-4, 24k warmup, Adam beta2 0.98 (Liu et al. Table 9);
+fairseq's Adam (bias-corrected) and linear decay from the end of warmup.
 Hardware and time: the paper used 1024 V100s for a day over 160 GB of text; not run here.
 Expected: GLUE and SQuAD above BERT-base (the paper's Table 8: SQuAD v1.1 F1 94.6 for large).
 `roberta.py:runlocal` shrinks it on the generated corpus.
@@ -21,7 +22,8 @@ def get_config(arg: str = ""):
     c.max_seq_length, c.max_predictions_per_seq = 512, 80
     c.phase2_start_step = 0
     c.batch_size, c.num_train_steps = 8_192, 500_000
-    c.optimizer.update(learning_rate=6e-4, b2=0.98, eps=1e-6, warmup_steps=24_000)
+    c.optimizer.update(learning_rate=6e-4, b2=0.98, eps=1e-6, warmup_steps=24_000, bias_correction=True,
+                       schedule="linear")
     if arg == "runlocal":
         base.shrink(c)
         c.phase2_start_step = 0
