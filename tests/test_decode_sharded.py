@@ -124,6 +124,7 @@ def test_translation_and_beam_search_under_a_mesh_equal_single_device(mesh):
     got, cache = _run("encdec", mesh)
     np.testing.assert_array_equal(got["greedy"], ref["greedy"])
     np.testing.assert_array_equal(got["beam"], ref["beam"])
+    print(mesh, "beam scores max |diff| vs one device:", float(np.max(np.abs(got["scores"] - ref["scores"]))))
     np.testing.assert_allclose(got["scores"], ref["scores"], atol=SCORE_TOL, rtol=0)
     assert np.all(ref["scores"] > -1e8), "every beam should hold a real hypothesis"
     assert _check_cache_shardings(cache, mesh) == 6  # (self, cross) x (k, v, segment ids)
