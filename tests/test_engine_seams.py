@@ -3,6 +3,7 @@ loop's hooks (evaluation, best checkpoint, config record), and a host that runs 
 import dataclasses
 import json
 import os
+import typing
 
 import flax.linen as nn
 import jax
@@ -14,16 +15,21 @@ from ml_collections import config_flags
 
 import train_job
 from experiments import common
+from experiments.bert.configs import base as bert_base, large as bert_large, roberta
+from experiments.bert.settings import BertSettings
 from experiments.lm.configs import gpt2_small, llama, tiny
 from experiments.lm.settings import LMSettings
 from experiments.translation import train as translation_train
 from experiments.translation.configs import base, big
 from experiments.translation.settings import TranslationSettings
 from tfm.models import DecoderLM
-from tfm.train import Checkpointer, CheckpointError, Hook, LMTask, Seq2SeqTask, train_and_evaluate
+from tfm.parallel import MeshConfig
+from tfm.train import (Checkpointer, CheckpointError, Hook, LMTask, MLMTask, OptimizerConfig, Seq2SeqTask,
+                       TrainConfig, train_and_evaluate)
 
 RECIPES = [(tiny, LMSettings, LMTask), (gpt2_small, LMSettings, LMTask), (llama, LMSettings, LMTask),
-           (base, TranslationSettings, Seq2SeqTask), (big, TranslationSettings, Seq2SeqTask)]
+           (base, TranslationSettings, Seq2SeqTask), (big, TranslationSettings, Seq2SeqTask),
+           (bert_base, BertSettings, MLMTask), (bert_large, BertSettings, MLMTask), (roberta, BertSettings, MLMTask)]
 TOKEN_BUDGET = {"batch_size": 64}  # what translation derives from tokens_per_batch at run time
 
 
@@ -35,7 +41,7 @@ def _keys(d, prefix=""):
     return out
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r[0].__name__.split(".")[-1])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: ".".join(r[0].__name__.split(".")[-3::2]))
 def test_runlocal_only_shrinks_and_every_recipe_resolves(recipe):
     module, settings, task = recipe
     full, local = module.get_config(), module.get_config("runlocal")
@@ -93,7 +99,7 @@ def _parse(argv):
     return fv.config
 
 
-def test_command_line_sets_every_train_field():
+def test_command_line_overrides_reach_a_translation_recipe():
     path = os.path.join(os.path.dirname(base.__file__), "base.py")
     config = _parse(["prog", f"--config={path}:runlocal", "--config.microbatches=4", "--config.task.z_loss=0.0001", "--config.optimizer.b2=0.99", "--config.mesh.fsdp=2",
                      "--config.keep_best=sacrebleu", "--config.async_checkpoint=False"])
@@ -102,6 +108,57 @@ def test_command_line_sets_every_train_field():
     assert (exp.train.mesh.fsdp, exp.train.keep_best, exp.train.async_checkpoint) == (2, "sacrebleu", False)
     with pytest.raises(Exception, match="microbatchs"):
         _parse(["prog", f"--config={path}:runlocal", "--config.microbatchs=4"])
+
+
+# A valid value other than the recipe's for the fields whose type alone does not give one.
+OTHER_VALUES = {"on_nonfinite": "skip", "keep_best_mode": "min", "parallelism": "fsdp+tensor", "dcn_axis": "fsdp",
+                "keep_best": "bleu", "wandb_project": "tfm-test", "batch_size": 12, "microbatches": 3,
+                "decay_mask": "all"}
+# Optimizer fields are read only under some optimizers and schedules (others are refused), so
+# they are set in two command lines: these fields in the second, every other field in the first.
+SECOND_LINE = ("optimizer.weight_decay", "optimizer.decay_mask", "optimizer.decay_steps", "optimizer.end_lr_factor")
+LINES = ({"optimizer.name": "adam", "optimizer.schedule": "noam", "optimizer.weight_decay": 0.0},
+         {"optimizer.name": "lamb", "optimizer.schedule": "linear"})
+
+
+def _other_value(field, hint, current):
+    """A valid value of a field's type that differs from `current`."""
+    if field in OTHER_VALUES:
+        return OTHER_VALUES[field]
+    kind = common._field_type(hint)
+    if kind is bool:
+        return not current
+    if kind is int:
+        return 2 if current in (None, -1) else current + 2
+    assert kind is float, (field, hint)
+    return 0.5 if not current else current / 2
+
+
+def test_command_line_sets_every_train_optimizer_and_mesh_field():
+    """Each TrainConfig, OptimizerConfig and MeshConfig field, set to a value other than the
+    recipe's as `--config.KEY=VALUE`, arrives in the resolved TrainConfig."""
+    path = os.path.join(os.path.dirname(tiny.__file__), "tiny.py")
+    recipe = tiny.get_config()
+    owners = {"": TrainConfig, "optimizer.": OptimizerConfig, "mesh.": MeshConfig}
+    lines = [dict(line) for line in LINES]  # key -> value set on that command line
+    tested = [{}, {}]
+    for prefix, cls in owners.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                continue
+            current = recipe[f.name] if not prefix else recipe[prefix[:-1]][f.name]
+            i = int(key in SECOND_LINE)
+            value = lines[i][key] if key in lines[i] else _other_value(f.name, hints[f.name], current)
+            assert value != current, key
+            lines[i][key], tested[i][key] = value, value
+    for line, expected in zip(lines, tested):
+        flags_ = [f"--config.{k}={v}" for k, v in line.items()]
+        train = common.resolve(_parse(["prog", f"--config={path}", *flags_]), LMSettings, LMTask).train
+        owner = lambda key: getattr(train, key.split(".")[0]) if "." in key else train
+        assert {k: getattr(owner(k), k.split(".")[-1]) for k in expected} == expected
+    assert len(tested[0]) + len(tested[1]) == sum(len(dataclasses.fields(c)) for c in owners.values()) - 2
 
 
 def _experiment(**changes):

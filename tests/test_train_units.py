@@ -1,5 +1,6 @@
 """Losses, schedules, optimizers, and gradient accumulation equal to the full batch."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -91,14 +92,39 @@ def test_adamw_without_bias_correction_is_berts_optimizer():
     assert error(run(dataclasses.replace(cfg, bias_correction=True))) > 1e-2
 
 
-def test_bias_correction_off_is_refused_where_it_does_not_apply():
-    with pytest.raises(ValueError, match="OptimizerConfig.bias_correction=False is for 'adam' and 'adamw'"):
-        OptimizerConfig(name="lamb", bias_correction=False)
+@pytest.mark.parametrize("kw, field", [
+    (dict(name="lamb", bias_correction=False), "bias_correction=False"),
+    (dict(name="adam", weight_decay=0.01), "weight_decay=0.01"),
+    (dict(name="sgd", b1=0.5), "b1=0.5"),
+    (dict(name="adafactor", eps=1e-6), "eps=1e-06"),
+    (dict(name="adam", decay_mask="all"), "decay_mask='all'"),
+    (dict(schedule="constant", decay_steps=100), "decay_steps=100"),
+    (dict(schedule="noam", warmup_steps=10, end_lr_factor=0.1), "end_lr_factor=0.1"),
+    (dict(schedule="cosine", noam_d_model=512), "noam_d_model=512"),
+])
+def test_a_set_field_nothing_reads_is_refused_naming_it(kw, field):
+    """A value the chosen optimizer and schedule would ignore is an error, never silently dropped;
+    the same value where it is read is accepted."""
+    with pytest.raises(ValueError, match=rf"OptimizerConfig\.{re.escape(field)} is not read with name="):
+        OptimizerConfig(**kw)
+    name, value = field.split("=")
+    reader = {"bias_correction": "adam", "b1": "adam", "eps": "lamb", "decay_mask": "adamw",
+              "weight_decay": "adamw"}.get(name)
+    schedule = {"decay_steps": "linear", "end_lr_factor": "cosine", "noam_d_model": "noam"}.get(name)
+    fixed = dict(kw, **({"name": reader} if reader else {}), **({"schedule": schedule} if schedule else {}))
+    assert getattr(OptimizerConfig(**{"warmup_steps": 1, **fixed}), name) == kw[name]
+
+
+def test_keep_best_mode_without_keep_best_is_refused():
+    with pytest.raises(ValueError, match="TrainConfig.keep_best_mode='min' is not read without TrainConfig.keep_best"):
+        TrainConfig(keep_best_mode="min")
+    assert TrainConfig(keep_best="loss", keep_best_mode="min").keep_best_mode == "min"
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "lamb", "adafactor", "sgd"])
 def test_each_optimizer_reduces_a_quadratic(name):
-    tx, _ = make_optimizer(OptimizerConfig(name=name, learning_rate=0.05, weight_decay=0.01), 100)
+    decays = name in ("adamw", "lamb", "adafactor")
+    tx, _ = make_optimizer(OptimizerConfig(name=name, learning_rate=0.05, weight_decay=0.01 if decays else 0.0), 100)
     params = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
     state = tx.init(params)
     loss = lambda p: sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))

@@ -6,8 +6,19 @@ from typing import Optional
 
 from tfm.parallel.mesh import MeshConfig
 
-OPTIMIZERS = ("adam", "adamw", "lamb", "adafactor", "sgd")
-SCHEDULES = ("constant", "noam", "linear", "cosine", "bert_linear")
+# The OptimizerConfig fields each optimizer and each schedule reads (name, learning_rate,
+# schedule and clip_grad_norm are always read); a field set to anything but its default where
+# nothing reads it is refused.
+OPTIMIZER_READS = {"adam": ("b1", "b2", "eps", "bias_correction"),
+                   "adamw": ("b1", "b2", "eps", "bias_correction", "weight_decay", "decay_mask"),
+                   "lamb": ("b1", "b2", "eps", "weight_decay", "decay_mask"),
+                   "adafactor": ("weight_decay", "decay_mask"),
+                   "sgd": ()}
+_DECAYING = ("warmup_steps", "decay_steps", "end_lr_factor")
+SCHEDULE_READS = {"constant": ("warmup_steps",), "noam": ("warmup_steps", "noam_d_model"),
+                  "linear": _DECAYING, "cosine": _DECAYING, "bert_linear": _DECAYING}
+OPTIMIZERS, SCHEDULES = tuple(OPTIMIZER_READS), tuple(SCHEDULE_READS)
+_READ_SOMETIMES = {f for reads in (*OPTIMIZER_READS.values(), *SCHEDULE_READS.values()) for f in reads}
 
 
 def _require(ok: bool, owner: str, field: str, value, what: str) -> None:
@@ -50,11 +61,19 @@ class OptimizerConfig:
         check(0 <= self.end_lr_factor <= 1, "end_lr_factor", "in [0, 1]")
         check(self.noam_d_model is None or self.noam_d_model >= 1, "noam_d_model", "None or >= 1")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "None or > 0")
-        if not self.bias_correction and self.name not in ("adam", "adamw"):
-            raise ValueError(f"OptimizerConfig.bias_correction=False is for 'adam' and 'adamw'; "
-                             f"name={self.name!r} always corrects")
+        self._check_every_set_field_is_read()
         if self.schedule == "noam" and self.warmup_steps < 1:
             raise ValueError("OptimizerConfig.warmup_steps must be >= 1 for the noam schedule")
+
+
+    def _check_every_set_field_is_read(self) -> None:
+        read = set(OPTIMIZER_READS[self.name]) | set(SCHEDULE_READS[self.schedule])
+        for f in dataclasses.fields(self):
+            if f.name in _READ_SOMETIMES and f.name not in read and getattr(self, f.name) != f.default:
+                raise ValueError(
+                    f"OptimizerConfig.{f.name}={getattr(self, f.name)!r} is not read with name={self.name!r} "
+                    f"and schedule={self.schedule!r} (they read {sorted(read)}); leave it at its default "
+                    f"{f.default!r} or choose an optimizer or schedule that uses it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +110,9 @@ class TrainConfig:
             check(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field, "an integer >= 0")
         check(self.on_nonfinite in ("stop", "skip"), "on_nonfinite", "'stop' or 'skip'")
         check(self.keep_best_mode in ("max", "min"), "keep_best_mode", "'max' or 'min'")
+        if self.keep_best is None and self.keep_best_mode != "max":
+            raise ValueError(f"TrainConfig.keep_best_mode={self.keep_best_mode!r} is not read without "
+                             "TrainConfig.keep_best (the eval metric to keep the best checkpoint of)")
         check(self.peak_flops_per_device is None or self.peak_flops_per_device > 0,
               "peak_flops_per_device", "None or > 0")
         if self.batch_size % self.microbatches:

@@ -19,11 +19,11 @@ from experiments.bert.configs import base
 
 
 def get_config(arg: str = ""):
-    c = base.get_config("runlocal" if arg == "runlocal" else "")
-    if arg == "runlocal":
-        return c
+    c = base.get_config()
     c.model.preset = "bert_large"
-    if arg == "lamb":
+    if arg == "runlocal":
+        base.shrink(c)
+    elif arg == "lamb":
         c.batch_size, c.phase2_batch_size = 65_536, 32_768
         c.num_train_steps, c.phase2_start_step = 8_599, 7_038
         c.optimizer.update(name="lamb", learning_rate=6e-3, warmup_steps=2_000, bias_correction=True,
