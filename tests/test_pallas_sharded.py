@@ -2,8 +2,8 @@
 
 On 8 simulated CPU devices (interpret mode) with the trainer's rule sets: values and
 gradients equal impl="xla" (fp32, 1e-5); the traced shard_map body calls the kernel on
-[B/b, ., N/n, .] shards; a sharded call lowers for TPU (Mosaic) and CUDA (Triton) from this
-CPU machine with the kernel custom calls on per-device shapes; and
+[B/b, ., N/n, .] shards; a sharded call and the Trainer's whole step lower for TPU (Mosaic) and
+CUDA (Triton) from this CPU machine with the kernel custom calls on per-device shapes; and
 ModelConfig.attention_block_sizes reaches the kernel's grid.
 """
 import re
@@ -201,6 +201,34 @@ def test_trainer_step_runs_the_kernel_per_device():
     np.testing.assert_allclose(losses, xla, rtol=0, atol=1e-5)
     assert len(calls) == 3 and all(inside for _, inside in calls)
     assert _leading_dims(calls) == {(B // 4, 2), (B // 4, 1)}  # fsdp=4 splits B, tensor=2 N and K
+
+
+@pytest.mark.parametrize("platform", list(_CUSTOM_CALLS))
+def test_sharded_train_step_lowers_for_accelerators_on_per_device_shapes(platform, monkeypatch):
+    """The Trainer's whole jitted step (Llama-style, N 4, K 2, on fsdp=4 x tensor=2) lowered from
+    CPU for TPU or CUDA, the kernels compiled for that platform: three kernel calls, each on
+    [B/4, N/2 | K/2] blocks."""
+    backend, blocks = {"tpu": ("tpu", BlockSizes(128, 128)), "cuda": ("gpu", BlockSizes(16, 16))}[platform]
+    compiled = pallas.flash_attention.flash_attention
+    monkeypatch.setattr(pallas.flash_attention, "flash_attention", lambda *a, **kw: compiled(
+        *a, **{**kw, "backend": backend, "interpret": False, "block_sizes": blocks}))
+    mesh_cfg, parallelism, _, _ = MESHES["fsdp4_tensor2"]
+    model = DecoderLM(presets.tiny("llama", num_layers=1, attention_impl="pallas"))
+    batch = {"inputs": np.ones((B, 16), np.int32), "targets": np.ones((B, 16), np.int32),
+             "weights": np.ones((B, 16), np.float32)}
+    cfg = TrainConfig(batch_size=B, mesh=mesh_cfg, parallelism=parallelism,
+                      optimizer=OptimizerConfig(name="adam", learning_rate=5e-3))
+    trainer = Trainer(model, LMTask(), cfg, make_mesh(mesh_cfg)).setup(batch)
+    global_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
+                    for k, v in batch.items()}
+    with trainer.context():
+        text = trainer._step.trace(trainer.abstract_state, global_batch).lower(
+            lowering_platforms=(platform,)).as_text()
+    calls = [line for line in text.splitlines() if _CUSTOM_CALLS[platform] in line]
+    assert len(calls) == 3, f"expected fwd, dq, dkv kernel calls for {platform}, found {len(calls)}"
+    operand_shapes = set().union(*map(_custom_call_leading_dims, calls))
+    print(platform, "train step kernel operands [B, N|K] per device:", sorted(operand_shapes))
+    assert operand_shapes == {(B // 4, 2), (B // 4, 1)}, operand_shapes
 
 
 def _kernel_grids(cfg: ModelConfig):
