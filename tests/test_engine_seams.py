@@ -249,6 +249,27 @@ def test_evaluation_runs_on_schedule_and_equals_a_hand_forward_pass(tmp_path):
     np.testing.assert_allclose(final["accuracy"], correct / count, rtol=1e-6)
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in lines if r["split"] == "eval"] == [2, 4, 5]
+    logged = _tensorboard_scalars(tmp_path / "tensorboard")
+    for name in ("loss", "accuracy"):
+        steps, values = zip(*logged[f"eval/{name}"])
+        assert steps == (2, 4, 5)
+        np.testing.assert_allclose(values, [e[name] for e in result.eval_history], rtol=1e-6)
+
+
+def _tensorboard_scalars(directory) -> dict:
+    """{tag: [(step, value), ...]} from the TensorBoard event files in `directory`: TFRecord
+    framing (length, its CRC, the Event proto, its CRC) read by hand."""
+    from tensorboardX.proto.event_pb2 import Event
+    scalars = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
 
 
 def test_keep_best_keeps_the_checkpoint_of_the_best_eval(tmp_path):
