@@ -93,7 +93,8 @@ class Trainer:
             return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                               opt_state=self.tx.init(params), rng=train_rng)
 
-        self._init_batch, self.example_batch = init_batch, example_batch
+        self._init_batch = init_batch
+        self.example_shapes = {k: np.shape(v)[1:] for k, v in example_batch.items()}  # per example
         self._init = jax.jit(init_state, static_argnums=0, out_shardings=self.state_shardings)
         step_fn = make_train_step(
             self.model, self.task, self.tx, self.schedule,
@@ -329,7 +330,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     """
     with WorkdirLock(workdir):
         run = _resume(config, workdir, model, task, train_data, mesh, config_dict)
-        shapes = {k: np.zeros((config.batch_size,) + np.shape(v)[1:]) for k, v in run.trainer.example_batch.items()}
+        shapes = {k: np.zeros((config.batch_size,) + shape) for k, shape in run.trainer.example_shapes.items()}
         fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
         all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
                                   eval_data=eval_data, eval_extra=eval_extra)
