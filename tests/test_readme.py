@@ -32,3 +32,19 @@ def test_outputs_section_command_and_workdir_layout(tmp_path):
     assert "LOCK" not in present  # released at the end
     unlisted = present - {p.split("/")[0].split("<")[0].rstrip("_") for p in listed} - {"data", "spm_256.model"}
     assert not unlisted, f"the README's table does not mention {unlisted}"
+
+
+def test_each_experiment_readme_maps_every_file_and_config():
+    """experiments/<name>/README.md names each of its modules and config files, and each
+    `python -m experiments...` command in it names a module that exists."""
+    base = os.path.join(ROOT, "experiments")
+    for name in sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)) and d != "__pycache__"):
+        folder = os.path.join(base, name)
+        text = open(os.path.join(folder, "README.md")).read()
+        files = [f for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"]
+        files += [f"configs/{f}" for f in os.listdir(os.path.join(folder, "configs"))
+                  if f.endswith(".py") and f != "__init__.py"]
+        missing = [f for f in files if f"`{f}`" not in text and f"`{f.split('/')[-1]}`" not in text]
+        assert not missing, f"experiments/{name}/README.md does not name {missing}"
+        for module in re.findall(r"python -m (experiments\.[\w.]+)", text):
+            assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
