@@ -28,7 +28,7 @@ from tfm.data import tokenizers
 from tfm.models import presets
 from tfm.train import TrainConfig
 from tfm.train.checkpoint import CheckpointError
-from tfm.train.workdir_lock import WorkdirLockedError
+from tfm.train.workdir_lock import WorkdirLockedError, require_filesystem_path
 
 _NESTED = {"optimizer", "mesh"}  # TrainConfig fields that are dataclasses themselves
 
@@ -186,6 +186,7 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         parallel.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
         try:
+            require_filesystem_path(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
             result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
         except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError) as e:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

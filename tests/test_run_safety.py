@@ -143,3 +143,17 @@ def test_cli_exit_statuses_logs_across_resumes_and_one_line_errors(tmp_path):
     lines = _error_lines(broken.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint") and "fallback_to_older=True" in lines[0], \
         broken.stderr[-3000:]
+
+
+def test_a_url_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """gs:// would put the lock, config.json, metrics and vocabulary in a local directory named
+    "gs:" on each host (filesystem calls) while only checkpoints reached the bucket."""
+    from tfm.train.workdir_lock import WorkdirLock
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"workdir 'gs://bucket/run' is a URL.*gcsfuse mount"):
+        WorkdirLock("gs://bucket/run")
+    proc = _cli("gs://bucket/run")
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: workdir 'gs://bucket/run' is a URL"), \
+        proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(ROOT, "gs:")) and not (tmp_path / "gs:").exists()

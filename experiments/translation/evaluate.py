@@ -19,10 +19,12 @@ from experiments.translation.settings import TranslationSettings
 from tfm.data import pipeline, sources, tokenizers
 from tfm.models import EncoderDecoder
 from tfm.train import Seq2SeqTask, Trainer
+from tfm.train.workdir_lock import require_filesystem_path
 
 
 def evaluate(workdir: str, average_last: int | None = None, split: str = "test") -> dict:
     """Scores (as train.checkpoint_bleu) of `split`; translations in workdir/translations.<split>.txt."""
+    require_filesystem_path(workdir)
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {workdir} the --workdir of a translation run?")

@@ -24,6 +24,17 @@ class WorkdirLockedError(RuntimeError):
     """Another live run owns the workdir."""
 
 
+def require_filesystem_path(workdir: str) -> None:
+    """Refuses a URL workdir (gs://, s3://, ...): the lock, config.json, metrics, TensorBoard
+    logs and vocabularies are written with filesystem calls, which would put them in a local
+    directory named after the URL on each host while only the checkpoints reached the bucket."""
+    if "://" in os.fspath(workdir):
+        raise ValueError(
+            f"workdir {os.fspath(workdir)!r} is a URL; tfm writes its workdir with filesystem calls, so "
+            "give a path every host sees (for a bucket, a gcsfuse mount such as /gcs/BUCKET/run); "
+            "datasets may still be read from gs:// through --config.data_dir")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -37,6 +48,7 @@ def _alive(pid: int) -> bool:
 class WorkdirLock:
     def __init__(self, workdir: str, *, heartbeat: float = 30.0, stale_after: float = 300.0,
                  say: Callable[[str], None] = print):
+        require_filesystem_path(workdir)
         self.path = os.path.join(workdir, "LOCK")
         self.heartbeat, self.stale_after, self.say = heartbeat, stale_after, say
         self.stop, self.thread, self.held = threading.Event(), None, False

@@ -1,7 +1,7 @@
 """BERT-base pretraining, MLM + NSP (Devlin et al. 2018, sections 3.1 and A.2).
 
-Command (TPU v3-32 pod or 8 GPUs; a gs:// workdir on a pod):
-  python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py --workdir=gs://BUCKET/bert_base
+Command (TPU v3-32 pod or 8 GPUs; on a pod, a workdir every worker sees: a gcsfuse mount):
+  python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py --workdir=/gcs/BUCKET/bert_base
 Prerequisite: TFDS `wikipedia/20230601.en` prepared as array_record in --config.data_dir (needs
 the `tf` extra); add BooksCorpus as plain text with --config.text_dirs=/path/to/books.
 Hardware and time: the paper took 4 days on "4 Cloud TPUs in Pod configuration (16 TPU chips

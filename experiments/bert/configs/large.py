@@ -1,7 +1,7 @@
 """BERT-large pretraining, MLM + NSP (Devlin et al. 2018): base.py with L24/H1024/A16.
 
-Command (TPU v3-128 pod slice or 8 GPUs; a gs:// workdir on a pod):
-  python -m experiments.bert.pretrain --config=experiments/bert/configs/large.py --workdir=gs://BUCKET/bert_large
+Command (TPU v3-128 pod slice or 8 GPUs; on a pod, a workdir every worker sees: a gcsfuse mount):
+  python -m experiments.bert.pretrain --config=experiments/bert/configs/large.py --workdir=/gcs/BUCKET/bert_large
 Hardware and time: the paper took 4 days on 64 Cloud TPU chips (16 Cloud TPUs); not yet run
 with this code.
 Expected: GLUE average 82.1 and SQuAD v1.1 dev F1 90.9 after fine-tuning (paper, Tables 1 and

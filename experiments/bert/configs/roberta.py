@@ -1,7 +1,7 @@
 """RoBERTa-base pretraining recipe (Liu et al. 2019) on the BERT code path: MLM only.
 
 Command (TPU v3-128 or 8 GPUs):
-  python -m experiments.bert.pretrain --config=experiments/bert/configs/roberta.py --workdir=gs://BUCKET/roberta
+  python -m experiments.bert.pretrain --config=experiments/bert/configs/roberta.py --workdir=/gcs/BUCKET/roberta
 Differs from base.py where RoBERTa does: no NSP head, FULL-SENTENCES inputs (sentences packed
 to 512 tokens across document boundaries, a separator between documents), dynamic masking
 (a new mask every epoch), byte-level BPE 50k (cased), 512 tokens throughout (no phase 2),

@@ -1,7 +1,7 @@
 """GPT-2 small (124M) on lm1b, SentencePiece 32k vocabulary.
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/gpt2_small.py \
-               --workdir=gs://BUCKET/lm/gpt2_small          (append :runlocal for a CPU smoke run)
+               --workdir=/gcs/BUCKET/lm/gpt2_small          (append :runlocal for a CPU smoke run)
 Hardware:  TPU v4-32 or 8x H100, FSDP over all chips.
 Runtime:   ~10 h for 100k steps of 256 x 256 tokens (not yet measured on this codebase).
 Expected:  lm1b validation perplexity in the low 30s at 100k steps for a 124M model

@@ -1,7 +1,7 @@
 """Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) at ~160M on lm1b.
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama.py \
-               --workdir=gs://BUCKET/lm/llama                (append :runlocal for CPU)
+               --workdir=/gcs/BUCKET/lm/llama                (append :runlocal for CPU)
 Hardware:  TPU v4-32 or 8x H100; FSDP x tensor parallel.
 Runtime:   not yet measured on this codebase.
 Expected:  lm1b validation loss below the GPT-2-small config at equal tokens (Llama

@@ -1,6 +1,6 @@
 """Transformer base on WMT14 En->De (Vaswani et al. 2017, Table 3 row "base").
 
-Command (TPU v3-8 or 8 GPUs; add --workdir=gs://... on a pod):
+Command (TPU v3-8 or 8 GPUs; on a pod, a --workdir every worker sees, e.g. a gcsfuse mount /gcs/BUCKET/...):
   python -m experiments.translation.train --config=experiments/translation/configs/base.py \
       --workdir=/tmp/wmt_base
 Hardware and time: the paper trained 100k steps in 12 h on 8 P100s; expect a few hours on a TPU v3-8.

@@ -1,6 +1,6 @@
 """Transformer big on WMT14 En->De (Vaswani et al. 2017, Table 3 row "big").
 
-Command (TPU v3-32 / v4-16 or 8 GPUs; add --workdir=gs://... on a pod):
+Command (TPU v3-32 / v4-16 or 8 GPUs; on a pod, a --workdir every worker sees, e.g. a gcsfuse mount /gcs/BUCKET/...):
   python -m experiments.translation.train --config=experiments/translation/configs/big.py \
       --workdir=/tmp/wmt_big
 Hardware and time: the paper trained 300k steps in 3.5 days on 8 P100s; not yet run with this code.
