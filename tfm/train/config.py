@@ -35,14 +35,14 @@ class OptimizerConfig:
     eps: float = 1e-8
     bias_correction: bool = True     # adam / adamw; False: m / (sqrt(v) + eps) as BERT's
                                      # AdamWeightDecayOptimizer (no 1 - b^t divisors)
-    weight_decay: float = 0.0        # adamw / lamb
+    weight_decay: float = 0.0        # adamw / lamb / adafactor
     decay_mask: str = "kernels"      # "kernels": weight matrices and embeddings decay, biases
                                      # (any shape) and norm scales do not; or "all"
     schedule: str = "constant"       # "bert_linear": BERT's create_optimizer, whose linear decay
                                      # counts from step 0 (lr * (1 - step / decay_steps) after warmup)
     warmup_steps: int = 0
-    decay_steps: Optional[int] = None  # linear/cosine: defaults to the run's length
-    end_lr_factor: float = 0.0       # linear/cosine: final lr = peak * end_lr_factor
+    decay_steps: Optional[int] = None  # linear/cosine/bert_linear: defaults to the run's length
+    end_lr_factor: float = 0.0       # linear/cosine/bert_linear: final lr = peak * end_lr_factor
     noam_d_model: Optional[int] = None
     clip_grad_norm: Optional[float] = 1.0
 
@@ -64,7 +64,6 @@ class OptimizerConfig:
         self._check_every_set_field_is_read()
         if self.schedule == "noam" and self.warmup_steps < 1:
             raise ValueError("OptimizerConfig.warmup_steps must be >= 1 for the noam schedule")
-
 
     def _check_every_set_field_is_read(self) -> None:
         read = set(OPTIMIZER_READS[self.name]) | set(SCHEDULE_READS[self.schedule])
