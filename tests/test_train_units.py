@@ -152,3 +152,25 @@ def test_gradient_accumulation_equals_full_batch():
         np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("task_cls, field, value", [
+    ("RegressionTask", "label_smoothing", 0.1), ("RegressionTask", "z_loss", 1e-4), ("RegressionTask", "vocab_chunk", 8),
+    ("ClassificationTask", "vocab_chunk", 8), ("SpanTask", "vocab_chunk", 8), ("ImageClassificationTask", "vocab_chunk", 8),
+    ("ContrastiveTask", "label_smoothing", 0.1), ("ContrastiveTask", "vocab_chunk", 8),
+])
+def test_a_loss_field_the_task_does_not_read_is_refused(task_cls, field, value):
+    from tfm.train import tasks
+    cls = getattr(tasks, task_cls)
+    with pytest.raises(ValueError, match=rf"{task_cls}\.{field}={value!r} is not read by its loss"):
+        cls(**{field: value})
+    assert getattr(tasks.LMTask(**{field: value}), field) == value  # where it is read, accepted
+
+
+def test_moe_aux_weight_needs_a_model_with_experts():
+    from tfm.models import DecoderLM
+    from tfm.models.presets import tiny
+    from tfm.train import LMTask
+    with pytest.raises(ValueError, match=r"LMTask.moe_aux_weight=0.5 is not read: the model has no experts"):
+        Trainer(DecoderLM(tiny("decoder")), LMTask(moe_aux_weight=0.5), TrainConfig())
+    assert Trainer(DecoderLM(tiny("moe")), LMTask(moe_aux_weight=0.5), TrainConfig()).task.moe_aux_weight == 0.5

@@ -63,10 +63,16 @@ class Task:
     z_loss: float = 0.0
     moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
     vocab_chunk: Optional[int] = None  # fused chunked cross-entropy over the vocabulary; None = plain logits
+    reads = ("label_smoothing", "z_loss", "vocab_chunk")  # the loss fields this task's loss uses
 
     def __post_init__(self):
         if self.vocab_chunk is not None and self.vocab_chunk < 1:
             raise ValueError(f"Task.vocab_chunk must be >= 1 or None, got {self.vocab_chunk}")
+        for f in dataclasses.fields(Task):
+            if f.name in Task.reads and f.name not in self.reads and getattr(self, f.name) != f.default:
+                reads = ", ".join(self.reads) if self.reads else "none of " + ", ".join(Task.reads)
+                raise ValueError(f"{type(self).__name__}.{f.name}={getattr(self, f.name)!r} is not read by "
+                                 f"its loss (which reads {reads}); leave it at {f.default!r}")
 
     # --- per family -------------------------------------------------------------------
     def model_kwargs(self, batch: dict) -> dict:
@@ -258,6 +264,7 @@ class _FineTuneTask(Task):
 class ClassificationTask(_FineTuneTask):
     """Sentence (pair) classification from the pooled [CLS] state: GLUE."""
     term = "label"
+    reads = ("label_smoothing", "z_loss")
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)[self.term]
@@ -271,6 +278,7 @@ class ClassificationTask(_FineTuneTask):
 class RegressionTask(_FineTuneTask):
     """A real-valued score from the pooled [CLS] state, squared-error loss: GLUE STS-B."""
     term = "score"
+    reads = ()
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)[self.term].astype(jnp.float32)
@@ -282,6 +290,7 @@ class SpanTask(_FineTuneTask):
     """Answer start and end positions over the sequence (SQuAD): the mean of the two
     cross-entropies, as Devlin et al.; "accuracy" counts rows with both ends right."""
     term = "span"
+    reads = ("label_smoothing", "z_loss")
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)[self.term]
@@ -358,6 +367,7 @@ class ImageClassificationTask(Task):
     Batch: images [B, H, W, C] float; label [B]; optional weights [B] (0 = a padding row).
     """
     term = "label"
+    reads = ("label_smoothing", "z_loss")
 
     def model_kwargs(self, batch):
         return {"images": batch["images"]}
@@ -393,6 +403,7 @@ class ContrastiveTask(Task):
 
     temperature: float = 0.05
     term = "contrastive"
+    reads = ("z_loss",)
 
     def __post_init__(self):
         super().__post_init__()

@@ -47,6 +47,9 @@ class Trainer:
     """
 
     def __init__(self, model, task, config: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None):
+        if task.moe_aux_weight != 1.0 and not getattr(model.config, "num_experts", 0):
+            raise ValueError(f"{type(task).__name__}.moe_aux_weight={task.moe_aux_weight!r} is not read: the "
+                             "model has no experts (ModelConfig.num_experts=0); leave it at 1.0")
         self.model, self.task, self.config = model, task, config
         self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
         styles = parallel.parse_parallelism(config.parallelism)
