@@ -25,6 +25,16 @@ def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
         raise ValueError(f"{name} must lie in [0, {vocab_size}); got values in [{lo}, {hi}]")
 
 
+def take_rows(table, rows):
+    """table [R, D] read at int rows [...] -> [..., D]; a row outside [0, R) gives NaN.
+
+    jnp.take wraps negative rows to the end of the table (numpy indexing) and fills rows >= R
+    with NaN; moving negatives past the end too makes every out-of-range row NaN, never another row.
+    """
+    rows = jnp.where(rows < 0, table.shape[0], rows)
+    return jnp.take(table, rows, axis=0, mode="fill", fill_value=jnp.nan)
+
+
 class Embed(nn.Module):
     """Lookup [B, T] -> [B, T, D]; tied output layers read `embedding` [V, D] (tfm.models.embedding)."""
 
@@ -40,10 +50,7 @@ class Embed(nn.Module):
             (self.num_embeddings, self.features), jnp.float32)
 
     def __call__(self, ids):
-        # jnp.take wraps negative ids to the end of the table (numpy indexing) and fills ids >= V
-        # with NaN; moving negatives past the end too makes every out-of-range id embed as NaN.
-        ids = jnp.where(ids < 0, self.num_embeddings, ids)
-        return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
+        return take_rows(self.embedding, ids).astype(self.dtype)  # an id outside [0, V) embeds as NaN
 
 
 def sinusoidal_table(positions, features: int):
@@ -70,9 +77,7 @@ class PositionEmbedding(nn.Module):
             return sinusoidal_table(positions, cfg.d_model).astype(compute_dtype(cfg))
         table = self.param("embedding", param_init(nn.initializers.normal(0.02), ("length", "embed")),
                            (cfg.max_len, cfg.d_model), jnp.float32)
-        rows = positions + cfg.position_offset
-        rows = jnp.where(rows < 0, cfg.max_len, rows)  # as in Embed: every row outside the table is NaN
-        return jnp.take(table, rows, axis=0, mode="fill", fill_value=jnp.nan).astype(compute_dtype(cfg))
+        return take_rows(table, positions + cfg.position_offset).astype(compute_dtype(cfg))
 
 
 def rope_frequencies(config: ModelConfig, max_position=None):
