@@ -9,7 +9,7 @@ from __future__ import annotations
 from tfm.config import ModelConfig
 from tfm.convert import marian
 from tfm.convert.export import hf_activation
-from tfm.convert.common import Converter, HFConfig, Weights, norm, output_head, stack_layers
+from tfm.convert.common import Converter, HFConfig, Weights, norm, add_output_head, stack_layers
 from tfm.models import EncoderDecoder
 
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
@@ -51,7 +51,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
            "decoder": stack_layers([marian._layer(w, f"model.decoder.layers.{i}", cfg, True)
                                     for i in range(cfg.decoder_layers)], cfg.scan_layers),
            "output": {"bias": w("final_logits_bias", (1, V))[0]}}
-    out["output"].update(output_head(w, shared, cfg))
+    add_output_head(out, w, shared, cfg)
     return out
 
 

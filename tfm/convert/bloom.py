@@ -7,7 +7,7 @@ query_key_value interleaved per head ([N, 3, H]), tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, output_head,
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
                                 split_qkv, stack_layers)
 from tfm.models import DecoderLM
 
@@ -41,9 +41,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     out = {"embed": {"embedding": embedding},
            "input": {"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)},
            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    head = output_head(w, embedding, cfg)
-    if head:
-        out["output"] = head
+    add_output_head(out, w, embedding, cfg)
     return out
 
 

@@ -187,13 +187,14 @@ def linear(w: Weights, prefix: str, bias: bool = True) -> dict:
     return dense(w(f"{prefix}.weight"), w(f"{prefix}.bias") if bias else None)
 
 
-def output_head(w: Weights, embedding, cfg) -> dict:
-    """The untied output projection {"lm_head": {"kernel": [D, V]}} from `lm_head.weight`, or {}
-    when cfg.tie_embeddings (HF's lm_head.weight must then equal `embedding`)."""
+def add_output_head(params: dict, w: Weights, embedding, cfg) -> None:
+    """Adds the untied output projection params["output"]["lm_head"] {"kernel": [D, V]} from
+    `lm_head.weight`; with cfg.tie_embeddings adds nothing (HF's lm_head.weight must then equal
+    `embedding`)."""
     if cfg.tie_embeddings:
         w.tied("lm_head.weight", embedding, "tie_word_embeddings")
-        return {}
-    return {"lm_head": {"kernel": w("lm_head.weight", (cfg.vocab_size, cfg.d_model)).T}}
+    else:
+        params.setdefault("output", {})["lm_head"] = {"kernel": w("lm_head.weight", (cfg.vocab_size, cfg.d_model)).T}
 
 
 def norm(w: Weights, prefix: str, kind: str) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, output_head, stack_layers
+from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, add_output_head, stack_layers
 from tfm.convert.export import hf_activation
 from tfm.models import DecoderLM
 
@@ -53,9 +53,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
            "decoder": {**stack_layers([_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)],
                                       cfg.scan_layers),
                        "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    head = output_head(w, embedding, cfg)
-    if head:
-        out["output"] = head
+    add_output_head(out, w, embedding, cfg)
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, output_head,
+from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
                                 rope, stack_layers)
 from tfm.convert.export import hf_activation, hf_rope
 from tfm.models import DecoderLM
@@ -54,9 +54,7 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
     layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
     out = {"embed": {"embedding": embedding},
            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "model.norm", cfg.norm)}}
-    head = output_head(w, embedding, cfg)
-    if head:
-        out["output"] = head
+    add_output_head(out, w, embedding, cfg)
     return out
 
 

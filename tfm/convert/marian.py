@@ -10,7 +10,7 @@ import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
-                                output_head, stack_layers)
+                                add_output_head, stack_layers)
 from tfm.convert.export import hf_activation
 from tfm.layers.embeddings import sinusoidal_table
 from tfm.models import EncoderDecoder
@@ -81,7 +81,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     out["decoder"] = stack_layers([_layer(w, f"model.decoder.layers.{i}", cfg, True)
                                    for i in range(cfg.decoder_layers)], cfg.scan_layers)
     out["output"] = {"bias": w("final_logits_bias", (1, V))[0]}
-    out["output"].update(output_head(w, target, cfg))
+    add_output_head(out, w, target, cfg)
     return out
 
 

@@ -10,7 +10,7 @@ so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, norm, output_head,
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, norm, add_output_head,
                                 stack_layers)
 from tfm.models import EncoderDecoder
 
@@ -90,9 +90,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
         w.tied(f"{side}.embed_tokens.weight", shared, "the shared embedding")
     out = {"embed": {"embedding": shared}, "encoder": _stack(w, "encoder", cfg, cfg.num_layers),
            "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
-    head = output_head(w, shared, cfg)
-    if head:
-        out["output"] = head
+    add_output_head(out, w, shared, cfg)
     return out
 
 
