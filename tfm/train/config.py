@@ -21,6 +21,17 @@ OPTIMIZERS, SCHEDULES = tuple(OPTIMIZER_READS), tuple(SCHEDULE_READS)
 _READ_SOMETIMES = {f for reads in (*OPTIMIZER_READS.values(), *SCHEDULE_READS.values()) for f in reads}
 
 
+def refuse_unread(obj, candidates, read, context: str) -> None:
+    """Raises ValueError naming the first field of dataclass `obj` among `candidates` that is set
+    to other than its default although it is not in `read` (what the chosen variant uses), so a
+    value nothing reads is never dropped silently; `context` says why it is not read."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in candidates and f.name not in read and value != f.default:
+            raise ValueError(f"{type(obj).__name__}.{f.name}={value!r} is not read {context}; "
+                             f"leave it at its default {f.default!r}")
+
+
 def _require(ok: bool, owner: str, field: str, value, what: str) -> None:
     if not ok:
         raise ValueError(f"{owner}.{field} must be {what}, got {value!r}")
@@ -61,18 +72,11 @@ class OptimizerConfig:
         check(0 <= self.end_lr_factor <= 1, "end_lr_factor", "in [0, 1]")
         check(self.noam_d_model is None or self.noam_d_model >= 1, "noam_d_model", "None or >= 1")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "None or > 0")
-        self._check_every_set_field_is_read()
+        read = set(OPTIMIZER_READS[self.name]) | set(SCHEDULE_READS[self.schedule])
+        refuse_unread(self, _READ_SOMETIMES, read, f"with name={self.name!r} and schedule={self.schedule!r} "
+                      f"(they read {sorted(read)}; another optimizer or schedule may)")
         if self.schedule == "noam" and self.warmup_steps < 1:
             raise ValueError("OptimizerConfig.warmup_steps must be >= 1 for the noam schedule")
-
-    def _check_every_set_field_is_read(self) -> None:
-        read = set(OPTIMIZER_READS[self.name]) | set(SCHEDULE_READS[self.schedule])
-        for f in dataclasses.fields(self):
-            if f.name in _READ_SOMETIMES and f.name not in read and getattr(self, f.name) != f.default:
-                raise ValueError(
-                    f"OptimizerConfig.{f.name}={getattr(self, f.name)!r} is not read with name={self.name!r} "
-                    f"and schedule={self.schedule!r} (they read {sorted(read)}); leave it at its default "
-                    f"{f.default!r} or choose an optimizer or schedule that uses it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +113,8 @@ class TrainConfig:
             check(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field, "an integer >= 0")
         check(self.on_nonfinite in ("stop", "skip"), "on_nonfinite", "'stop' or 'skip'")
         check(self.keep_best_mode in ("max", "min"), "keep_best_mode", "'max' or 'min'")
-        if self.keep_best is None and self.keep_best_mode != "max":
-            raise ValueError(f"TrainConfig.keep_best_mode={self.keep_best_mode!r} is not read without "
-                             "TrainConfig.keep_best (the eval metric to keep the best checkpoint of)")
+        refuse_unread(self, ("keep_best_mode",), () if self.keep_best is None else ("keep_best_mode",),
+                      "without TrainConfig.keep_best (the eval metric to keep the best checkpoint of)")
         check(self.peak_flops_per_device is None or self.peak_flops_per_device > 0,
               "peak_flops_per_device", "None or > 0")
         if self.batch_size % self.microbatches:

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from tfm.train.config import refuse_unread
 from tfm.train.losses import cross_entropy, fused_cross_entropy
 
 
@@ -68,11 +69,8 @@ class Task:
     def __post_init__(self):
         if self.vocab_chunk is not None and self.vocab_chunk < 1:
             raise ValueError(f"Task.vocab_chunk must be >= 1 or None, got {self.vocab_chunk}")
-        for f in dataclasses.fields(Task):
-            if f.name in Task.reads and f.name not in self.reads and getattr(self, f.name) != f.default:
-                reads = ", ".join(self.reads) if self.reads else "none of " + ", ".join(Task.reads)
-                raise ValueError(f"{type(self).__name__}.{f.name}={getattr(self, f.name)!r} is not read by "
-                                 f"its loss (which reads {reads}); leave it at {f.default!r}")
+        reads = ", ".join(self.reads) if self.reads else "none of " + ", ".join(Task.reads)
+        refuse_unread(self, Task.reads, self.reads, f"by its loss (which reads {reads})")
 
     # --- per family -------------------------------------------------------------------
     def model_kwargs(self, batch: dict) -> dict:
