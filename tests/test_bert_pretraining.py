@@ -19,6 +19,7 @@ from experiments.bert import pretrain
 from experiments.bert.configs import base, large, roberta
 from experiments import common
 from experiments.bert.settings import BertSettings
+from test_train_units import bert_learning_rate
 from tfm import parallel
 from tfm.data import pretraining, sources, synthetic, tokenizers
 from tfm.models import EncoderModel, presets
@@ -185,12 +186,6 @@ def _check_moments_carry(before, after, b1=0.9, b2=0.999):
     np.testing.assert_allclose((nu1 - b2 * nu0) / (1 - b2), g ** 2, rtol=2e-2, atol=1e-4 * np.max(g ** 2))
 
 
-def _lr(step, peak=1e-2, warmup=2, decay=6):
-    """Google BERT's schedule, written out: linear warmup to `peak`, then a linear decay to 0
-    at `decay` that counts from step 0 (peak * (1 - step / decay))."""
-    return peak * step / warmup if step < warmup else peak * (1 - step / decay)
-
-
 def _train_lrs(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return {r["step"]: r["lr"] for r in map(json.loads, f) if r["split"] == "train"}
@@ -212,7 +207,7 @@ def test_phase_switch_in_one_run(tmp_path):
     lrs = _train_lrs(workdir)
     assert sorted(lrs) == [1, 2, 3]
     for step, lr in lrs.items():  # logged at the step's start: schedule(step - 1)
-        assert lr == pytest.approx(_lr(step - 1), rel=1e-5)
+        assert lr == pytest.approx(bert_learning_rate(step - 1, peak=1e-2, warmup=2, total=6), rel=1e-5)
 
     changed = _tiny_config(tmp_path, phase2_start_step=0, num_train_steps=3, max_seq_length=64)
     assert pretrain.train_and_evaluate(changed, workdir, mesh=one_device)["step"] == 3  # restored, not refused

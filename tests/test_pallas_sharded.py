@@ -140,6 +140,7 @@ def test_no_mesh_calls_the_kernel_directly():
 
 
 _CUSTOM_CALLS = {"tpu": "@tpu_custom_call", "cuda": "@__gpu$xla.gpu.triton"}
+_KERNEL_BUILDS = {"tpu": ("tpu", BlockSizes(128, 128)), "cuda": ("gpu", BlockSizes(16, 16))}  # backend, tiles
 
 
 def _custom_call_leading_dims(line: str):
@@ -150,6 +151,14 @@ def _custom_call_leading_dims(line: str):
     return {shape[:2] for shape in shapes if len(shape) == 4}
 
 
+def _lowered_kernel_operands(text: str, platform: str) -> set:
+    """{(B, N or K)} of the kernel operands in a module lowered for `platform`, which must hold
+    exactly the forward, dQ and dK/dV kernel calls."""
+    calls = [line for line in text.splitlines() if _CUSTOM_CALLS[platform] in line]
+    assert len(calls) == 3, f"expected fwd, dq, dkv kernel calls for {platform}, found {len(calls)}"
+    return set().union(*map(_custom_call_leading_dims, calls))
+
+
 @pytest.mark.parametrize("mesh_name", ["fsdp4_tensor2", "data2_tensor4"])
 @pytest.mark.parametrize("platform", list(_CUSTOM_CALLS))
 def test_sharded_call_lowers_for_accelerators_on_per_device_shapes(platform, mesh_name):
@@ -157,7 +166,7 @@ def test_sharded_call_lowers_for_accelerators_on_per_device_shapes(platform, mes
     case = "causal_gqa_packed_alibi"
     N, K, _ = CASES[case]
     _, _, b_local, n_shards = MESHES[mesh_name]
-    backend, blocks = {"tpu": ("tpu", BlockSizes(128, 128)), "cuda": ("gpu", BlockSizes(16, 16))}[platform]
+    backend, blocks = _KERNEL_BUILDS[platform]
     attention = lambda *a, **kw: pallas.attention(*a, block_sizes=blocks, backend=backend,
                                                   interpret=False, **kw)
     mesh, rules = _mesh_and_rules(mesh_name)
@@ -166,25 +175,27 @@ def test_sharded_call_lowers_for_accelerators_on_per_device_shapes(platform, mes
               for x, spec in zip(_inputs(N, K), (q_spec, kv_spec, kv_spec, q_spec))]
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         lowered = jax.jit(_loss(case, "pallas", attention)).trace(*shapes).lower(lowering_platforms=(platform,))
-    text = lowered.as_text()
-    calls = [line for line in text.splitlines() if _CUSTOM_CALLS[platform] in line]
-    assert len(calls) == 3, f"expected fwd, dq, dkv kernel calls for {platform}, found {len(calls)}"
-    operand_shapes = set().union(*map(_custom_call_leading_dims, calls))
+    operand_shapes = _lowered_kernel_operands(lowered.as_text(), platform)
     print(platform, mesh_name, "kernel operands [B, N|K] per device:", sorted(operand_shapes))
     kv_local = max(K, n_shards) // n_shards
     assert operand_shapes == {(b_local, N // n_shards), (b_local, kv_local)}, operand_shapes
 
 
-def _train(impl: str, steps: int = 2):
-    """Losses of a Llama-style (N 4, K 2) decoder trained on (fsdp=4, tensor=2), and the
-    pallas_calls of its traced train step."""
+def _llama_trainer(impl: str, steps: int = 2):
+    """(Trainer, batch) of a Llama-style (N 4, K 2) decoder on (fsdp=4, tensor=2)."""
     mesh_cfg, parallelism, _, _ = MESHES["fsdp4_tensor2"]
     model = DecoderLM(presets.tiny("llama", num_layers=1, attention_impl=impl))
     tokens = np.random.default_rng(0).integers(1, 64, (B, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((B, 16), np.float32)}
     cfg = TrainConfig(num_train_steps=steps, batch_size=B, mesh=mesh_cfg, parallelism=parallelism,
                       optimizer=OptimizerConfig(name="adam", learning_rate=5e-3))
-    trainer = Trainer(model, LMTask(), cfg, make_mesh(mesh_cfg)).setup(batch)
+    return Trainer(model, LMTask(), cfg, make_mesh(mesh_cfg)).setup(batch), batch
+
+
+def _train(impl: str, steps: int = 2):
+    """Losses of the `_llama_trainer` model trained for `steps`, and the pallas_calls of its
+    traced train step."""
+    trainer, batch = _llama_trainer(impl, steps)
     state, losses = trainer.init_state(), []
     with trainer.context():  # the jitted step, traced as train_step would trace it
         calls = list(_pallas_calls(trainer._step.trace(state, trainer.global_batch(batch)).jaxpr.jaxpr))
@@ -208,25 +219,17 @@ def test_sharded_train_step_lowers_for_accelerators_on_per_device_shapes(platfor
     """The Trainer's whole jitted step (Llama-style, N 4, K 2, on fsdp=4 x tensor=2) lowered from
     CPU for TPU or CUDA, the kernels compiled for that platform: three kernel calls, each on
     [B/4, N/2 | K/2] blocks."""
-    backend, blocks = {"tpu": ("tpu", BlockSizes(128, 128)), "cuda": ("gpu", BlockSizes(16, 16))}[platform]
+    backend, blocks = _KERNEL_BUILDS[platform]
     compiled = pallas.flash_attention.flash_attention
     monkeypatch.setattr(pallas.flash_attention, "flash_attention", lambda *a, **kw: compiled(
         *a, **{**kw, "backend": backend, "interpret": False, "block_sizes": blocks}))
-    mesh_cfg, parallelism, _, _ = MESHES["fsdp4_tensor2"]
-    model = DecoderLM(presets.tiny("llama", num_layers=1, attention_impl="pallas"))
-    batch = {"inputs": np.ones((B, 16), np.int32), "targets": np.ones((B, 16), np.int32),
-             "weights": np.ones((B, 16), np.float32)}
-    cfg = TrainConfig(batch_size=B, mesh=mesh_cfg, parallelism=parallelism,
-                      optimizer=OptimizerConfig(name="adam", learning_rate=5e-3))
-    trainer = Trainer(model, LMTask(), cfg, make_mesh(mesh_cfg)).setup(batch)
+    trainer, batch = _llama_trainer("pallas")
     global_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
                     for k, v in batch.items()}
     with trainer.context():
         text = trainer._step.trace(trainer.abstract_state, global_batch).lower(
             lowering_platforms=(platform,)).as_text()
-    calls = [line for line in text.splitlines() if _CUSTOM_CALLS[platform] in line]
-    assert len(calls) == 3, f"expected fwd, dq, dkv kernel calls for {platform}, found {len(calls)}"
-    operand_shapes = set().union(*map(_custom_call_leading_dims, calls))
+    operand_shapes = _lowered_kernel_operands(text, platform)
     print(platform, "train step kernel operands [B, N|K] per device:", sorted(operand_shapes))
     assert operand_shapes == {(B // 4, 2), (B // 4, 1)}, operand_shapes
 
