@@ -75,17 +75,21 @@ def test_host_check_passes_good_batches_and_any_padding_target(layout):
     check_batch(task, batch, config)
 
 
-@functools.lru_cache(maxsize=None)
-def jitted_loss(layout: str, vocab_chunk):
-    model, task, _ = task_and_config(layout, vocab_chunk)
-    batch = good_batch(layout)
-    params = task.init_variables(model, jax.random.PRNGKey(0), batch)["params"]
+def loss_under_jit(model, task, example_batch):
+    """batch -> the task's loss under jit, with parameters initialised from `example_batch`."""
+    params = task.init_variables(model, jax.random.PRNGKey(0), example_batch)["params"]
 
     @jax.jit
     def loss(batch):
         return task.loss(model, params, batch, jax.random.PRNGKey(1), task.weight_totals(batch),
                          deterministic=True)[1]["loss"]
     return loss
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_loss(layout: str, vocab_chunk):
+    model, task, _ = task_and_config(layout, vocab_chunk)
+    return loss_under_jit(model, task, good_batch(layout))
 
 
 @pytest.mark.parametrize("vocab_chunk", [None, 16])
@@ -152,9 +156,7 @@ def test_learned_positions_outside_the_table_are_refused_and_nan_under_jit(layou
     bad = with_value(batch, key, value)
     with pytest.raises(ValueError, match=rf"batch\['{key}'\] has id {value} outside \[0, 16\).* at row 1"):
         check_batch(task, bad, config)
-    params = task.init_variables(model, jax.random.PRNGKey(0), batch)["params"]
-    loss = jax.jit(lambda b: task.loss(model, params, b, jax.random.PRNGKey(1), task.weight_totals(b),
-                                       deterministic=True)[1]["loss"])
+    loss = loss_under_jit(model, task, batch)
     assert np.isfinite(loss(batch))
     assert np.isnan(loss(bad))  # -1 no longer reads the table's last row
 
