@@ -76,7 +76,7 @@ def get_config(arg: str = ""):
 
 
 def shrink(c) -> None:
-    """`runlocal`: the same recipe and keys at CPU size on the generated corpus (~8 min alone)."""
+    """`runlocal`: the same recipe and keys at CPU size on the generated corpus (~5 min alone)."""
     c.model.overrides.update(d_model=96, num_heads=4, num_layers=2, d_ff=384, max_len=96,
                              dropout_rate=0.0, attention_dropout=0.0)
     c.dataset, c.synthetic_documents, c.eval_documents, c.eval_batches = "synthetic_topics", 4000, 300, 4
