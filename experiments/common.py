@@ -189,7 +189,8 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
             require_filesystem_path(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
             result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
         except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError) as e:
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")  # one write: no thread splits the line
+            sys.stderr.flush()
             os._exit(EXIT_ERROR)  # skip interpreter teardown: background threads would print noise
         if preempted(result):
             print("preempted: the checkpoint is saved; run the same command to resume", flush=True)

@@ -108,3 +108,29 @@ def test_corrupt_checkpoint_falls_back_to_the_older_one_and_keeps_it(run, tmp_pa
     moved = list((tmp_path / "checkpoints.broken").iterdir())
     assert len(moved) == 1 and moved[0].name.startswith("4-")
     assert sorted(p.relative_to(moved[0]) for p in moved[0].rglob("*")) == broken_files  # moved whole
+
+
+def test_only_orphaned_tensorstore_completions_are_silenced(monkeypatch):
+    """After a failed read, tensorstore completes sibling reads on a closed asyncio loop; those
+    are dropped (they printed tracebacks into the CLI's one-line error), nothing else is."""
+    import asyncio
+    import sys
+    import types
+    from tfm.train import checkpoint
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    checkpoint._ignore_orphaned_read_completions()
+    checkpoint._ignore_orphaned_read_completions()  # installed once, not stacked
+    loop = asyncio.new_event_loop()
+    loop.close()
+
+    def report(fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            sys.unraisablehook(types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=e.__traceback__))
+
+    report(loop.call_soon_threadsafe, print)  # an orphaned completion: dropped
+    report(loop.call_soon, print)             # same message, not from a cross-thread completion
+    report(lambda: 1 / 0)
+    assert [type(u.exc_value).__name__ for u in seen] == ["RuntimeError", "ZeroDivisionError"]

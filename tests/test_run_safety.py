@@ -3,7 +3,6 @@ stops the run with its last good checkpoint, and the command line's exit statuse
 stay truthful across preemptions and resumes."""
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -106,13 +105,9 @@ def _cli(workdir, *overrides, background=False):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-# tensorstore can print this from a reader thread after orbax's failed metadata read closed its loop
-_TENSORSTORE_NOISE = re.compile(r"Traceback \(most recent call last\):\n(?:  .*\n)*RuntimeError: Event loop is closed\n")
-
-
 def _error_lines(stderr: str) -> list[str]:
-    """stderr lines that are not absl logs nor the known third-party teardown noise."""
-    return [line for line in _TENSORSTORE_NOISE.sub("", stderr).splitlines()
+    """stderr lines that are not absl logs: nothing else may be printed beside the error."""
+    return [line for line in stderr.splitlines()
             if line.strip() and not line.startswith(("W", "I"))]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import sys
 import time
 from typing import Any, Optional
 
@@ -63,6 +64,33 @@ class DataStateHandler(ocp.CheckpointHandler):
 @dataclasses.dataclass
 class DataStateArgs(ocp.args.CheckpointArgs):
     state: Any = None
+
+
+def _is_orphaned_read_completion(unraisable) -> bool:
+    """A tensorstore read finishing after the asyncio loop that awaited it was closed (orbax
+    closes it when a sibling read of the same checkpoint fails): nobody wants its result."""
+    frames, tb = [], unraisable.exc_traceback
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and "call_soon_threadsafe" in frames)
+
+
+def _ignore_orphaned_read_completions() -> None:
+    """Installs (once) an unraisable-exception hook that drops those completions, which tensorstore
+    reports from its own threads at any time after the failed read, even into the one-line
+    error of the command line; every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_tfm_orphaned_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _is_orphaned_read_completion(unraisable):
+            previous(unraisable)
+
+    hook._tfm_orphaned_reads = True
+    sys.unraisablehook = hook
 
 
 def _key(entry) -> str:
@@ -120,6 +148,7 @@ class Checkpointer:
         `abstract_state` (a tree of jax.ShapeDtypeStruct with .sharding)."""
         step = self.latest_step() if step is None else step
         where = f"{self.directory}/{step}"
+        _ignore_orphaned_read_completions()
         if step is None or step not in self.all_steps():
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
                                   f"(available: {self.all_steps()})")
