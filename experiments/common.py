@@ -111,6 +111,17 @@ class Experiment:
         return {**self.raw, "model_config": dataclasses.asdict(model_config)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Blueprint:
+    """What an experiment trains, built without data (experiments.preflight): the model, the
+    task, the TrainConfig and, per batch shape the run trains on (BERT's two phases), a global
+    batch of jax.ShapeDtypeStruct with the pipeline's keys, shapes and dtypes."""
+    model: Any
+    task: Any
+    train: TrainConfig
+    batches: dict
+
+
 def settings_of(config, settings_cls):
     """Only the experiment's own settings (what it needs before the TrainConfig is complete)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 SUBMODULES = ("config", "convert", "data", "decode", "kernels", "layers", "models", "ops",
-              "parallel", "train")
+              "parallel", "preflight", "train")
 
 __all__ = list(SUBMODULES)
 

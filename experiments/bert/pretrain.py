@@ -177,6 +177,20 @@ def _check_model(mcfg, settings: BertSettings, longest: int) -> None:
                          f"{'with' if settings.next_sentence else 'without'} 'nsp', got {mcfg.heads}")
 
 
+def blueprint(config, num_devices: int) -> common.Blueprint:
+    """What `train_and_evaluate` trains, without data: the vocabulary is config.vocab_size; one
+    batch shape per phase."""
+    exp = common.resolve(config, BertSettings, MLMTask)
+    s = exp.settings
+    mcfg = exp.model(s.vocab_size)
+    first, second = phases(s, exp.train.batch_size)
+    _check_model(mcfg, s, max(first.max_seq_length, second.max_seq_length if second else 0))
+    batches = {f"phase {i + 1} ({p.max_seq_length} tokens)": pretraining.pretraining_batch_spec(
+        p.batch_size, p.max_seq_length, p.max_predictions, s.next_sentence)
+        for i, p in enumerate(filter(None, (first, second)))}
+    return common.Blueprint(EncoderModel(mcfg), exp.task, exp.train, batches)
+
+
 def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
     """Pretrains per `config` in `workdir` (resuming if checkpoints exist); returns the final
     held-out metrics (METRICS), the most-frequent-token baseline and the histories. `mesh`:

@@ -46,6 +46,14 @@ def unigram_entropy(texts, tokenizer) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def blueprint(config, num_devices: int) -> common.Blueprint:
+    """What `train_and_evaluate` trains, without data: the vocabulary is config.vocab_size."""
+    exp = common.resolve(config, LMSettings, LMTask)
+    model = DecoderLM(exp.model(exp.settings.vocab_size))
+    return common.Blueprint(model, exp.task, exp.train,
+                            {"train": pipeline.lm_batch_spec(exp.train.batch_size, exp.settings.seq_len)})
+
+
 def train_and_evaluate(config, workdir: str):
     """Train, evaluate and sample; returns the TrainResult with `.unigram_entropy` and
     `.samples` added."""

@@ -44,6 +44,20 @@ def batch_rows(settings, train, tok) -> dict:
     return {"batch_size": rows}
 
 
+def blueprint(config, num_devices: int) -> common.Blueprint:
+    """What `train_and_evaluate` trains, without data: the vocabulary is config.vocab_size and a
+    token budget gives fully packed rows (the real run measures packing on its data, which
+    gives a few more rows), rounded up to a multiple of the device count."""
+    s = common.settings_of(config, TranslationSettings)
+    rows = {}
+    if s.tokens_per_batch:
+        rows = {"batch_size": -(-s.tokens_per_batch // (s.max_length * num_devices)) * num_devices}
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **rows)
+    model = EncoderDecoder(exp.model(s.vocab_size))
+    return common.Blueprint(model, exp.task, exp.train,
+                            {"train": pipeline.seq2seq_batch_spec(exp.train.batch_size, s.max_length)})
+
+
 def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, alpha: float,
               batch_size: int = 64, extra_length: int = 50) -> list[str]:
     """Translations of English sentences (beam search; greedy when beam_size is 1), each at most

@@ -28,6 +28,7 @@ import functools
 from typing import Any, Sequence
 
 import grain
+import jax
 import numpy as np
 
 from tfm.data.sources import as_text
@@ -110,6 +111,12 @@ def _lm_output(ex: Example) -> Example:
             "positions": ex["inputs_positions"], "weights": (seg > 0).astype(np.int32)}
 
 
+def lm_batch_spec(batch_size: int, seq_len: int) -> dict:
+    """The shapes and dtypes of `lm_dataset`'s batches, without data (tfm.preflight)."""
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32)
+            for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+
+
 def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
                seq_len: int, text_key: str = "text", pack: bool = True,
                shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
@@ -151,6 +158,13 @@ def _seq2seq_output(ex: Example) -> Example:
     out = {k: ex[k] for k in keys}
     out["weights"] = (ex["targets_segment_ids"] > 0).astype(np.int32)
     return out
+
+
+def seq2seq_batch_spec(batch_size: int, max_length: int) -> dict:
+    """The shapes and dtypes of `seq2seq_dataset`'s batches, without data (tfm.preflight)."""
+    keys = ("inputs", "inputs_segment_ids", "inputs_positions", "targets_in", "targets",
+            "targets_segment_ids", "targets_positions", "weights")
+    return {k: jax.ShapeDtypeStruct((batch_size, max_length), np.int32) for k in keys}
 
 
 def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,

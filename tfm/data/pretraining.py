@@ -34,6 +34,7 @@ import random
 from typing import Sequence
 
 import grain
+import jax
 import numpy as np
 
 from tfm.data.pipeline import fixed_batches, host_batch_size, records
@@ -197,6 +198,18 @@ def _features(instance: Instance, rng: np.random.Generator, *, tokenizer: WordPi
     if label >= 0:
         out["nsp_label"] = np.asarray(label, np.int32)
     return out
+
+
+def pretraining_batch_spec(batch_size: int, max_seq_length: int, max_predictions_per_seq: int,
+                           next_sentence: bool = True) -> dict:
+    """The shapes and dtypes of `pretraining_dataset`'s batches, without data (tfm.preflight)."""
+    spec = {k: jax.ShapeDtypeStruct((batch_size, max_seq_length), np.int32)
+            for k in ("input_ids", "token_type_ids", "attention_mask")}
+    spec.update({k: jax.ShapeDtypeStruct((batch_size, max_predictions_per_seq), np.int32)
+                 for k in ("mlm_positions", "mlm_ids", "mlm_weights")})
+    if next_sentence:
+        spec["nsp_label"] = jax.ShapeDtypeStruct((batch_size,), np.int32)
+    return spec
 
 
 def pretraining_dataset(documents: Sequence[Sequence[str]], tokenizer: WordPieceTokenizer, *,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from tfm.ops.masks import visibility
 from tfm.ops.shard import per_device
+from tfm.parallel.mesh import current_platform
 
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
@@ -26,8 +27,8 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
         raise ValueError("impl='cudnn' has no logit soft-cap; use impl='pallas'")
     if window is not None and not causal:
         raise ValueError("impl='cudnn' supports a sliding window only with causal=True; use impl='pallas'")
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"impl='cudnn' needs a GPU backend, not {jax.default_backend()!r}")
+    if current_platform() != "gpu":
+        raise ValueError(f"impl='cudnn' needs GPU devices, not {current_platform()!r}")
     kernel = functools.partial(_cudnn, causal=causal, window=window, scale=scale)
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 from tfm.kernels import flash_attention
 from tfm.ops.shard import per_device
+from tfm.parallel.mesh import current_platform
 
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
@@ -18,10 +19,13 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
               backend: Optional[str] = None, interpret: Optional[bool] = None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
-    block_sizes: kernel tiles (default: per backend). backend / interpret: as in
-    `flash_attention.flash_attention` (default: the JAX default backend, interpreted on CPU);
-    naming a backend lets a CPU machine lower the kernels for "tpu" or "gpu".
+    block_sizes: kernel tiles (default: per backend). backend: "tpu", "gpu" or "cpu" (default:
+    the current mesh's platform, so a CPU host compiling for compile-only TPU or GPU devices
+    builds their kernels); interpret: run the Pallas interpreter (default: on "cpu").
     """
+    backend = backend or current_platform()
+    interpret = backend == "cpu" if interpret is None else interpret
+
     def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes):
         return flash_attention.flash_attention(
             q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

@@ -6,18 +6,17 @@ there the choice is provisional: the Pallas kernels, which support every mask fe
 """
 from __future__ import annotations
 
-import jax
+from tfm.parallel.mesh import current_platform
 
 # Above this many fp32 logit bytes (B*N*T*S*4) the xla reference's memory dominates on CPU.
 _CPU_XLA_MAX_LOGIT_BYTES = 1 << 30
 
 
 def choose_impl(q, k, *, dropout_rate: float = 0.0, positions_given: bool = False) -> str:
-    """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the default backend."""
+    """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the current mesh's platform."""
     if dropout_rate > 0.0 or positions_given:
         return "xla"  # only xla implements dropout and explicit (KV-cache) positions
-    backend = jax.default_backend()
-    if backend in ("gpu", "tpu"):
+    if current_platform() in ("gpu", "tpu"):
         return "pallas"
     B, T, N, _ = q.shape
     logit_bytes = B * N * T * k.shape[1] * 4

@@ -8,8 +8,9 @@ device (no context parallelism; a rule for "length" is not used here).
 
 The mesh is the one `jax.set_mesh` makes current and the rules those of
 `flax.linen.logical_axis_rules`; the trainer holds both while it traces the model
-(`Trainer.context`). With no mesh, a one-device mesh, or no rule that splits B or N, the
-kernel is called directly.
+(`Trainer.context`). Under a mesh but without rules, tfm's own rule sets split B and N (or,
+on a mesh whose axes are not tfm's, a one-line error says what to set). With no mesh, a
+one-device mesh, or no rule that splits B or N, the kernel is called directly.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tfm.parallel.rules import from_flax_rules
+from tfm.parallel.mesh import AXES
+from tfm.parallel.rules import from_flax_rules, make_rules
 from tfm.parallel.sharding import logical_to_spec
 
 
@@ -45,11 +47,22 @@ def _repeat_kv(x, shards: int):
     return jnp.repeat(x, shards // math.gcd(K, shards), axis=2)
 
 
+# Without active logical rules (a plain `jit` under `jax.set_mesh`): batch over every batch-like
+# axis of tfm's mesh, heads over `tensor`, as the Trainer's rules would split them.
+_DEFAULT_RULES = make_rules("data", "fsdp", "expert", "tensor", activations=True)
+
+
 def _batch_and_head_axes(q_shape, mesh, free_axes):
-    """PartitionSpec entries for B and N of q [B, T, N, H] under the active rules (axes that
-    do not divide a dim are left out, as for every other activation)."""
-    rules = tuple((name, tuple(a for a in axes if a in free_axes))
-                  for name, axes in from_flax_rules(nn.get_logical_axis_rules()))
+    """PartitionSpec entries for B and N of q [B, T, N, H] under the active rules, or tfm's
+    default ones when none are active (axes that do not divide a dim are left out, as for
+    every other activation)."""
+    active = from_flax_rules(nn.get_logical_axis_rules())
+    if not active and not set(free_axes) & set(AXES):
+        raise ValueError(f"an opaque attention kernel under a mesh with axes {tuple(mesh.axis_names)} needs "
+                         "rules saying which split the batch and the heads: trace it inside "
+                         "flax.linen.logical_axis_rules(...) giving 'batch' and 'heads' mesh axes, or name "
+                         f"the mesh axes as tfm does {AXES}")
+    rules = tuple((name, tuple(a for a in axes if a in free_axes)) for name, axes in active or _DEFAULT_RULES)
     spec = tuple(logical_to_spec(("batch", None, "heads"), q_shape[:3], mesh, rules)) + (None,) * 3
     return spec[0], spec[2]
 

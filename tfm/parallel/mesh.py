@@ -64,13 +64,22 @@ class MeshConfig:
         return tuple(sizes), dcn
 
 
+def current_platform() -> str:
+    """"tpu", "gpu" or "cpu": the platform of the devices of the mesh that `jax.set_mesh` made
+    current (inside `jit` and `shard_map` too), else JAX's default backend. A CPU host compiling
+    for compile-only TPU or GPU devices (tfm.preflight) gets the mesh's platform."""
+    mesh = jax.sharding.get_abstract_mesh()
+    name = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> jax.sharding.Mesh:
     """A `Mesh` over AXES with Auto axis types (for jit with in/out shardings)."""
     devices = list(jax.devices() if devices is None else devices)
     ici, dcn = config.resolve(len(devices))
     if config.num_slices > 1:
-        # Slices are TPU slices when devices know their slice, else processes (GPU nodes).
-        by_process = not hasattr(devices[0], "slice_index")
+        # Slices are TPU slices (devices know their slice), else processes (GPU nodes).
+        by_process = devices[0].platform != "tpu"
         array = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, process_is_granule=by_process, allow_split_physical_axes=True)
     else:

@@ -10,9 +10,12 @@ from typing import Optional
 
 import jax
 
-# Dense bf16 peak FLOP/s per device, by `device_kind` substring (vendor data sheets).
+# Dense bf16 peak FLOP/s per device, by `device_kind` substring, first match wins (vendor data
+# sheets). TPU device kinds: v5e "TPU v5 lite", v5p "TPU v5", v6e "TPU v6 lite", v4 "TPU v4"
+# (one megacore device per chip).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
-              "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5": 197e12, "TPU v4": 275e12}
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12,
+              "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v4": 275e12}
 
 
 def flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: int) -> float:

@@ -66,15 +66,16 @@ class Trainer:
             yield
 
     def setup(self, example_batch: dict) -> "Trainer":
-        """Derive shardings and compile lazily; `example_batch` gives per-example shapes."""
-        init_batch = {k: jnp.zeros((1,) + np.shape(v)[1:], np.asarray(v).dtype)
-                      for k, v in example_batch.items()}
+        """Derive shardings and compile lazily; `example_batch` (arrays or ShapeDtypeStructs)
+        gives per-example shapes. Runs nothing on the devices, so a mesh of compile-only
+        devices (tfm.preflight) works too."""
+        init_batch = {k: np.zeros((1,) + tuple(v.shape[1:]), v.dtype) for k, v in example_batch.items()}
 
         def init_params(rng, batch):  # batch as an argument: traced, never concrete
             return self.task.init_variables(self.model, rng, batch)["params"]
 
         with self.context():
-            boxed = jax.eval_shape(init_params, jax.random.PRNGKey(0), init_batch)
+            boxed = jax.eval_shape(init_params, jax.ShapeDtypeStruct((2,), jnp.uint32), init_batch)
         self.logical_specs = parallel.logical_specs(boxed)
         params_abs = nn.unbox(boxed)
         self.param_shardings = parallel.param_shardings(boxed, self.mesh, self.rules)
@@ -97,7 +98,7 @@ class Trainer:
                               opt_state=self.tx.init(params), rng=train_rng)
 
         self._init_batch = init_batch
-        self.example_shapes = {k: np.shape(v)[1:] for k, v in example_batch.items()}  # per example
+        self.example_shapes = {k: tuple(v.shape[1:]) for k, v in example_batch.items()}  # per example
         self._init = jax.jit(init_state, static_argnums=0, out_shardings=self.state_shardings)
         step_fn = make_train_step(
             self.model, self.task, self.tx, self.schedule,

@@ -1,0 +1,129 @@
+"""Compile a recipe's real train step for the chips it targets, from any machine.
+
+    python -m experiments.preflight --config=experiments/bert/configs/large.py --target=v5p-16
+    python -m experiments.preflight --config=experiments/lm/configs/llama.py --target=h100-8 --json=out.json
+
+Builds the recipe's model, task, optimizer, mesh and Trainer exactly as its `train` does (the
+same config schema and `--config.KEY=VALUE` overrides) over compile-only devices of --target,
+with no dataset (batch shapes from the config, the vocabulary from its vocab_size). Prints per
+chip: memory against HBM with a verdict (and, when it does not fit, the largest arrays and what
+would help), model FLOPs, XLA's cost-model step time and the MFU it implies (TPU; named an
+estimate), the collectives by kind, the attention kernels and their per-device shapes, and the
+compile time. Targets: `tfm.preflight.valid_targets()`. Exit status 0: every step fits;
+1: bad input (one line on stderr); 3: a step does not fit.
+
+Needs libtpu (TPU) or jax-cuda12-pjrt (GPU) at the versions that go with the installed jax:
+`make compile-plugins` puts them in .venv/compile-only, where this command finds them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices; nothing runs on them
+
+from tfm import preflight  # noqa: E402
+
+preflight.use_plugins()  # before JAX starts its backends
+
+from experiments import common  # noqa: E402
+from tfm import parallel  # noqa: E402
+from tfm.train import Trainer  # noqa: E402
+
+EXPERIMENTS = {"translation": "experiments.translation.train", "lm": "experiments.lm.train",
+               "bert": "experiments.bert.pretrain"}
+PRETRAINING_ONLY = {"bert": ("glue.py", "squad.py")}  # fine-tuning recipes have no blueprint
+EXIT_DOES_NOT_FIT = 3
+
+
+def experiment_of(config_path: str):
+    """The module whose `blueprint(config, num_devices)` builds a recipe at experiments/<name>/configs/."""
+    import importlib
+    parts = os.path.normpath(config_path.split(":")[0]).split(os.sep)
+    name = parts[-3] if len(parts) >= 3 and parts[-2] == "configs" else None
+    if name not in EXPERIMENTS or parts[-1] in PRETRAINING_ONLY.get(name, ()):
+        raise ValueError(f"--config={config_path}: preflight takes the training recipes under "
+                         f"experiments/{{{','.join(EXPERIMENTS)}}}/configs/ (not fine-tuning)")
+    return importlib.import_module(EXPERIMENTS[name])
+
+
+def check_batch(trainer: Trainer, batch_size: int) -> None:
+    """ValueError unless the global batch (per microbatch) splits evenly over the batch axes."""
+    axes = trainer.batch_sharding.spec[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    devices = math.prod(trainer.mesh.shape[a] for a in axes)
+    per_pass = batch_size // trainer.config.microbatches
+    if per_pass % devices:
+        raise ValueError(f"batch {batch_size} ({per_pass} per microbatch) does not split over the batch axes "
+                         f"{'x'.join(axes)} = {devices} devices; use a multiple of {devices}")
+
+
+def run_preflight(config, config_path: str, target_name: str, *, num_slices: int = 1,
+                  with_eval: bool = True, say=print) -> list[dict]:
+    """Compiles every batch shape of the recipe for the target; the reports as dicts."""
+    target = preflight.parse_target(target_name, num_slices)
+    module = experiment_of(config_path)
+    devices = target.devices()
+    if num_slices > 1:
+        config.mesh.num_slices = num_slices
+    plan = module.blueprint(config, len(devices))
+    mesh = parallel.make_mesh(plan.train.mesh, devices)
+    say(target.describe())
+    say(f"mesh {dict(mesh.shape)}, parallelism {plan.train.parallelism}, "
+        f"attention_impl {plan.model.config.attention_impl}, scan_layers {plan.model.config.scan_layers}, "
+        f"remat {plan.model.config.remat_policy}, dtype {plan.model.config.dtype}")
+    records = []
+    for shape_name, batch in plan.batches.items():
+        trainer = Trainer(plan.model, plan.task, plan.train, mesh)
+        check_batch(trainer, next(iter(batch.values())).shape[0])
+        trainer.setup(batch)
+        say(f"{shape_name}: batch {next(iter(batch.values())).shape}, {trainer.num_params / 1e6:.1f}M parameters")
+        for report in preflight.check_step(trainer, batch, target, with_eval=with_eval):
+            for line in preflight.format_report(report):
+                say("  " + line)
+            if not report.fits:
+                for tip in preflight.advice(report, plan.train, plan.model.config):
+                    say(f"    to fit: {tip}")
+            records.append({"recipe": config_path, "shape": shape_name, "parameters": trainer.num_params,
+                            **dataclasses.asdict(report)})
+    return records
+
+
+def main():
+    from absl import app, flags, logging
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    flags.DEFINE_string("target", None, "e.g. v5p-8, v5e-256, v6e:4x4, h100-8 (see the module doc)")
+    flags.DEFINE_integer("num_slices", 1, "TPU slices (or GPU host groups) joined over DCN")
+    flags.DEFINE_bool("eval", True, "also compile the eval step")
+    flags.DEFINE_string("json", None, "write the reports to this file as JSON")
+    flags.mark_flags_as_required(["config", "target"])
+
+    def run(argv):
+        del argv
+        logging.set_verbosity(logging.ERROR)
+        try:
+            records = run_preflight(flags.FLAGS.config, config_flags.get_config_filename(flags.FLAGS["config"]),
+                                    flags.FLAGS.target, num_slices=flags.FLAGS.num_slices,
+                                    with_eval=flags.FLAGS.eval, say=lambda s: print(s, flush=True))
+        except ValueError as e:
+            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+            sys.stderr.flush()
+            os._exit(common.EXIT_ERROR)
+        if flags.FLAGS.json:
+            with open(flags.FLAGS.json, "w") as f:
+                json.dump(records, f, indent=1, default=str)
+        if not all(r["fits"] for r in records):
+            print("does not fit: see 'to fit' above")
+            sys.exit(EXIT_DOES_NOT_FIT)
+        print("fits: every step compiled within the chips' memory")
+
+    app.run(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Preflight: compile a training run for TPU slices or NVIDIA GPUs from any (CPU) machine.
+
+    target = parse_target("v5p-8")                      # 4 compile-only v5p chips
+    trainer = Trainer(model, task, config, mesh=make_mesh(config.mesh, target.devices()))
+    trainer.setup(example_batch)                       # abstract: nothing runs on the mesh
+    for report in check_step(trainer, global_batch_spec, target):
+        print(format_report(report))
+
+Run with JAX_PLATFORMS=cpu and the compile-only plugins on the path (`use_plugins()` before
+JAX starts). The command that reads experiment recipes is `experiments.preflight`.
+"""
+from tfm.preflight.analysis import StepReport, advice, check_step, dot_flops, model_flops, read_hlo
+from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def format_report(r: StepReport) -> list[str]:
+    """The report as lines of text (estimates named as such)."""
+    lines = [f"{r.step} step on {r.target} ({r.chips} chips): compiled in {r.compile_seconds:.1f} s"]
+    if r.error:
+        lines.append(f"  memory: DOES NOT FIT - the compiler refused: {r.error}")
+        return lines
+    verdict = "fits" if r.fits else "DOES NOT FIT"
+    lines.append(f"  memory per chip: params+optimizer {_gib(r.state_bytes)}, arguments {_gib(r.argument_bytes)}, "
+                 f"outputs {_gib(r.output_bytes)} ({_gib(r.alias_bytes)} donated), temporaries {_gib(r.temp_bytes)}; "
+                 f"total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM ({r.total_bytes / r.hbm_bytes:.0%}): {verdict}")
+    counted = "forward + backward: 3 x the forward's matmuls" if r.step == "train" else "the forward's matmuls"
+    lines.append(f"  model FLOPs per step: {r.model_flops:.4g} ({counted})"
+                 + (f"; XLA counts {r.xla_flops:.4g} per chip" if r.xla_flops else ""))
+    if r.estimate_seconds:
+        lines.append(f"  estimated step time {r.estimate_seconds * 1e3:.2f} ms, MFU {r.mfu:.1%} "
+                     f"(an estimate: {r.estimate_note})")
+    else:
+        lines.append(f"  estimated step time: {r.estimate_note}")
+    if r.collectives:
+        lines.append("  collectives (loop bodies once): " + ", ".join(
+            f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))
+    else:
+        lines.append("  collectives: none")
+    kernels = {}
+    for k in r.kernels:
+        kernels.setdefault((k["backend"], k["name"], k["result"], tuple(k["operands"][:2])), 0)
+        kernels[(k["backend"], k["name"], k["result"], tuple(k["operands"][:2]))] += 1
+    if kernels:
+        for (backend, name, result, operands), n in kernels.items():
+            lines.append(f"  attention kernel {backend} {name} x{n}: per-device operands {', '.join(operands)} "
+                         f"-> {result}")
+    else:
+        lines.append("  attention: no kernel call (XLA's own ops: impl xla or chunked)")
+    if not r.fits:
+        lines.append("  largest arrays: " + "; ".join(f"{_gib(b)} {s} ({op})" for b, s, op in r.largest))
+    return lines
+
+
+__all__ = ["CHIPS", "GiB", "StepReport", "Target", "advice", "check_step", "dot_flops", "format_report",
+           "model_flops", "parse_target", "read_hlo", "require_plugin", "use_plugins", "valid_targets"]

@@ -1,0 +1,254 @@
+"""What a compiled train step needs of each chip: memory, collectives, kernels, FLOPs, time.
+
+`check_step(trainer, batch, target)` compiles the Trainer's jitted train step (and eval step)
+for the target's compile-only devices and reads the executable: XLA's per-device memory
+analysis, the collectives and kernel calls in its HLO, and (TPU) XLA's cost-model time. Model
+FLOPs are counted exactly from the forward pass's jaxpr (every dot_general, scans multiplied
+out, attention as the xla backend computes it) times 3 for forward + backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from tfm.preflight.targets import GiB, Target
+from tfm.train.step import make_eval_step
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KERNEL_TARGETS = {"tpu_custom_call": "pallas (Mosaic)", "__gpu$xla.gpu.triton": "pallas (Triton)",
+                  "__cudnn$fmha": "cudnn"}
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\]")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+
+
+@dataclasses.dataclass
+class StepReport:
+    """One compiled step on one target; bytes and FLOPs per chip unless named global."""
+    step: str
+    target: str
+    chips: int
+    compile_seconds: float
+    hbm_bytes: int
+    state_bytes: int = 0            # parameters + optimizer state held by each chip
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0            # outputs written into donated arguments
+    temp_bytes: int = 0
+    total_bytes: int = 0            # argument + output - alias + temp
+    fits: bool = False
+    model_flops: float = 0.0        # global, per step: 3 x forward dot_general FLOPs
+    xla_flops: Optional[float] = None   # per chip, XLA's count (a scanned body once)
+    cost_model_seconds: Optional[float] = None
+    estimate_seconds: Optional[float] = None
+    estimate_note: str = ""
+    mfu: Optional[float] = None     # model FLOPs / (chips x peak x estimate): an estimate
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"}
+    kernels: list = dataclasses.field(default_factory=list)      # {"backend", "name", "shapes"}
+    largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------- model FLOPs
+
+
+def _sub_jaxprs(value):
+    if hasattr(value, "jaxpr") and hasattr(value, "consts"):  # ClosedJaxpr
+        yield value.jaxpr
+    elif hasattr(value, "eqns"):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def dot_flops(jaxpr) -> float:
+    """2 x contracted size x output size summed over every dot_general of `jaxpr` and the
+    jaxprs inside it (a scan's body times its length; a cond's costliest branch)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(lhs[d] for d in contract) * math.prod(eqn.outvars[0].aval.shape)
+        inner = [dot_flops(j) for v in eqn.params.values() for j in _sub_jaxprs(v)]
+        if eqn.primitive.name == "cond":
+            total += max(inner, default=0.0)
+        else:
+            total += eqn.params.get("length", 1) * sum(inner) if eqn.primitive.name == "scan" else sum(inner)
+    return total
+
+
+def model_flops(model, task, params_shapes, batch: dict) -> float:
+    """Training FLOPs of one step on `batch` (global shapes): 3 x the forward pass's matmul FLOPs,
+    attention computed as the xla backend does (full T x S scores, as PaLM's 6N + 12LHT)."""
+    reference = model.clone(config=model.config.replace(attention_impl="xla", attention_block_sizes=None))
+    plain = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    jaxpr = jax.make_jaxpr(make_eval_step(reference, task))(params_shapes, plain)
+    return 3.0 * dot_flops(jaxpr.jaxpr)
+
+
+# ---------------------------------------------------------------------------- the HLO
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+    return [_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape_text)]
+
+
+def _split_instruction(line: str):
+    """(name, result shape text, opcode, rest) of an HLO instruction line, or None."""
+    m = _DEF.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # a tuple shape: up to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    opcode, _, rest = rest.partition("(")
+    return m.group(1), shape, opcode.strip(), rest
+
+
+def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
+    """(collectives {kind: {count, bytes}}, kernel calls, `top` largest arrays) of compiled HLO.
+    A collective's bytes are its largest array; instructions in a loop body count once."""
+    shapes, collectives, kernels, sizes = {}, {}, [], {}
+    for line in text.splitlines():
+        parts = _split_instruction(line)
+        if parts is None:
+            continue
+        name, shape, opcode, rest = parts
+        shapes[name] = shape
+        nbytes = max(_array_bytes(shape), default=0)
+        kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+        if kind in COLLECTIVES:
+            entry = collectives.setdefault(kind, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+        if opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            backend = next((v for k, v in KERNEL_TARGETS.items() if target and target.group(1).startswith(k)), None)
+            if backend:
+                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+                kernel = re.search(r'op_name="[^"]*?(flash_attention_\w+|pallas_call|cudnn\w*)', rest)
+                kernels.append({"backend": backend, "name": kernel.group(1) if kernel else name,
+                                "operands": [shapes.get(o, "?").split("{")[0] for o in operands],
+                                "result": shape.split("{")[0]})
+        if nbytes and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            key = (shape.split("{")[0], opcode)
+            sizes[key] = max(sizes.get(key, 0), nbytes)
+    largest = sorted(((b, s, op) for (s, op), b in sizes.items()), reverse=True)[:top]
+    return collectives, kernels, largest
+
+
+# ---------------------------------------------------------------------------- compiling
+
+
+def _per_chip_bytes(abstract_tree) -> int:
+    """Bytes each device holds of a tree of ShapeDtypeStructs with shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(abstract_tree))
+
+
+def _compile(jitted, *args):
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return dict(cost or {})
+
+
+def _fill(report: StepReport, compiled, target: Target, scanned: bool) -> None:
+    mem = compiled.memory_analysis()
+    report.argument_bytes, report.output_bytes = mem.argument_size_in_bytes, mem.output_size_in_bytes
+    report.alias_bytes, report.temp_bytes = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+    report.total_bytes = report.argument_bytes + report.output_bytes - report.alias_bytes + report.temp_bytes
+    report.fits = report.total_bytes <= report.hbm_bytes
+    report.collectives, report.kernels, report.largest = read_hlo(compiled.as_text())
+    cost = _cost(compiled)
+    report.xla_flops = cost.get("flops")
+    seconds = cost.get("optimal_seconds")
+    if seconds is None:
+        report.estimate_note = (f"no cost model: XLA's {target.chip.platform.upper()} compiler gives no "
+                                "cost analysis")
+        return
+    if seconds <= 0:
+        report.estimate_note = f"unavailable: XLA's cost model returned {seconds:.3g} s"
+        return
+    report.cost_model_seconds = report.estimate_seconds = seconds
+    report.estimate_note = "XLA cost model"
+    per_chip = report.model_flops / report.chips
+    if scanned and report.xla_flops and report.xla_flops < per_chip:
+        report.estimate_seconds = seconds * per_chip / report.xla_flops
+        report.estimate_note = (f"XLA cost model scaled by model/XLA FLOPs ({per_chip / report.xla_flops:.1f}x): "
+                                "with scan_layers XLA counts the scanned body once")
+    report.mfu = report.model_flops / (report.chips * target.chip.peak_flops * report.estimate_seconds)
+
+
+def _oom(report: StepReport, error: Exception) -> None:
+    """A compile the TPU compiler refused for memory: not fitting, with its own numbers."""
+    text = " ".join(str(error).split())
+    report.fits = False
+    report.error = text[:400]
+    used = re.search(r"Used ([\d.]+)([GMK])? of ([\d.]+)([GMK])? hbm", text)
+    if used:
+        scale = {"G": GiB, "M": 1 << 20, "K": 1 << 10, None: 1}
+        report.total_bytes = int(float(used.group(1)) * scale[used.group(2)])
+
+
+def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) -> list[StepReport]:
+    """Compile `trainer`'s train step (and eval step) for `batch` (global ShapeDtypeStructs) on
+    the target; one StepReport each. The trainer's mesh must be over target.devices()."""
+    sharded = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+    flops = model_flops(trainer.model, trainer.task, trainer.abstract_state.params, batch)
+    scanned = bool(getattr(trainer.model.config, "scan_layers", False))
+    steps = [("train", trainer._step, (trainer.abstract_state, sharded), flops)]
+    if with_eval:
+        steps.append(("eval", trainer._eval, (trainer.abstract_state.params, sharded), flops / 3))
+    reports = []
+    for name, jitted, args, step_flops in steps:
+        report = StepReport(name, target.name, target.chips, 0.0, target.chip.hbm_bytes, model_flops=step_flops,
+                            state_bytes=_per_chip_bytes(args[0]))
+        start = time.perf_counter()
+        try:
+            with trainer.context():
+                compiled, report.compile_seconds = _compile(jitted, *args)
+        except Exception as e:  # noqa: BLE001 - the compiler's refusal is the finding
+            report.compile_seconds = time.perf_counter() - start
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            _oom(report, e)
+        else:
+            _fill(report, compiled, target, scanned)
+        reports.append(report)
+    return reports
+
+
+def advice(report: StepReport, train_config, model_config) -> list[str]:
+    """What would make a step that does not fit fit, from what the config does not do yet."""
+    tips = []
+    if "fsdp" not in train_config.parallelism:
+        tips.append("shard parameters and optimizer state: --config.parallelism=fsdp (or data+fsdp) with "
+                    "--config.mesh.fsdp=-1 --config.mesh.data=1")
+    if getattr(model_config, "remat_policy", "none") == "none":
+        tips.append("rematerialise activations: --config.model.overrides.remat_policy="
+                    "dots_with_no_batch_dims_saveable (or 'full')")
+    tips.append(f"accumulate gradients: --config.microbatches={2 * train_config.microbatches}")
+    tips.append("or a smaller --config.batch_size")
+    return tips
