@@ -4,9 +4,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+PLUGINS := $(VENV)/compile-only
+PLUGINS_STAMP := $(PLUGINS)/.installed
+
+.PHONY: install compile-plugins demo test bench clean
 
 install: $(STAMP)
+
+# libtpu and the CUDA PJRT plugin (versions matching the installed jax) plus ptxas, apart from the
+# environment: tfm.preflight and the tests compile for TPU slices and H100s from this CPU.
+compile-plugins: $(PLUGINS_STAMP)
+
+$(PLUGINS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --target $(PLUGINS) \
+		$$($(PY) -c "from tfm.preflight.targets import plugin_requirements as r; print(*r())")
+	touch $(PLUGINS_STAMP)
 
 $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +29,7 @@ $(STAMP): setup.py Makefile
 demo: install
 	$(PY) -m experiments.demo
 
-test: install
+test: install compile-plugins
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: install

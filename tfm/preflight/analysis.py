@@ -102,6 +102,11 @@ def _array_bytes(shape_text: str) -> list[int]:
     return [_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape_text)]
 
 
+def _arrays(shape_text: str) -> str:
+    """"bf16[2,8]" (or "bf16[2,8], f32[2]" for a tuple), without layouts."""
+    return ", ".join(f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)) or shape_text
+
+
 def _split_instruction(line: str):
     """(name, result shape text, opcode, rest) of an HLO instruction line, or None."""
     m = _DEF.match(line)
@@ -144,10 +149,10 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
                 operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
                 kernel = re.search(r'op_name="[^"]*?(flash_attention_\w+|pallas_call|cudnn\w*)', rest)
                 kernels.append({"backend": backend, "name": kernel.group(1) if kernel else name,
-                                "operands": [shapes.get(o, "?").split("{")[0] for o in operands],
-                                "result": shape.split("{")[0]})
+                                "operands": [_arrays(shapes.get(o, "?")) for o in operands],
+                                "result": _arrays(shape)})
         if nbytes and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-            key = (shape.split("{")[0], opcode)
+            key = (_arrays(shape), opcode)
             sizes[key] = max(sizes.get(key, 0), nbytes)
     largest = sorted(((b, s, op) for (s, op), b in sizes.items()), reverse=True)[:top]
     return collectives, kernels, largest

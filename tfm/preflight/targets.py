@@ -22,6 +22,7 @@ import jax
 
 GiB = 1 << 30
 LIBTPU_FOR_JAX = {"0.10.2": "0.0.42.1"}  # libtpu release built with each jax release
+PTXAS = "nvidia-cuda-nvcc-cu12==12.9.86"  # register and spill figures of the GPU kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Target:
         from jax.experimental import topologies
         require_plugin(self.chip.platform)
         if self.chip.platform == "tpu":
+            # libtpu locks /tmp/libtpu_lockfile for the process that owns the chips; compile-only
+            # processes own none, so several (a test run's workers) may load it at once.
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             kwargs = {"chip_config_name": "megacore"} if self.chip.name == "TPU v4" else {}
             if self.num_slices > 1:
                 kwargs["num_slices"] = self.num_slices
@@ -164,13 +168,21 @@ def use_plugins() -> None:
 
 def require_plugin(platform: str) -> None:
     """ValueError with the pip command when the compiler for `platform` is not installed."""
-    import jaxlib
-    module, package = {"tpu": ("libtpu", f"libtpu=={LIBTPU_FOR_JAX.get(jaxlib.__version__, '<the one for your jax>')}"),
-                       "gpu": ("jax_plugins.xla_cuda12", f"jax-cuda12-pjrt=={jaxlib.__version__}")}[platform]
+    module, index = {"tpu": ("libtpu", 0), "gpu": ("jax_plugins.xla_cuda12", 1)}[platform]
     found = importlib.util.find_spec(module.split(".")[0]) is not None and (
         module == "libtpu" or importlib.util.find_spec(module) is not None)
     if not found:
+        package = plugin_requirements()[index]
         raise ValueError(f"compiling for {platform.upper()} needs {package.split('==')[0]}: "
-                         f"pip install --target {plugin_dir()} {package} (or make compile-plugins)")
+                         f"pip install --no-deps --target {plugin_dir()} {package} (or make compile-plugins)")
     if jax.config.jax_platforms != "cpu":
         raise ValueError("compile-only targets need JAX_PLATFORMS=cpu (set before JAX starts)")
+
+
+def plugin_requirements() -> list[str]:
+    """The pip requirements of the compile-only plugins for the installed jaxlib."""
+    import jaxlib
+    if jaxlib.__version__ not in LIBTPU_FOR_JAX:
+        raise ValueError(f"no libtpu release is known for jaxlib {jaxlib.__version__}; "
+                         f"add it to LIBTPU_FOR_JAX (known: {sorted(LIBTPU_FOR_JAX)})")
+    return [f"libtpu=={LIBTPU_FOR_JAX[jaxlib.__version__]}", f"jax-cuda12-pjrt=={jaxlib.__version__}", PTXAS]

@@ -1,0 +1,200 @@
+"""Preflight: recipes compiled for compile-only TPU slices and H100s from this CPU.
+
+The compile-only devices come from the plugins `make compile-plugins` installs (conftest puts
+them on the path). Nothing runs on those devices; shapes are tiny so compiles take seconds.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfm import parallel, preflight
+from tfm.data import pipeline
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
+from tfm.ops.attention import dot_product_attention
+from tfm.parallel.mesh import MeshConfig
+from tfm.train import LMTask, TrainConfig, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name,chips,topology", [
+    ("v5p-8", 4, "2x2x1"), ("v5p-512", 256, "4x8x8"), ("v4-32", 16, "2x2x4"), ("v5e-256", 256, "16x16"),
+    ("v6e-16", 16, "4x4"), ("v5litepod-4", 4, "2x2"), ("v5p:4x4x8", 128, "4x4x8"),
+    ("h100-1", 1, "1x1x1"), ("h100-8", 8, "1x1x8"), ("h100-32", 32, "1x4x8"), ("H200-8", 8, "1x1x8")])
+def test_targets_by_slice_name(name, chips, topology):
+    target = preflight.parse_target(name)
+    assert (target.chips, target.topology) == (chips, topology)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("v5p-7", "unknown target 'v5p-7'; valid: TPU slices such as"), ("v5p-6", "no v5p slice of 3 chips"),
+    ("tpu", "unknown target 'tpu'"), ("v5e:2x2x2", "v5e topologies have 2 dimensions"),
+    ("h100-12", "12 GPUs is neither 1..8 on one host nor whole hosts of 8")])
+def test_bad_targets_are_named_with_the_valid_ones(name, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        preflight.parse_target(name)
+
+
+def test_compile_only_devices_per_target():
+    assert [d.device_kind for d in preflight.parse_target("v5p-8").devices()] == ["TPU v5"] * 4
+    two = preflight.parse_target("v5p-8", num_slices=2).devices()
+    assert len(two) == 8 and sorted({d.slice_index for d in two}) == [0, 1]
+    gpus = preflight.parse_target("h100-16").devices()
+    assert len(gpus) == 16 and {d.process_index for d in gpus} == {0, 1}
+    assert gpus[0].device_kind == "NVIDIA H100 80GB HBM3"
+
+
+def test_model_flops_match_the_closed_form():
+    """3 x forward matmul FLOPs of a GPT-2-style decoder, written out per layer: QKV 6D², out
+    2D², MLP 4DF, scores and values 4TD, and the tied output projection 2DV, per token."""
+    cfg = tiny("decoder")
+    B, T, D, F, V, L = 4, 16, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
+    model = DecoderLM(cfg)
+    params = jax.eval_shape(lambda: LMTask().init_variables(
+        model, jax.random.PRNGKey(0), {k: jnp.zeros((1, T), jnp.int32) for k in pipeline.lm_batch_spec(1, T)}))
+    params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params["params"],
+                          is_leaf=lambda x: hasattr(x, "value"))
+    per_token = L * (8 * D * D + 4 * D * F + 4 * T * D) + 2 * D * V
+    counted = preflight.model_flops(model, LMTask(), params, pipeline.lm_batch_spec(B, T))
+    assert counted == 3 * per_token * B * T
+
+
+def test_scanned_layers_count_every_layer():
+    cfg = tiny("llama", num_layers=4)
+    batch = pipeline.lm_batch_spec(2, 16)
+
+    def flops(config):
+        model = DecoderLM(config)
+        params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32)))
+        params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params["params"],
+                              is_leaf=lambda x: hasattr(x, "value"))
+        return preflight.model_flops(model, LMTask(), params, batch)
+
+    assert flops(cfg.replace(scan_layers=True)) == flops(cfg) > 0
+
+
+def test_collectives_and_largest_arrays_are_read_from_the_compiled_program():
+    """x [16, 64] @ w [64, 32], both split on the contracted dim over 4 chips: each chip's partial
+    product is summed by one all-reduce of the [16, 32] f32 result (2 KiB)."""
+    devices = preflight.parse_target("v5p-8").devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = lambda spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    f = jax.jit(lambda x, w: x @ w, out_shardings=split(()))
+    compiled = f.lower(jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=split((None, "x"))),
+                       jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=split(("x",)))).compile()
+    collectives, kernels, largest = preflight.read_hlo(compiled.as_text())
+    assert collectives == {"all-reduce": {"count": 1, "bytes": 16 * 32 * 4}} and kernels == []
+    assert largest[0][0] == 16 * 32 * 4
+
+
+def _pallas_trainer(target_name, mesh_config, parallelism):
+    cfg = tiny("llama", attention_impl="pallas", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16")
+    train = TrainConfig(batch_size=8, mesh=mesh_config, parallelism=parallelism, num_train_steps=10)
+    target = preflight.parse_target(target_name)
+    mesh = parallel.make_mesh(train.mesh, target.devices())
+    batch = pipeline.lm_batch_spec(8, 128)
+    return Trainer(DecoderLM(cfg), LMTask(), train, mesh).setup(batch), batch, target
+
+
+@pytest.mark.parametrize("target_name,backend", [("v5p-8", "pallas (Mosaic)"), ("h100-4", "pallas (Triton)")])
+def test_sharded_pallas_train_step_compiles_for_the_accelerator(target_name, backend):
+    """fsdp 2 x tensor 2: the kernels run per device on [B/2 | N/2] blocks, each chip holds a
+    quarter of every parameter split on both axes, and the step fits."""
+    trainer, batch, target = _pallas_trainer(target_name, MeshConfig(data=1, fsdp=2, tensor=2), "fsdp+tensor")
+    (report,) = preflight.check_step(trainer, batch, target, with_eval=False)
+    assert report.fits and report.total_bytes > 0 and report.compile_seconds > 0
+    assert {k["backend"] for k in report.kernels} == {backend}, report.kernels
+    names = {k["name"] for k in report.kernels}  # each gets B/2 = 4 rows and K/2 = 1 kv head of [T 128, H 64]
+    assert {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"} <= names, names
+    assert all(all(o.split("[")[1].startswith("4,") for o in k["operands"]) and "bf16[4,1,128,64]" in k["operands"]
+               for k in report.kernels), report.kernels
+    params = trainer.abstract_state.params
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    shards = sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    split_both = [x for x in jax.tree.leaves(params) if x.sharding.num_devices == 4 and
+                  np.prod(x.sharding.shard_shape(x.shape)) * 4 == x.size]
+    assert split_both and shards < total / 2
+    assert report.state_bytes == sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                     for x in jax.tree.leaves(trainer.abstract_state))
+    if target.chip.platform == "tpu":
+        assert report.estimate_seconds > 0 and 0 < report.mfu < 1
+    else:
+        assert report.estimate_seconds is None and "no cost model" in report.estimate_note
+
+
+def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():
+    """Outside the Trainer (no flax rules) the kernel still meets the mesh through shard_map:
+    Mosaic refuses an unpartitioned kernel, so this compiling is the check."""
+    devices = preflight.parse_target("v5p-8").devices()
+    mesh = parallel.make_mesh(MeshConfig(data=2, tensor=2), devices)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None, "tensor"))
+    q = jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16, sharding=spec)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True, impl="pallas")
+                           ).lower(q, q, q).compile()
+    _, kernels, _ = preflight.read_hlo(compiled.as_text())
+    assert kernels and all(k["result"].startswith("bf16[2,2,256,128]") for k in kernels), kernels
+
+    other = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(other), pytest.raises(ValueError, match=r"mesh with axes \('x',\) needs rules"):
+        jax.jit(lambda q: dot_product_attention(q, q, q, impl="pallas")).lower(
+            jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16))
+
+
+def _preflight(*args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "experiments.preflight", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error")]
+
+
+def test_command_reports_a_recipe_and_writes_json(tmp_path):
+    out = tmp_path / "report.json"
+    proc = _preflight("--config=experiments/lm/configs/tiny.py", "--target=v5p-8", f"--json={out}",
+                      "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.parallelism=data+fsdp")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for text in ("v5p-8: 4 x TPU v5p", "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 1}",
+                 "train step on v5p-8 (4 chips)", "eval step on v5p-8", "memory per chip", "MFU",
+                 "collectives", "fits: every step"):
+        assert text in proc.stdout, (text, proc.stdout)
+    records = json.loads(out.read_text())
+    assert [r["step"] for r in records] == ["train", "eval"] and all(r["fits"] for r in records)
+    assert records[0]["model_flops"] == pytest.approx(3 * records[1]["model_flops"])
+
+
+def test_a_step_that_does_not_fit_exits_3_with_advice():
+    """A 2M-token vocabulary at D 512 replicated (data parallel) is 12 GiB of fp32 parameters and
+    Adam moments per chip: more than a v5e's 16 GiB with its gradients."""
+    proc = _preflight("--config=experiments/lm/configs/tiny.py", "--target=v5e-4", "--noeval",
+                      "--config.vocab_size=2000000", "--config.model.overrides.d_model=512",
+                      "--config.model.overrides.num_heads=8")
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "DOES NOT FIT" in proc.stdout and "to fit: shard parameters and optimizer state" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target=v5p-7"], "error: unknown target 'v5p-7'; valid:"),
+    (["--target=v5p-8", "--config.batch_size=6"],
+     "error: batch 6 (6 per microbatch) does not split over the batch axes data = 4 devices"),
+    (["--target=v5p-8", "--config.mesh.data=3"], "error: mesh {'data': 3, 'fsdp': 1, 'expert': 1, 'tensor': 1} needs 3"),
+])
+def test_bad_input_is_one_line(args, message):
+    proc = _preflight("--config=experiments/lm/configs/tiny.py", *args)
+    assert proc.returncode == 1 and _error_lines(proc.stderr) == [l for l in _error_lines(proc.stderr)
+                                                                  if l.startswith(message)], proc.stderr[-2000:]
+    assert len(_error_lines(proc.stderr)) == 1
+
+
+def test_a_fine_tuning_recipe_is_refused_in_one_line():
+    proc = _preflight("--config=experiments/bert/configs/glue.py:rte", "--target=v5p-8")
+    assert proc.returncode == 1 and "preflight takes the training recipes" in proc.stderr
