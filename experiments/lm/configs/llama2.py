@@ -1,0 +1,42 @@
+"""Llama-2-shaped decoders at scale: `:7b` (default) and `:70b` (Touvron et al. 2023, Table 1
+shapes: D 4096 / 8192, 32 / 80 layers, 32 / 64 heads, MHA / 8 kv heads, F 11008 / 28672,
+4096 tokens, V 32000), trained on lm1b as a stand-in corpus: these recipes are for running
+tfm at the paper's scale (sharding, memory, kernels), not for reproducing Llama-2's quality.
+
+Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama2.py:7b --workdir=/gcs/BUCKET/lm/llama2_7b
+Preflight: python -m experiments.preflight --config=experiments/lm/configs/llama2.py:7b --target=v5p-512
+Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU v5p-1024 (512 chips)
+           or 32 nodes of 8 H100s (h100-256). FSDP over every chip, layers scanned and
+           rematerialised (matmul outputs saved), bf16 compute with fp32 parameters and Adam.
+           The preflight's figures per target are in benchmarks/RESULTS.md.
+Runtime:   not run on hardware yet.
+Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
+`:runlocal` shrinks either to a CPU smoke run on the generated corpus.
+"""
+from experiments.lm.configs import gpt2_small
+
+SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, d_ff=11008),
+          "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672)}
+
+
+def get_config(arg: str = "7b"):
+    size, _, local = (arg or "7b").partition(",")
+    if size == "runlocal":
+        size, local = "7b", "runlocal"
+    if size not in SHAPES:
+        raise ValueError(f"llama2.py:{arg}: choose 7b or 70b (optionally ,runlocal)")
+    c = gpt2_small.get_config()
+    c.model.preset = "llama"
+    c.model.overrides = dict(SHAPES[size], max_len=4096, rope_theta=10_000.0, dtype="bfloat16",
+                             attention_impl="auto", scan_layers=True,
+                             remat_policy="dots_with_no_batch_dims_saveable")
+    c.seq_len = 4096
+    c.batch_size = 256 if size == "7b" else 1024  # 1M / 4M tokens per step (Llama-2: 4M)
+    c.optimizer.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, schedule="cosine",
+                       weight_decay=0.1, b2=0.95)
+    c.mesh.data, c.mesh.fsdp = 1, -1
+    c.parallelism = "fsdp"
+    if local == "runlocal":
+        gpt2_small.shrink(c)
+        c.model.overrides.update(num_kv_heads=4, attention_impl="xla", remat_policy="none")
+    return c
