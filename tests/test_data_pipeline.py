@@ -74,6 +74,7 @@ def test_seq2seq_packing_preserves_every_example(translate, tok):
     expected = _expected_pairs(translate, tok, max_length)
     assert 0.5 * len(translate) < len(expected) < len(translate)  # The filter bites.
     assert sorted(got) == sorted(expected)
+    assert all(_spec(b) == _spec(pipeline.seq2seq_batch_spec(8, max_length)) for b in batches)  # the preflight's
     rows_used = sum(int((b["inputs_segment_ids"].max(1) > 0).sum()) for b in batches)
     assert rows_used < len(expected) - 10  # Examples share rows.
 
@@ -92,10 +93,14 @@ def test_unpacked_lm_batches(data_dir, tok):
     assert (first["segment_ids"] <= 1).all()
 
 
+def _spec(batch):
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()}
+
+
 def test_packed_lm_shifts_targets_within_segments(translate, tok):
     ds = pipeline.lm_dataset(translate, tok, batch_size=4, seq_len=48, text_key="de", seed=1)
     b = next(iter(ds))
-    assert all(v.shape == (4, 48) for v in b.values())
+    assert _spec(b) == _spec(pipeline.lm_batch_spec(4, 48))  # what the preflight compiles for
     inp = _segments(b["inputs"], b["segment_ids"], b["positions"])
     tgt = _segments(b["targets"], b["segment_ids"], b["positions"])
     assert max(b["segment_ids"].max(1)) >= 2

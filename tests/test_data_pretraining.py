@@ -27,8 +27,10 @@ def _batches(docs, tok, n, **kw):
 
 def test_batch_structure(docs, tok):
     batches = _batches(docs, tok, 10, seed=0)
+    spec = {k: (s.shape, s.dtype) for k, s in pretraining.pretraining_batch_spec(16, 64, 12).items()}
     for b in batches:
         assert set(b) == KEYS and all(v.dtype == np.int32 for v in b.values())
+        assert {k: (v.shape, v.dtype) for k, v in b.items()} == spec  # what the preflight compiles for
         assert b["input_ids"].shape == b["token_type_ids"].shape == (16, 64)
         assert b["mlm_positions"].shape == b["mlm_weights"].shape == (16, 12)
         assert b["nsp_label"].shape == (16,)
