@@ -148,8 +148,8 @@ def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():
             jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16))
 
 
-def _preflight(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _preflight(*args, **env_changes):
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **env_changes}
     return subprocess.run([sys.executable, "-m", "experiments.preflight", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -193,6 +193,14 @@ def test_bad_input_is_one_line(args, message):
     assert proc.returncode == 1 and _error_lines(proc.stderr) == [l for l in _error_lines(proc.stderr)
                                                                   if l.startswith(message)], proc.stderr[-2000:]
     assert len(_error_lines(proc.stderr)) == 1
+
+
+def test_a_missing_compiler_plugin_names_the_pip_command(tmp_path):
+    proc = _preflight("--config=experiments/lm/configs/tiny.py", "--target=h100-1", TFM_COMPILE_PLUGINS=str(tmp_path))
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: compiling for GPU needs jax-cuda12-pjrt: pip install --no-deps --target "
+                               f"{tmp_path} jax-cuda12-pjrt==")
 
 
 def test_a_fine_tuning_recipe_is_refused_in_one_line():
