@@ -24,7 +24,8 @@ def format_report(r: StepReport) -> list[str]:
         lines.append(f"  memory: DOES NOT FIT - the compiler refused: {r.error}")
         return lines
     verdict = "fits" if r.fits else "DOES NOT FIT"
-    lines.append(f"  memory per chip: params+optimizer {_gib(r.state_bytes)}, arguments {_gib(r.argument_bytes)}, "
+    held = "params+optimizer" if r.step == "train" else "params"
+    lines.append(f"  memory per chip: {held} {_gib(r.state_bytes)}, arguments {_gib(r.argument_bytes)}, "
                  f"outputs {_gib(r.output_bytes)} ({_gib(r.alias_bytes)} donated), temporaries {_gib(r.temp_bytes)}; "
                  f"total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM ({r.total_bytes / r.hbm_bytes:.0%}): {verdict}")
     counted = "forward + backward: 3 x the forward's matmuls" if r.step == "train" else "the forward's matmuls"
