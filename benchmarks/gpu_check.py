@@ -12,26 +12,28 @@ reaches no package registry), from the repository root:
 It writes gpu_check_out/report.md (markdown ready for benchmarks/RESULTS.md: device, driver,
 versions, date, the exact command, one section per part) and gpu_check_out/attention.png, and
 exits 1 if any correctness case fails (exceeds its tolerance, gives NaN or raises). Each
-section stops starting cases once its time budget (BUDGET_S, scaled by --budget-scale) is
-spent, so the full run takes about 8 minutes on an H100; a case not reached reads "skipped",
-one that cannot run here (cuDNN without a GPU, torch without CUDA, an import failing)
-"unavailable: reason". The report is rewritten after each section, so a run cut short
-still leaves the finished sections.
+section stops starting cases once its time budget (BUDGET_S, 480 s in all, times
+--budget-scale) is spent, so the full run ends within about 9 minutes on an H100. A case not
+reached reads "skipped"; one that cannot run here (cuDNN without a GPU, torch without CUDA,
+an import failing) "unavailable: reason". The report is rewritten after each section, so a
+run cut short still leaves the finished sections.
 
 Carried packages. The check imports only `tfm.ops`, `tfm.models`, `tfm.decode` and
 `tfm.train` (never tfm.data, experiments, TFDS, Grain, SentencePiece, sacreBLEU or
-ml_collections). Beyond jax, numpy, torch and transformers these need: flax, optax,
-absl-py, treescope, rich, markdown-it-py, mdurl, pygments, msgpack and PyYAML (each falls
-back to pure Python without its C extension), etils, and for the train section, through
-tfm.train's checkpoints, orbax-checkpoint, humanize, simplejson, protobuf, nest_asyncio,
-aiofiles and tensorstore and uvloop (compiled: take wheels for the image's Python).
-Fetch them on any machine with a registry:
+ml_collections). Beyond jax, numpy, torch and transformers these import flax, optax, absl-py,
+treescope, rich (markdown-it-py, mdurl, pygments), msgpack and PyYAML (both fall back to pure
+Python without their C extensions), etils, and for the train section, through tfm.train's
+checkpoints, orbax-checkpoint, humanize, simplejson, protobuf, googleapis-common-protos and
+the compiled tensorstore and uvloop (take wheels for the image's Python version). Fetch them
+on any machine with a registry, then carry wheels/ along:
 
     pip download --no-deps --only-binary=:all: --python-version 3.X --platform manylinux2014_x86_64 \\
         -d wheels flax optax absl-py treescope rich markdown-it-py mdurl pygments msgpack PyYAML etils \\
-        orbax-checkpoint humanize simplejson protobuf nest_asyncio aiofiles tensorstore uvloop
+        orbax-checkpoint humanize simplejson protobuf googleapis-common-protos tensorstore uvloop
 
-A section whose imports fail reports them as unavailable rather than stopping the run.
+Leave in wheels/ only what the image lacks (`python -c "import flax, optax, orbax.checkpoint"`
+says), so that no package of the image is replaced: `make gpu-check` installs every wheel there.
+A section whose imports fail is reported as unavailable, and the run goes on.
 
     python -m benchmarks.gpu_check --smoke --out DIR   # CPU, tiny shapes, Pallas interpreted (in make test)
 """
@@ -45,10 +47,13 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from typing import NamedTuple, Optional
 
-# JAX and torch share the GPU in one process: JAX must not take 75% of its memory up front.
+# JAX and torch share the GPU in one process: JAX takes memory as it needs it, up to half
+# (its allocator keeps what it took), instead of 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
 import jax
 import jax.numpy as jnp
@@ -172,9 +177,11 @@ def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], tolerance: f
     non-finite value or an error above tolerance, named by its array."""
     errors, problems = {}, []
     for name, want in ref.items():
-        if not np.isfinite(got[name]).all():
+        bad = [which for array, which in ((got[name], name), (want, f"the reference's {name}"))
+               if not np.isfinite(array).all()]
+        if bad:
             errors[name] = float("nan")
-            problems.append(f"NaN/inf in {name}")
+            problems += [f"NaN/inf in {which}" for which in bad]
             continue
         errors[name] = float(np.abs(got[name] - want).max() / max(np.abs(want).max(), 1e-30))
         if errors[name] > tolerance:
@@ -205,7 +212,12 @@ def correctness(smoke: bool, budget: Budget) -> tuple[list[str], list[str]]:
             rows.append([case.name, "all", "", "", "", "", "", "", budget.skipped()])
             continue
         arrays, masks = case_inputs(case)
-        ref = reference(arrays, masks)
+        try:
+            ref = reference(arrays, masks)
+        except Exception as e:  # nothing to compare with: the case fails
+            rows.append([case.name, "reference", "float32", "", "", "", "", "", f"FAIL: raised {short(e)}"])
+            failures.append(f"{case.name} reference: raised {short(e)}")
+            continue
         for impl in TFM_IMPLS:
             for dtype in ("bfloat16", "float32"):
                 row, failed = correctness_row(case, impl, dtype, arrays, masks, ref)
@@ -296,7 +308,7 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
         torch.cuda.synchronize()
     finally:
         del q, k, v
-        torch.cuda.empty_cache()  # give the memory back to JAX's allocator
+        release_memory()
     seconds = (time.perf_counter() - start) / iters
     return seconds * 1e3, attention_bench.flops(shape, backward) / seconds / 1e12, torch.cuda.max_memory_allocated() / 2**20
 
@@ -348,6 +360,15 @@ def throughput_cell(row: dict, impl: str, shape, backward: bool, iters: int) -> 
 
 # ---------------------------------------------------------------- 3. train step
 
+def release_memory() -> None:
+    """Frees the previous run's model, optimizer state and compiled step, and gives torch's
+    cached GPU memory back for JAX."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def train_cases(smoke: bool) -> list[tuple[str, int, int]]:
     """(model, B, T): GPT-2 small and BERT-base."""
     return [("gpt2", 2, 32), ("bert", 2, 32)] if smoke else [("gpt2", 8, 1024), ("bert", 32, 512)]
@@ -364,43 +385,62 @@ def torch_device(smoke: bool) -> str:
     raise Unavailable(f"torch {torch.__version__} has no CUDA device")
 
 
+TRAIN_RUNS = ("tfm pallas", "torch eager", "tfm cudnn", "tfm xla", "torch compile")  # in the order they run
+
+
 def train(smoke: bool, budget: Budget) -> list[str]:
+    """Markdown lines. Runs go breadth first (each run for every model, in TRAIN_RUNS order),
+    so that a spent budget skips the least needed ones."""
     from benchmarks import train_step as bench
     from tfm.train.metrics import flops_per_token, peak_flops
     peak, steps = peak_flops(), 2 if smoke else 5
-    rows = []
-    for name, B, T in train_cases(smoke):
-        flops_per_step = None
-        runs = [(f"tfm {impl}", lambda impl=impl: tfm_train_step(bench, name, B, T, impl, smoke)) for impl in TFM_IMPLS]
-        runs += [(f"torch {mode}", lambda mode=mode: torch_train_step(bench, name, B, T, mode, smoke))
-                 for mode in ("eager", "compile")]
-        for label, make in runs:
-            gc.collect()  # the previous case's model, optimizer state and compiled step
+    cases = train_cases(smoke)
+    status, flops_per_step = {}, {}  # (model, run) -> (seconds, where) or a reason; model -> FLOPs
+    for label in TRAIN_RUNS:
+        for name, B, T in cases:
+            release_memory()
             if budget.spent():
-                rows.append([name, f"{B}×{T}", label, "", "", "", budget.skipped()])
+                status[name, label] = budget.skipped()
                 continue
             try:
-                step, where, trainer = make()
+                step, where, trainer = train_run(bench, label, name, B, T, smoke)
                 seconds, = bench.interleaved([step], steps)
             except Unavailable as e:
-                rows.append([name, f"{B}×{T}", label, "", "", "", f"unavailable: {e}"])
-                continue
+                status[name, label] = f"unavailable: {e}"
             except Exception as e:  # shown in the report, not fatal
-                rows.append([name, f"{B}×{T}", label, "", "", "", f"error: {short(e)}"])
+                status[name, label] = f"error: {short(e)}"
+            else:
+                status[name, label] = (seconds, where)
+                if trainer is not None:
+                    cfg = trainer.model.config
+                    flops_per_step[name] = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
+            log(f"train  {name:5} {label:14} {status[name, label]}")
+    rows = []
+    for name, B, T in cases:
+        for label in TRAIN_RUNS:
+            result = status[name, label]
+            if isinstance(result, str):
+                rows.append([name, f"{B}×{T}", label, "", "", "", result])
                 continue
-            if trainer is not None and flops_per_step is None:
-                cfg = trainer.model.config
-                flops_per_step = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
-            mfu = "n/a" if peak is None or flops_per_step is None else f"{flops_per_step / seconds / peak:.1%}"
+            seconds, where = result
+            flops = flops_per_step.get(name)
+            mfu = "n/a" if peak is None or flops is None else f"{flops / seconds / peak:.1%}"
             rows.append([name, f"{B}×{T}", label, f"{seconds * 1e3:.1f}", f"{B * T / seconds:,.0f}", mfu, where])
-            log(f"train  {name:5} {label:14} {seconds * 1e3:9.1f} ms/step  MFU {mfu}  {where}")
     lines = [f"One train step (forward, backward, AdamW), bf16, dropout 0; fastest of {steps} after a warm-up. "
              f"MFU = 6·params + 12·layers·D·T FLOPs per token (`tfm.train.metrics.flops_per_token`, tfm's "
              f"parameter count for both sides) over the device's dense bf16 peak "
              f"({'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown for this device: n/a'}). tfm: bf16 "
-             f"computation, fp32 parameters (`ModelConfig.dtype`), per attention impl; torch: Hugging Face with autocast bf16, SDPA, "
-             f"fused AdamW on CUDA; eager and `torch.compile`.", ""]
+             f"computation, fp32 parameters (`ModelConfig.dtype`), per attention impl; torch: Hugging Face "
+             f"with autocast bf16, SDPA, fused AdamW on CUDA; eager and `torch.compile`.", ""]
     return lines + table(["model", "batch", "impl", "ms/step", "tokens/s", "MFU", "where"], rows)
+
+
+def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):
+    """(step, where, tfm trainer or None) for one of TRAIN_RUNS."""
+    framework, kind = label.split()
+    if framework == "tfm":
+        return tfm_train_step(bench, name, B, T, kind, smoke)
+    return torch_train_step(bench, name, B, T, kind, smoke)
 
 
 def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
@@ -436,6 +476,7 @@ def decode(smoke: bool, budget: Budget) -> list[str]:
     for batch in batches:
         ids = bench.sources(max(batch, 2 if smoke else 8), source_len, size["vocab"])
         for beam in (1, 4):
+            release_memory()
             if budget.spent():
                 rows.append([batch, beam, "", "", "", budget.skipped()])
                 continue
@@ -461,14 +502,15 @@ def decode(smoke: bool, budget: Budget) -> list[str]:
 
 # ---------------------------------------------------------------- 5. auto rules
 
-def winners(rows: list[dict]) -> dict[tuple, tuple[str, float]]:
-    """{(pass, causal, H, L): (fastest tfm impl, its TFLOP/s)} over the measured points."""
+def winners(rows: list[dict], prefix: str = "tfm ") -> dict[tuple, tuple[str, float]]:
+    """{(pass, causal, H, L): (fastest impl named `prefix`..., its TFLOP/s)} over the measured
+    points; the prefix is cut from the name."""
     best = {}
     for r in rows:
-        if r["impl"].startswith("tfm ") and r["tflops"] is not None:
+        if r["impl"].startswith(prefix) and r["tflops"] is not None:
             key = (r["pass"], r["causal"], r["H"], r["L"])
             if key not in best or r["tflops"] > best[key][1]:
-                best[key] = (r["impl"].split()[1], r["tflops"])
+                best[key] = (r["impl"][len(prefix):], r["tflops"])
     return best
 
 
@@ -500,10 +542,13 @@ def auto(rows: Optional[list[dict]]) -> list[str]:
     rules = proposed_rules(best)
     for rule in rules:
         log(f"auto  proposed: {rule}")
-    lines = ["Fastest tfm impl per measured point (TFLOP/s). `tfm/ops/select.py` still picks pallas on every "
-             "GPU shape; these are the rules the figures propose, to be applied by hand:", ""]
-    lines += table(["pass", "causal", "H", "L", "fastest", "TFLOP/s"],
-                   [[*key, impl, f"{tflops:.3f}"] for key, (impl, tflops) in sorted(best.items())])
+    overall = winners(rows, prefix="")
+    lines = ["Fastest tfm impl per measured point (TFLOP/s), and the fastest of all the impls of section 2. "
+             "`tfm/ops/select.py` still picks pallas on every GPU shape; the rules below are what these "
+             "figures propose, to be applied there by hand.", ""]
+    lines += table(["pass", "causal", "H", "L", "fastest tfm", "TFLOP/s", "fastest of all", "TFLOP/s"],
+                   [[*key, impl, f"{tflops:.3f}", overall[key][0], f"{overall[key][1]:.3f}"]
+                    for key, (impl, tflops) in sorted(best.items())])
     return lines + ["", "Proposed rules (fwd+bwd winners):", "", "```", *rules, "```"]
 
 
@@ -555,6 +600,10 @@ def run_section(name: str, smoke: bool, budget: Budget, attention_rows):
         return auto(attention_rows), [], attention_rows
     except ImportError as e:
         return [f"unavailable: {short(e)} (carry it; see the script's docstring)"], [], attention_rows
+    except Exception as e:  # the other sections still run; only correctness decides the exit status
+        traceback.print_exc()
+        failed = [f"the section raised {short(e)}"] if name == "correctness" else []
+        return [f"error: the section raised {short(e)}"], failed, attention_rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -577,8 +626,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         log(f"== {number}. {name}")
         start = time.monotonic()
-        body, failed, attention_rows = run_section(name, args.smoke, Budget(BUDGET_S[name] * args.budget_scale),
-                                                   attention_rows)
+        budget = Budget(BUDGET_S[name] * args.budget_scale * (10 if args.smoke else 1))  # smoke: a busy CPU
+        body, failed, attention_rows = run_section(name, args.smoke, budget, attention_rows)
         failures += failed
         lines += ["", f"## {number}. {name} ({time.monotonic() - start:.0f} s)", "", *body]
         with open(report_path, "w") as f:

@@ -84,6 +84,7 @@ def test_compare_names_what_is_off():
     assert len(problems) == 1 and problems[0].startswith("dk ") and errors["dk"] > 1e-2
     nan = dict(ref, o=np.where(np.arange(16) == 3, np.nan, ref["o"]))
     assert gpu_check.compare(nan, ref, 1e-2)[1] == ["NaN/inf in o"]
+    assert gpu_check.compare(ref, nan, 1e-2)[1] == ["NaN/inf in the reference's o"]  # never a silent pass
 
 
 def test_proposed_rules_group_lengths_by_winner():
