@@ -71,6 +71,7 @@ def test_decode_and_auto_sections_have_figures(smoke):
     _, report, _ = smoke
     decode = table_rows(section(report, 4))
     assert {r[1] for r in decode} == {"1", "4"} and all(float(r[2]) > 0 and float(r[3]) > 0 for r in decode)
+    assert "beam 4 at batch 32: not measured." in section(report, 4)  # the smoke run's batch is 2
     assert re.search(r"^cpu, causal, H 64: L 128: (pallas|xla)$", section(report, 5), re.M)
 
 
