@@ -425,7 +425,7 @@ def train(smoke: bool, budget: Budget) -> list[str]:
             log(f"train  {name:5} {label:14} {status[name, label]}")
     rows = []
     for name, B, T in cases:
-        for label in TRAIN_RUNS:
+        for label in [f"tfm {impl}" for impl in TFM_IMPLS] + ["torch eager", "torch compile"]:
             result = status[name, label]
             if isinstance(result, str):
                 rows.append([name, f"{B}×{T}", label, "", "", "", result])
