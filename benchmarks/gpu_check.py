@@ -92,6 +92,7 @@ class Budget:
 
 
 def short(error: BaseException) -> str:
+    """'Type: first line of the message', at most 120 characters of it."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:120] if lines else ''}"
 
@@ -315,7 +316,8 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
         del q, k, v
         release_memory()
     seconds = (time.perf_counter() - start) / iters
-    return seconds * 1e3, attention_bench.flops(shape, backward) / seconds / 1e12, torch.cuda.max_memory_allocated() / 2**20
+    tflops = attention_bench.flops(shape, backward) / seconds / 1e12
+    return seconds * 1e3, tflops, torch.cuda.max_memory_allocated() / 2**20
 
 
 def measure_impl(impl: str, shape, backward: bool, iters: int):
@@ -345,7 +347,8 @@ def throughput(smoke: bool, budget: Budget) -> tuple[list[str], list[dict]]:
     cell = {(r["pass"], r["causal"], r["H"], r["L"], r["impl"]): r["status"] for r in rows}
     lines = [f"TFLOP/s, bf16, FlashAttention-2 convention (forward 4·B·L²·N·H, halved when causal; fwd+bwd "
              f"3.5× forward), mean of {iters} steps after a warm-up; B·L = {keys[0][3] * keys[0][4] if keys else 0}, "
-             f"N·H = {keys[0][2] * keys[0][5] if keys else 0}. Peak memory is in the plot.", ""]
+             f"N·H = {keys[0][2] * keys[0][5] if keys else 0}. `attention.png` plots these and the peak memory "
+             f"against L.", ""]
     lines += table(["pass", "causal", "H", "L", "B", "N", *THROUGHPUT_IMPLS],
                    [[p, c, H, L, B, N, *(cell[(p, c, H, L, impl)] for impl in THROUGHPUT_IMPLS)]
                     for p, c, H, L, B, N in keys])
@@ -595,7 +598,8 @@ def driver() -> str:
 
 def header(argv: list[str], smoke: bool) -> list[str]:
     device = jax.devices()[0]
-    return ["# tfm GPU check" + (" (SMOKE: tiny shapes on CPU, Pallas interpreted; no meaning for speed)" if smoke else ""),
+    smoke_note = " (SMOKE: tiny shapes on CPU, Pallas interpreted; no meaning for speed)" if smoke else ""
+    return ["# tfm GPU check" + smoke_note,
             "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- command: `python -m benchmarks.gpu_check {' '.join(argv)}`",
@@ -605,7 +609,7 @@ def header(argv: list[str], smoke: bool) -> list[str]:
 
 
 def torch_cuda() -> str:
-    """", CUDA x, cuDNN y (torch's)" where torch has a GPU, else ""."""
+    """The CUDA and cuDNN versions torch was built with, where torch has a GPU; else ""."""
     try:
         import torch
     except ImportError:
@@ -665,7 +669,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(report_path, "w") as f:
             f.write("\n".join(lines) + "\n")
     if attention_rows and any(r["tflops"] is not None for r in attention_rows):
-        title = f"tfm gpu_check  {jax.devices()[0].device_kind}  jax {jax.__version__}  bf16" + ("  SMOKE" if args.smoke else "")
+        title = f"tfm gpu_check  {jax.devices()[0].device_kind}  jax {jax.__version__}  bf16{'  SMOKE' * args.smoke}"
         attention_bench.plot([r for r in attention_rows if r["tflops"] is not None],
                              os.path.join(args.out, "attention.png"), title)
     log(f"report written to {report_path}; {len(failures)} correctness failure(s)")
