@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PLUGINS := $(VENV)/compile-only
 PLUGINS_STAMP := $(PLUGINS)/.installed
 
-.PHONY: install compile-plugins demo test bench clean
+.PHONY: install compile-plugins demo test bench gpu-check clean
 
 install: $(STAMP)
 
@@ -36,6 +36,14 @@ bench: install
 	$(PY) -m benchmarks.attention --smoke --plot benchmarks/attention_smoke.png
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.decode --smoke
+
+# The GPU machine reaches no registry and its own Python has jax with CUDA: no venv; tfm
+# without dependencies, plus the wheels carried into $(WHEELS) (benchmarks/gpu_check.py says which).
+WHEELS ?= wheels
+gpu-check:
+	$(PYTHON) -m pip install --quiet --no-deps -e .
+	if [ -d $(WHEELS) ]; then $(PYTHON) -m pip install --quiet --no-deps $(WHEELS)/*.whl; fi
+	$(PYTHON) -m benchmarks.gpu_check --out gpu_check_out
 
 clean:
 	rm -rf $(VENV) .pytest_cache

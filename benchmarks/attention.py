@@ -45,11 +45,13 @@ def flops(shape: Shape, backward: bool) -> float:
     return forward * (3.5 if backward else 1.0)
 
 
-def step_fn(impl: str, shape: Shape, backward: bool):
-    """jitted forward, or forward+backward (grads of sum(o)), for q, k, v [B, L, N, H]."""
-    def forward(q, k, v):
-        return dot_product_attention(q, k, v, causal=shape.causal, impl=impl)
+def tfm_forward(impl: str, causal: bool):
+    """o = attention(q, k, v) with tfm's entry point; q, k, v, o [B, L, N, H]."""
+    return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, impl=impl)
 
+
+def step_fn(forward, backward: bool):
+    """jitted forward, or forward+backward (grads of sum(o)), for q, k, v [B, L, N, H]."""
     if not backward:
         return jax.jit(forward)
     loss = lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum()
@@ -57,10 +59,15 @@ def step_fn(impl: str, shape: Shape, backward: bool):
 
 
 def measure(impl: str, shape: Shape, backward: bool, dtype, iters: int):
-    """(milliseconds per step, TFLOP/s, peak MiB) or raises on unsupported/OOM."""
+    """(milliseconds per step, TFLOP/s, peak MiB) of tfm's `impl`, or raises on unsupported/OOM."""
+    return measure_forward(tfm_forward(impl, shape.causal), shape, backward, dtype, iters)
+
+
+def measure_forward(forward, shape: Shape, backward: bool, dtype, iters: int):
+    """(milliseconds per step, TFLOP/s, peak MiB) of any JAX forward(q, k, v) on [B, L, N, H]."""
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (shape.B, shape.L, shape.N, shape.H), dtype) for key in keys)
-    compiled = step_fn(impl, shape, backward).lower(q, k, v).compile()
+    compiled = step_fn(forward, backward).lower(q, k, v).compile()
     memory = compiled.memory_analysis()
     peak = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
                                         + memory.temp_size_in_bytes) / 2**20

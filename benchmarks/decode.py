@@ -61,8 +61,9 @@ def tfm_translator(size: dict, max_new: int, beam: int):
     return lambda ids: np.asarray(run(params, ids))
 
 
-def hf_translator(size: dict, max_new: int, beam: int):
-    """translate(ids [B, S]) -> tokens [B, <= max_new] with MarianMTModel.generate; random weights.
+def hf_translator(size: dict, max_new: int, beam: int, device: str = "cpu"):
+    """translate(ids [B, S]) -> tokens [B, <= max_new] with MarianMTModel.generate on `device`
+    ("cpu" or "cuda"); random weights, fp32.
 
     Marian's config forces PAD as the last token by default (`forced_eos_token_id`); that is
     switched off, as tfm forces nothing. HF's length penalty (score / length ** 0.6) is not
@@ -75,16 +76,16 @@ def hf_translator(size: dict, max_new: int, beam: int):
         share_encoder_decoder_embeddings=True, pad_token_id=PAD, eos_token_id=EOS,
         decoder_start_token_id=BOS, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     torch.manual_seed(0)
-    model = transformers.MarianMTModel(config).eval()
+    model = transformers.MarianMTModel(config).eval().to(device)
 
     beam_flags = dict(num_beams=beam, length_penalty=0.6) if beam > 1 else {}
 
     def translate(ids: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(ids.astype(np.int64))
+        x = torch.from_numpy(ids.astype(np.int64)).to(device)
         with torch.inference_mode():
             out = model.generate(x, attention_mask=(x != PAD).long(), do_sample=False, max_new_tokens=max_new,
                                  min_new_tokens=0, **beam_flags)
-        return out[:, 1:].numpy()  # drop the decoder start token
+        return out[:, 1:].cpu().numpy()  # drop the decoder start token (.cpu() waits for the GPU)
     return translate
 
 

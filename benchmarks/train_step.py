@@ -26,6 +26,12 @@ from tfm.train.metrics import flops_per_token, peak_flops
 from tfm.train.step import make_train_step
 
 
+# Smoke-run sizes of BERT and GPT-2: tfm ModelConfig fields, and the same for Hugging Face.
+TINY = dict(num_layers=2, d_model=64, num_heads=2, d_ff=128)
+TINY_HF = {"bert": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128),
+           "gpt2": dict(n_layer=2, n_embd=64, n_head=2, n_inner=128)}
+
+
 def _jax_case(name, B, T, vocab_chunk=None):
     r = np.random.default_rng(0)
     ids = lambda *s: r.integers(5, 1000, s).astype(np.int32)
@@ -53,9 +59,10 @@ def _trainer(name, B, T, vocab_chunk=None, **model_changes):
     return Trainer(model, task, cfg, None).setup(batch), batch
 
 
-def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None):
-    """(step, trainer): step() runs one train step to completion; warmed up (compiled)."""
-    trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype)
+def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
+    """(step, trainer): step() runs one train step to completion; warmed up (compiled).
+    model_changes replace ModelConfig fields (attention_impl, or TINY for a smoke run)."""
+    trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
     state, gb = [trainer.init_state()], trainer.global_batch(batch)
 
     def step():
@@ -100,17 +107,20 @@ def memory_table(vocab_chunks):
               flush=True)
 
 
-def torch_stepper(name, B, T):
-    """step() runs one HF PyTorch train step (AdamW); warmed up."""
+def torch_stepper(name, B, T, *, device="cpu", bf16=False, compile=False, fused=False, tiny=False):
+    """step() runs one HF PyTorch train step (AdamW) to completion on `device`; warmed up.
+    bf16: autocast to bfloat16; compile: `torch.compile` the model; fused: fused AdamW
+    (CUDA); tiny: the TINY_HF size (BERT and GPT-2). Attention is SDPA."""
     import torch
     import transformers as hf
     g = torch.Generator().manual_seed(0)
-    ids = lambda *s: torch.randint(5, 1000, s, generator=g)
+    ids = lambda *s: torch.randint(5, 1000, s, generator=g).to(device)
+    size = dict(TINY_HF[name], attn_implementation="sdpa") if tiny else dict(attn_implementation="sdpa")
     if name == "bert":
-        model = hf.BertForPreTraining(hf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-        kw = dict(input_ids=ids(B, T), labels=ids(B, T), next_sentence_label=torch.zeros(B, dtype=torch.long))
+        model = hf.BertForPreTraining(hf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **size))
+        kw = dict(input_ids=ids(B, T), labels=ids(B, T), next_sentence_label=torch.zeros(B, dtype=torch.long).to(device))
     elif name == "gpt2":
-        model = hf.GPT2LMHeadModel(hf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **size))
         kw = dict(input_ids=ids(B, T), labels=ids(B, T))
     else:
         model = hf.MarianMTModel(hf.MarianConfig(vocab_size=37000, d_model=512, encoder_layers=6,
@@ -119,12 +129,18 @@ def torch_stepper(name, B, T):
                                                  decoder_ffn_dim=2048, dropout=0.0, pad_token_id=0,
                                                  decoder_start_token_id=0, eos_token_id=1))
         kw = dict(input_ids=ids(B, T), labels=ids(B, T))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    forward = torch.compile(model) if compile else model
 
     def step():
         opt.zero_grad()
-        model(**kw).loss.backward()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            loss = forward(**kw).loss
+        loss.backward()
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
     step()
     return step
 
