@@ -25,4 +25,13 @@ def get_config(arg: str = "rte"):
     if unknown:
         raise ValueError(f"glue.py config: unknown option(s) {sorted(unknown)}; use 'TASK' or 'TASK,runlocal'")
     c = finetune.base_config(f"glue/{name}", max_seq_length=128, learning_rate=2e-5)
-    return finetune.runlocal(c) if flags else c
+    return runlocal(c) if flags else c
+
+
+def runlocal(c):
+    """The recipe at CPU size on the generated topic-pair task (module doc), whichever TASK."""
+    finetune.runlocal(c)
+    c.update(dataset="synthetic_topic_pairs", max_seq_length=48, max_train_examples=128, max_eval_examples=0,
+             num_epochs=5.0, batch_size=16, learning_rates="1e-3,3e-4", log_every=10)
+    c.optimizer.learning_rate = 1e-3
+    return c
