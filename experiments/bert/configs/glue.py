@@ -3,8 +3,7 @@ batch 32, 3 epochs, learning rate picked on dev from {5,4,3,2}e-5 (--sweep).
 
 Command:   python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte \\
                --init=DIR --workdir=/tmp/ft/rte --sweep
-           (task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte; ":rte,runlocal" shrinks the run
-           for a CPU: 64 training examples, 16 dev examples, one epoch of batch 8)
+           (task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte)
 Hardware:  one GPU or TPU host (run time not measured yet: no accelerator so far); RTE is 233
            steps per learning rate (2.5k examples), MNLI 36.8k (393k).
 Expected:  the paper's dev-set-selected test scores (Table 1), BERT-base / BERT-large:
@@ -13,6 +12,16 @@ Expected:  the paper's dev-set-selected test scores (Table 1), BERT-base / BERT-
            RTE 66.4 / 70.1; GLUE average 79.6 / 82.1. Dev scores are reported here (the test
            labels are not public).
 Data:      TFDS glue/<task>, prepared once as array_record (see README).
+
+`runlocal` (any TASK: `glue.py:rte,runlocal`) keeps the recipe's keys and code path at CPU size,
+offline: the generated `synthetic_topic_pairs` (`tfm.data.synthetic.topic_pairs`, written to
+<workdir>/data as array_record like pretraining's corpus, read as GLUE is): is the sentence pair on
+one topic of `configs/base.py:runlocal`'s corpus (label 1) or on two (0)? Balanced; 128 training
+pairs, all 500 dev pairs, 48 tokens, 5 epochs of batch 16 (40 steps), lr 1e-3 (sweep 1e-3, 3e-4).
+    python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py:runlocal --workdir=/tmp/bert
+    python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte,runlocal \\
+        --init=/tmp/bert --workdir=/tmp/bert_ft
+Measured (2-core CPU): MEASURED
 """
 from experiments.bert import finetune
 from experiments.bert.glue import task_of
