@@ -52,10 +52,7 @@ GENERATED = {"synthetic_topic_pairs": GlueTask(_PAIR, 2, ("accuracy",))}
 
 
 def task_of(name: str) -> tuple[str, GlueTask]:
-    """("rte", its GlueTask) for "glue/rte" (or "rte"), or a GENERATED task; ValueError naming the
-    known tasks."""
-    if name in GENERATED:
-        return name, GENERATED[name]
+    """("rte", its GlueTask) for "glue/rte" (or "rte"); ValueError naming the known tasks."""
     short = name.partition("/")[2] if name.startswith("glue/") else name
     if short not in TASKS:
         raise ValueError(f"unknown GLUE task {name!r}; known: {['glue/' + t for t in TASKS]}")
@@ -112,8 +109,8 @@ def scores(task: GlueTask, predictions: np.ndarray, labels: np.ndarray, prefix: 
 
 
 def data_dir_of(name: str, data_dir: Optional[str], workdir: str) -> Optional[str]:
-    """Where the task's data is read: `data_dir`; for a GENERATED task (written there first, once)
-    default <workdir>/data."""
+    """The directory the task is read from: `data_dir`; for a GENERATED task, `data_dir` or
+    <workdir>/data, where it is written first (once, by the first process)."""
     if name not in GENERATED:
         return data_dir
     data_dir = data_dir or os.path.join(workdir, "data")
@@ -125,7 +122,7 @@ class Glue:
     """One GLUE (or GENERATED) task's data and dev evaluation for `experiments.bert.finetune`."""
 
     def __init__(self, name: str, settings, tokenizer: WordPieceTokenizer, workdir: str = ""):
-        self.name, self.task = task_of(name)
+        self.name, self.task = (name, GENERATED[name]) if name in GENERATED else task_of(name)
         self.task_cls = RegressionTask if self.task.regression else ClassificationTask
         self.heads = ("regression",) if self.task.regression else ("classification",)
         self.num_labels = max(self.task.num_labels, 2)  # unused by the regression head
