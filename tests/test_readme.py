@@ -71,7 +71,7 @@ def test_bert_runlocal_pretraining_then_fine_tuning_offline(tmp_path):
                              timeout=600)
         assert run.returncode == 0, (args, run.stderr[-3000:])
     assert f"initialised from tfm checkpoint {tmp_path / 'bert'}/checkpoints/30" in run.stdout, run.stdout[-3000:]
-    report = re.search(r"^synthetic_topic_pairs lr 0.001 \((\d+) steps\): synthetic_topic_pairs_accuracy ([\d.]+),",
+    report = re.search(r"^synthetic_topic_pairs lr 0.0003 \((\d+) steps\): synthetic_topic_pairs_accuracy ([\d.]+),",
                        run.stdout, re.M)
     assert report and report.group(1) == "40", run.stdout[-3000:]  # 128 examples, 5 epochs of batch 16
     accuracy = float(report.group(2))

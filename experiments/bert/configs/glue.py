@@ -17,7 +17,7 @@ Data:      TFDS glue/<task>, prepared once as array_record (see README).
 offline: the generated `synthetic_topic_pairs` (`tfm.data.synthetic.topic_pairs`, written to
 <workdir>/data as array_record like pretraining's corpus, read as GLUE is): is the sentence pair on
 one topic of `configs/base.py:runlocal`'s corpus (label 1) or on two (0)? Balanced; 128 training
-pairs, all 500 dev pairs, 48 tokens, 5 epochs of batch 16 (40 steps), lr 1e-3 (sweep 1e-3, 3e-4).
+pairs, all 500 dev pairs, 48 tokens, 5 epochs of batch 16 (40 steps), lr 3e-4 (sweep 1e-3, 3e-4).
     python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py:runlocal --workdir=/tmp/bert
     python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte,runlocal \\
         --init=/tmp/bert --workdir=/tmp/bert_ft
@@ -42,5 +42,5 @@ def runlocal(c):
     finetune.runlocal(c)
     c.update(dataset="synthetic_topic_pairs", max_seq_length=48, max_train_examples=128, max_eval_examples=0,
              num_epochs=5.0, batch_size=16, learning_rates="1e-3,3e-4", log_every=10)
-    c.optimizer.learning_rate = 1e-3
+    c.optimizer.learning_rate = 3e-4
     return c
