@@ -21,7 +21,14 @@ pairs, all 500 dev pairs, 48 tokens, 5 epochs of batch 16 (40 steps), lr 3e-4 (s
     python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py:runlocal --workdir=/tmp/bert
     python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte,runlocal \\
         --init=/tmp/bert --workdir=/tmp/bert_ft
-Measured (2-core CPU): MEASURED
+Measured (2-core CPU shared with other jobs: 42 s; init: a base.py:runlocal workdir after its
+2,000 steps, held-out masked_lm 0.430, next_sentence 0.918), dev accuracy over seeds 0, 1, 2,
+against the same model, tokenizer and recipe from a random init (chance: 50):
+    lr 3e-4, 128 pairs:  pretrained 89.2, 91.4, 92.4 (mean 91.0)   scratch 53.4, 52.0, 51.8 (52.4)
+    lr 1e-3, 128 pairs:  pretrained 88.8, 89.0, 90.6 (89.5)        scratch 50.0, 50.0, 50.0
+    all 1,000 pairs (312 steps), seed 0: pretrained 93.0 (lr 3e-4), 92.2 (1e-3); scratch 49.2, 50.0
+From scratch the model learns nothing here even from all 1,000 pairs: what the pretrained one
+knows (which words share a topic) comes from next-sentence prediction on the topical corpus.
 """
 from experiments.bert import finetune
 from experiments.bert.glue import task_of
