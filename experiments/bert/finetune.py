@@ -4,6 +4,8 @@
         --init=/ckpt/bert_base --workdir=/tmp/ft/rte --sweep
     python -m experiments.bert.finetune --config=experiments/bert/configs/squad.py \\
         --init=/ckpt/bert_base --workdir=/tmp/ft/squad
+    python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte,runlocal \\
+        --init=/tmp/bert --workdir=/tmp/bert_ft   # CPU, offline: a generated task (configs/glue.py)
 
 --init is a tfm pretraining workdir (config.json, checkpoints/, vocab.txt: the latest
 checkpoint's params) or a Hugging Face BERT directory (BertForPreTraining or BertModel

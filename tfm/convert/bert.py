@@ -94,7 +94,7 @@ def model_hf_config(cfg: ModelConfig) -> dict:
     """`hf_config` for BertModel, whose pooler HF always builds: a config without one is refused."""
     if "pooler" not in cfg.heads:
         raise ConversionError(f"heads={cfg.heads} has no pooler, and transformers' BertModel always has one "
-                              "(it would load it at random); export heads=('pooler',) with trained pooler params")
+                              "(from_pretrained would fill it at random); export heads=('pooler',) with trained pooler params")
     return hf_config(cfg)
 
 
