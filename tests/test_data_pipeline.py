@@ -180,7 +180,36 @@ def test_load_errors(tmp_path):
         sources.load("wmt15", "train")
     with pytest.raises(ValueError, match="glue needs a task"):
         sources.load("glue", "train")
-    with pytest.raises(FileNotFoundError, match="not prepared"):
-        sources.load("lm1b", "train", data_dir=tmp_path)
-    with pytest.raises(FileNotFoundError, match="synthetic.prepare"):
+    with pytest.raises(sources.DatasetNotPreparedError, match=r"synthetic\.prepare_translation\(data_dir\)$"):
         sources.load("synthetic_translate", "train", data_dir=tmp_path)
+
+
+def _info(root, fields):
+    (root / "glue/rte/2.0.0").mkdir(parents=True)
+    (root / "glue/rte/2.0.0/dataset_info.json").write_text(json.dumps(fields))
+
+
+# Each way TFDS says "not prepared" (form -> (make it under root, what TFDS raises)): no directory,
+# an empty one, a version folder without dataset_info.json, a dataset_info.json of another dataset,
+# and one in array_record without splits (an interrupted preparation: TFDS's KeyError).
+UNPREPARED = {
+    "missing": (lambda root: None, NotImplementedError),
+    "empty": (lambda root: root.mkdir(), NotImplementedError),
+    "no_info": (lambda root: (root / "glue/rte/2.0.0").mkdir(parents=True), NotImplementedError),
+    "foreign_info": (lambda root: _info(root, {}), AssertionError),
+    "no_splits": (lambda root: _info(root, {"name": "glue", "configName": "rte", "version": "2.0.0",
+                                            "fileFormat": "array_record"}), KeyError),
+}
+
+
+@pytest.mark.parametrize("form", sorted(UNPREPARED))
+def test_every_form_of_not_prepared_is_one_error_saying_how(form, tmp_path):
+    root = tmp_path / "tfds"
+    make, raised = UNPREPARED[form]
+    make(root)
+    how = f"`tfds build glue/rte --file_format=array_record --data_dir={root}` (needs the tf extra)"
+    with pytest.raises(sources.DatasetNotPreparedError) as e:
+        sources.load("glue/rte", "train", data_dir=root)
+    assert str(e.value) == (f"dataset glue/rte split 'train' is not prepared as array_record under {root}; "
+                            f"prepare it with {how}")
+    assert type(e.value.__cause__) is raised

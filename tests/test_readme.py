@@ -48,3 +48,31 @@ def test_each_experiment_readme_maps_every_file_and_config():
         assert not missing, f"experiments/{name}/README.md does not name {missing}"
         for module in re.findall(r"python -m (experiments\.[\w.]+)", text):
             assert os.path.exists(os.path.join(ROOT, *module.split(".")) + ".py"), module
+
+
+def _local_paths(args, tmp_path):
+    """Each `--flag=/tmp/NAME` as `--flag=<tmp_path>/NAME`."""
+    return [re.sub(r"=/tmp/(\w+)$", lambda m: f"={tmp_path / m.group(1)}", a) for a in args]
+
+
+def test_bert_runlocal_pretraining_then_fine_tuning_offline(tmp_path):
+    """The README's CPU-sized BERT commands as written (workdirs under tmp_path; pretraining cut to
+    30 steps of one phase), offline: fine-tuning starts from pretraining's last checkpoint, trains
+    40 steps and scores all 500 dev pairs of the generated task (accuracy a multiple of 0.2%)."""
+    commands = re.findall(r"^python -m experiments\.bert\.\w+ .*runlocal.*$", _section("Reproductions"), re.M)
+    pretrain, finetune = (_local_paths(shlex.split(c), tmp_path) for c in commands)
+    assert pretrain[2] == "experiments.bert.pretrain" and finetune[2] == "experiments.bert.finetune", commands
+    shrink = ["--config.num_train_steps=30", "--config.phase2_start_step=0", "--config.synthetic_documents=300",
+              "--config.eval_documents=40", "--config.optimizer.warmup_steps=3", "--config.eval_every=30",
+              "--config.checkpoint_every=30", "--config.log_every=10", "--config.progress_bar=False"]
+    env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "no_tfds"), "HF_HUB_OFFLINE": "1"}
+    for args in (pretrain + shrink, finetune + ["--config.progress_bar=False"]):
+        run = subprocess.run([sys.executable] + args[1:], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, (args, run.stderr[-3000:])
+    assert f"initialised from tfm checkpoint {tmp_path / 'bert'}/checkpoints/30" in run.stdout, run.stdout[-3000:]
+    report = re.search(r"^synthetic_topic_pairs lr 0.0003 \((\d+) steps\): synthetic_topic_pairs_accuracy ([\d.]+),",
+                       run.stdout, re.M)
+    assert report and report.group(1) == "40", run.stdout[-3000:]  # 128 examples, 5 epochs of batch 16
+    accuracy = float(report.group(2))
+    assert 0 <= accuracy <= 100 and abs(accuracy * 5 - round(accuracy * 5)) < 1e-6, accuracy

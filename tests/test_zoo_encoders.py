@@ -217,7 +217,7 @@ PUBLISHED = {  # architecture, HF config of the published size, HF's parameter c
     "vit-base-patch16-224": ("ViTModel", lambda: tr.ViTConfig(), 86_389_248),
     "vit-base-patch16-224 (classifier)": ("ViTForImageClassification", lambda: tr.ViTConfig(num_labels=1000),
                                           86_567_656),
-    "e5-base (BertModel, no pooler)": ("BertModel", lambda: tr.BertConfig(), 108_891_648),
+    "bert-base-uncased (BertModel, with its pooler)": ("BertModel", lambda: tr.BertConfig(), 109_482_240),
 }
 
 
@@ -400,7 +400,7 @@ def test_e5_contrastive_training_separates_paraphrases(hf_models):
 
 # ---- export ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"e5"}))  # E5 has no pooler: test_convert_export
 def test_export_round_trip(hf_models, name, tmp_path):
     """to_hf writes a directory transformers loads with no missing or unexpected keys and with
     every tensor bit-identical to the model it was imported from (to_hf itself checks that
@@ -411,9 +411,7 @@ def test_export_round_trip(hf_models, name, tmp_path):
     back, info = type(hf).from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want, got = hf.state_dict(), back.state_dict()
-    # E5's source has no pooler; BertModel's export writes HF's required pooler as zeros
-    extra = {"pooler.dense.weight", "pooler.dense.bias"} if name == "e5" else set()
-    assert set(want) <= set(got) and set(got) - set(want) == extra
+    assert set(want) == set(got)
     assert not [k for k in want if not torch.equal(want[k], got[k])]
 
 

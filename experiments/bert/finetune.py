@@ -4,6 +4,8 @@
         --init=/ckpt/bert_base --workdir=/tmp/ft/rte --sweep
     python -m experiments.bert.finetune --config=experiments/bert/configs/squad.py \\
         --init=/ckpt/bert_base --workdir=/tmp/ft/squad
+    python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte,runlocal \\
+        --init=/tmp/bert --workdir=/tmp/bert_ft   # CPU, offline: a generated task (configs/glue.py)
 
 --init is a tfm pretraining workdir (config.json, checkpoints/, vocab.txt: the latest
 checkpoint's params) or a Hugging Face BERT directory (BertForPreTraining or BertModel
@@ -30,7 +32,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from experiments import common
-from experiments.bert.glue import Glue
+from experiments.bert.glue import GENERATED, Glue
 from experiments.bert.squad import Squad
 from tfm import convert
 from tfm.config import ModelConfig
@@ -43,7 +45,8 @@ from tfm.train import train_and_evaluate as train_loop
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneSettings:
-    dataset: str              # "glue/<cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte>" or "squad" (v1.1)
+    dataset: str              # "glue/<cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte>", "squad" (v1.1), or
+                              # "synthetic_topic_pairs" (generated offline: glue.py's runlocal)
     max_seq_length: int       # paper: 128 for GLUE, 384 for SQuAD
     num_epochs: float         # paper: 3; num_train_steps = int(train features * epochs / batch_size)
     warmup_proportion: float  # paper: 0.1 of the steps (optimizer.warmup_steps must stay 0)
@@ -55,6 +58,7 @@ class FinetuneSettings:
     max_train_examples: int   # 0 = all; runlocal shrinks it
     max_eval_examples: int    # 0 = all
     data_dir: Optional[str] = None  # TFDS data dir; None: $TFDS_DATA_DIR or ~/tensorflow_datasets
+                                    # (<workdir>/data for the generated task)
 
 
 def base_config(dataset: str, max_seq_length: int, learning_rate: float) -> ml_collections.ConfigDict:
@@ -81,13 +85,14 @@ def runlocal(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-def data_for(settings: FinetuneSettings, tokenizer: WordPieceTokenizer):
+def data_for(settings: FinetuneSettings, tokenizer: WordPieceTokenizer, workdir: str):
     """The task's data and dev evaluation: a `glue.Glue` or a `squad.Squad`."""
-    if settings.dataset.startswith("glue/"):
-        return Glue(settings.dataset, settings, tokenizer)
+    if settings.dataset.startswith("glue/") or settings.dataset in GENERATED:
+        return Glue(settings.dataset, settings, tokenizer, workdir)
     if settings.dataset.partition("/")[0] == "squad":
         return Squad(settings.dataset, settings, tokenizer)
-    raise ValueError(f"config.dataset={settings.dataset!r}: expected 'glue/<task>' or 'squad'")
+    raise ValueError(f"config.dataset={settings.dataset!r}: expected 'glue/<task>', 'squad' or one of "
+                     f"{sorted(GENERATED)}")
 
 
 # ------------------------------------------------------------------- pretrained checkpoints
@@ -297,7 +302,7 @@ def train_and_evaluate(config, workdir: str, init: str) -> dict:
     """One run at config.optimizer.learning_rate (fine_tune's dict)."""
     settings = common.settings_of(config, FinetuneSettings)
     pretrained = load_pretrained(init)
-    return fine_tune(config, workdir, pretrained, data_for(settings, pretrained.tokenizer))
+    return fine_tune(config, workdir, pretrained, data_for(settings, pretrained.tokenizer, workdir))
 
 
 def learning_rates(settings: FinetuneSettings) -> list[float]:
@@ -317,7 +322,7 @@ def sweep(config, workdir: str, init: str) -> dict:
     settings = common.settings_of(config, FinetuneSettings)
     rates = learning_rates(settings)
     pretrained = load_pretrained(init)
-    data = data_for(settings, pretrained.tokenizer)
+    data = data_for(settings, pretrained.tokenizer, workdir)
     runs, best, best_params = [], None, None
     for rate in rates:
         print(f"--- {settings.dataset}: learning rate {rate:g} ({len(runs) + 1} of {len(rates)})", flush=True)

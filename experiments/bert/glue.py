@@ -1,5 +1,6 @@
 """GLUE for BERT fine-tuning: the TFDS `glue/<task>` builders, [CLS] a [SEP] b [SEP] inputs,
-and each task's dev metrics as GLUE names them.
+and each task's dev metrics as GLUE names them. `synthetic_topic_pairs` (`tfm.data.synthetic`,
+generated offline into <workdir>/data, features like rte's) is the same kind of task for CPU runs.
 
 Features (those of tensorflow_datasets' glue builder): cola, sst2 "sentence"; mrpc, rte,
 stsb "sentence1"/"sentence2"; qqp "question1"/"question2"; mnli "premise"/"hypothesis";
@@ -8,12 +9,14 @@ qnli "question"/"sentence"; "label" (a class, or stsb's float score) and "idx".
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+import os
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from experiments import common
 from experiments.bert import finetune_metrics as fm
-from tfm.data import sources
+from tfm.data import sources, synthetic
 from tfm.data.tokenizers import WordPieceTokenizer
 from tfm.train import ClassificationTask, RegressionTask
 
@@ -42,6 +45,10 @@ TASKS = {
     "qnli": GlueTask(("question", "sentence"), 2, ("accuracy",)),
     "rte": GlueTask(_PAIR, 2, ("accuracy",)),
 }
+
+
+# Generated locally (no download): is the pair on one topic? (`tfm.data.synthetic.topic_pairs`)
+GENERATED = {"synthetic_topic_pairs": GlueTask(_PAIR, 2, ("accuracy",))}
 
 
 def task_of(name: str) -> tuple[str, GlueTask]:
@@ -101,16 +108,27 @@ def scores(task: GlueTask, predictions: np.ndarray, labels: np.ndarray, prefix: 
     return {f"{prefix}{m}": 100.0 * getattr(fm, m)(predictions, labels) for m in task.metrics}
 
 
-class Glue:
-    """One GLUE task's data and dev evaluation for `experiments.bert.finetune`."""
+def data_dir_of(name: str, data_dir: Optional[str], workdir: str) -> Optional[str]:
+    """The directory the task is read from: `data_dir`; for a GENERATED task, `data_dir` or
+    <workdir>/data, where it is written first (once, by the first process)."""
+    if name not in GENERATED:
+        return data_dir
+    data_dir = data_dir or os.path.join(workdir, "data")
+    common.on_first_process(lambda: synthetic.prepare_topic_pairs(data_dir))
+    return data_dir
 
-    def __init__(self, name: str, settings, tokenizer: WordPieceTokenizer):
-        self.name, self.task = task_of(name)
+
+class Glue:
+    """One GLUE (or GENERATED) task's data and dev evaluation for `experiments.bert.finetune`."""
+
+    def __init__(self, name: str, settings, tokenizer: WordPieceTokenizer, workdir: str = ""):
+        self.name, self.task = (name, GENERATED[name]) if name in GENERATED else task_of(name)
         self.task_cls = RegressionTask if self.task.regression else ClassificationTask
         self.heads = ("regression",) if self.task.regression else ("classification",)
         self.num_labels = max(self.task.num_labels, 2)  # unused by the regression head
-        full = f"glue/{self.name}"
-        load = lambda split: sources.load(full, split, data_dir=settings.data_dir)
+        full = self.name if self.name in GENERATED else f"glue/{self.name}"
+        data_dir = data_dir_of(self.name, settings.data_dir, workdir)
+        load = lambda split: sources.load(full, split, data_dir=data_dir)
         print(f"tokenizing {full} (train and dev)", flush=True)
         self.train = features(load("train"), self.task, tokenizer, settings.max_seq_length,
                               settings.max_train_examples)

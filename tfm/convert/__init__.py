@@ -60,9 +60,11 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jn
     if arch not in CONVERTERS:
         raise ConversionError(f"{source}: architecture {arch!r} is not supported; tfm converts {list(SUPPORTED)}")
     converter = CONVERTERS[arch]
-    config = converter.config(HFConfig(fields, arch))
-    config = config.replace(**_runtime_overrides(config_overrides))
     weights = Weights(tensors, source, converter.ignore)
+    config = converter.config(HFConfig(fields, arch))
+    if converter.refine is not None:
+        config = converter.refine(config, weights)
+    config = config.replace(**_runtime_overrides(config_overrides))
     params = converter.params(weights, config)
     weights.finish()
     params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), params)

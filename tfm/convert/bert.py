@@ -2,14 +2,18 @@
 
 Post-norm blocks, learned absolute positions, token types, LayerNorm on the summed embeddings.
 BertForPreTraining keeps the MLM head (transform, LayerNorm, tied decoder + bias) and the NSP head
-(pooler + seq_relationship); BertModel converts without heads (its pooler is dropped).
+(pooler + seq_relationship). BertModel keeps its pooler (heads ("pooler",): `pooler_output` is
+"pooled"); a BertModel checkpoint saved without one (E5-style, `add_pooling_layer=False`) imports
+with no heads, and export refuses such a config, since transformers' BertModel always has a pooler
+and would initialise it at random.
 """
 from __future__ import annotations
 
 import functools
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
+                               stack_layers)
 from tfm.convert.export import hf_activation
 from tfm.models import EncoderModel
 
@@ -39,10 +43,17 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
             "ffn_norm": norm(w, f"{p}.output.LayerNorm", cfg.norm)}
 
 
+def pooler_if_saved(cfg: ModelConfig, w: Weights) -> ModelConfig:
+    """BertModel's config without its pooler when the checkpoint saved none."""
+    saved = any(w.has(f"{p}pooler.dense.weight") for p in ("", "bert."))
+    return cfg if saved else cfg.replace(heads=())
+
+
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    if not cfg.heads:
+    pretraining = "mlm" in cfg.heads  # BertForPreTraining; else BertModel
+    if not pretraining:
         w.strip_prefix("bert.")  # BertModel weights saved with or without the "bert." wrapper
-    p = "bert." if cfg.heads else ""
+    p = "bert." if pretraining else ""
     V, D = cfg.vocab_size, cfg.d_model
     embedding = w(f"{p}embeddings.word_embeddings.weight", (V, D))
     out = {
@@ -53,8 +64,9 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
         "encoder": stack_layers([_layer(w, f"{p}encoder.layer.{i}", cfg) for i in range(cfg.num_layers)],
                                 cfg.scan_layers),
     }
-    if "nsp" in cfg.heads:
+    if {"nsp", "pooler"} & set(cfg.heads):
         out["pooler"] = linear(w, f"{p}pooler.dense")
+    if "nsp" in cfg.heads:
         out["nsp"] = linear(w, "cls.seq_relationship")
     if "mlm" in cfg.heads:
         out["mlm_transform"] = linear(w, "cls.predictions.transform.dense")
@@ -78,10 +90,18 @@ def hf_config(cfg: ModelConfig) -> dict:
                 hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout)
 
 
+def model_hf_config(cfg: ModelConfig) -> dict:
+    """`hf_config` for BertModel, whose pooler HF always builds: a config without one is refused."""
+    if "pooler" not in cfg.heads:
+        raise ConversionError(f"heads={cfg.heads} has no pooler, and transformers' BertModel always has one "
+                              "(from_pretrained would fill it at random); export heads=('pooler',) with trained pooler params")
+    return hf_config(cfg)
+
+
 ARCHITECTURES = {
     "BertForPreTraining": Converter(EncoderModel, functools.partial(config, heads=("mlm", "nsp")), params,
                                     ignore=("*position_ids", "*token_type_ids"), hf_config=hf_config),
-    "BertModel": Converter(EncoderModel, config, params,
-                           ignore=("*position_ids", "*token_type_ids", "pooler.*", "bert.pooler.*"),
-                           hf_config=hf_config, export_zeros=("pooler.*",)),
+    "BertModel": Converter(EncoderModel, functools.partial(config, heads=("pooler",)), params,
+                           ignore=("*position_ids", "*token_type_ids"), hf_config=model_hf_config,
+                           refine=pooler_if_saved),
 }

@@ -27,10 +27,11 @@ class Converter:
     params: Callable[["Weights", object], dict]  # (checkpoint tensors, tfm config) -> param tree
     ignore: Sequence[str] = ()  # glob patterns of tensors that carry no parameters
     # Export (tfm.convert.export): (tfm config) -> HF config dict with "model_type", the inverse of
-    # `config`; None = this architecture does not export. `export_zeros`: glob patterns of HF tensors
-    # that tfm drops on import but HF requires (BertModel's pooler), written as zeros.
+    # `config`; None = this architecture does not export.
     hf_config: Optional[Callable[[object], dict]] = None
-    export_zeros: Sequence[str] = ()
+    # (tfm config, checkpoint tensors) -> the config, with what only the tensors tell (a BertModel
+    # saved without its pooler); None = the HF config says everything. Import only.
+    refine: Optional[Callable[[object, "Weights"], object]] = None
 
 
 # HF activation names -> tfm activation names (tfm "gelu" is exact erf GELU, "gelu_tanh" the tanh one).

@@ -24,10 +24,8 @@ family's tensor names (which could drift from the importer):
 
 Adding a family: give its `Converter` an `hf_config(tfm_config) -> dict` holding `model_type`
 and the fields the family's `config` reads (helpers below: `hf_activation`, `hf_rope`); write
-only what HF has a field for, and let the round-trip check refuse the rest. HF tensors that tfm
-drops on import and that HF still requires (BertModel's pooler) go in `Converter.export_zeros`
-(glob patterns) and are written as zeros. Any other HF tensor the importer does not read is an
-error naming it. Importers must not look at tensor values (other than through `w.tied`): under
+only what HF has a field for, and let the round-trip check refuse the rest. An HF tensor the
+importer does not read is an error naming it: nothing is written as a placeholder. Importers must not look at tensor values (other than through `w.tied`): under
 export they see indices; tensors HF recomputes and leaves out of its files (`_keys_to_ignore_on_save`,
 like Marian's position tables) are hidden from them. Tensors are written in float32; ModelConfig fields that do not change the
 function (dtype, scan_layers, remat, attention backend, dropout) are not compared. Memory: the
@@ -36,7 +34,6 @@ of the params, plus the verifying import.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 from typing import Dict, Optional
@@ -253,14 +250,10 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
             continue
         start, size = rec.offsets[key], int(np.prod(shape))
         done = written[start:start + size]
-        if key not in rec.used and any(fnmatch.fnmatchcase(key, p) for p in converter.export_zeros):
-            out[key] = np.zeros(shape, np.float32)
-        elif not done.all():
+        if not done.all():
             what = "does not read it" if key not in rec.used else f"leaves {int((~done).sum())} element(s) unset"
-            raise ConversionError(f"{arch}: cannot export HF tensor {key!r}: the importer {what}; list it in "
-                                  f"Converter.export_zeros if tfm drops it on purpose")
-        else:
-            out[key] = flat_hf[start:start + size].reshape(shape)
+            raise ConversionError(f"{arch}: cannot export HF tensor {key!r}: the importer {what}")
+        out[key] = flat_hf[start:start + size].reshape(shape)
     return out
 
 

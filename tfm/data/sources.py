@@ -28,9 +28,16 @@ class _Family:
     register: str | None  # module whose import registers the TFDS builder
     default_config: str | None
     splits: tuple[str, ...] | None  # the real dataset's splits (None: vary by config)
+    prepare: str | None = None  # how to prepare it; None: `tfds build` (a TFDS catalog dataset)
+
+
+class DatasetNotPreparedError(FileNotFoundError):
+    """A dataset that is not prepared as array_record where it is looked for; the message says
+    how to prepare it."""
 
 
 _THREE = ("train", "validation", "test")
+_LOCAL = "tfm.data.synthetic"  # the generated datasets' module
 # TFDS name (the part before '/') -> how to load it. The split names are the real builders'
 # (TFDS mock_data serves any split name, so they are checked here).
 _FAMILIES = {
@@ -38,15 +45,17 @@ _FAMILIES = {
     "lm1b": _Family("tensorflow_datasets.text", None, ("train", "test")),
     "wikipedia": _Family("tensorflow_datasets.text", "20230601.en", ("train",)),
     # Not in the TFDS catalog: read from a prepared directory (TFDS `builder_from_files`).
-    "bookcorpus": _Family(None, None, ("train",)),
+    "bookcorpus": _Family(None, None, ("train",), "a TFDS builder of your own (it is not in the TFDS catalog)"),
     "glue": _Family("tensorflow_datasets.text", None, None),
     "squad": _Family("tensorflow_datasets.question_answering", "v1.1", ("train", "validation")),
-    "tfm_synthetic_translate": _Family("tfm.data.synthetic", None, _THREE),
-    "tfm_synthetic_docs": _Family("tfm.data.synthetic", None, _THREE),
-    "tfm_synthetic_topics": _Family("tfm.data.synthetic", None, _THREE),
+    "tfm_synthetic_translate": _Family(_LOCAL, None, _THREE, f"{_LOCAL}.prepare_translation(data_dir)"),
+    "tfm_synthetic_docs": _Family(_LOCAL, None, _THREE, f"{_LOCAL}.prepare_documents(data_dir)"),
+    "tfm_synthetic_topics": _Family(_LOCAL, None, _THREE, f"{_LOCAL}.prepare_topical_documents(data_dir)"),
+    "tfm_synthetic_topic_pairs": _Family(_LOCAL, None, _THREE, f"{_LOCAL}.prepare_topic_pairs(data_dir)"),
 }
 ALIASES = {"wmt14": "wmt14_translate/de-en", "synthetic_translate": "tfm_synthetic_translate",
-           "synthetic_docs": "tfm_synthetic_docs", "synthetic_topics": "tfm_synthetic_topics"}
+           "synthetic_docs": "tfm_synthetic_docs", "synthetic_topics": "tfm_synthetic_topics",
+           "synthetic_topic_pairs": "tfm_synthetic_topic_pairs"}
 
 
 def resolve(name: str) -> str:
@@ -65,9 +74,9 @@ def resolve(name: str) -> str:
 def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
     """The array_record data source of one split: `len()`, `[i] -> dict` (Grain-compatible).
 
-    Raises ValueError for an unknown name or split and FileNotFoundError when the dataset is not
-    prepared as array_record under `data_dir` (default: $TFDS_DATA_DIR or
-    ~/tensorflow_datasets).
+    Raises ValueError for an unknown name or split and DatasetNotPreparedError (a
+    FileNotFoundError) when the dataset is not prepared as array_record under `data_dir`
+    (default: $TFDS_DATA_DIR or ~/tensorflow_datasets), whichever way TFDS reports it.
     """
     full = resolve(name)
     family = _FAMILIES[full.partition("/")[0]]
@@ -79,17 +88,16 @@ def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
     data_dir = os.fspath(data_dir) if data_dir is not None else None
     try:
         return tfds.data_source(full, split=split, data_dir=data_dir, download=False)
-    except (AssertionError, NotImplementedError, FileNotFoundError,
+    # TFDS's forms of "not prepared": no builder directory (DatasetNotFoundError), one in another
+    # file format or with no dataset_info.json (NotImplementedError, AssertionError), missing
+    # files (FileNotFoundError), and a dataset_info.json without the split (KeyError: an
+    # interrupted preparation).
+    except (AssertionError, NotImplementedError, FileNotFoundError, KeyError,
             tfds.core.DatasetNotFoundError) as e:
         where = data_dir or tfds.core.constants.DATA_DIR
-        how = ("tfm.data.synthetic.prepare_translation/prepare_documents(data_dir)"
-               if family.register == "tfm.data.synthetic" else
-               "a TFDS builder of your own (it is not in the TFDS catalog)"
-               if family.register is None else
-               f"`tfds build {full} --file_format=array_record --data_dir={where}` "
-               "(needs the tf extra)")
-        raise FileNotFoundError(f"{full} split {split!r} is not prepared as array_record "
-                                f"under {where}; prepare it with {how}") from e
+        how = family.prepare or f"`tfds build {full} --file_format=array_record --data_dir={where}` (needs the tf extra)"
+        raise DatasetNotPreparedError(f"dataset {full} split {split!r} is not prepared as array_record "
+                                      f"under {where}; prepare it with {how}") from e
 
 
 def as_text(value: Any) -> str:

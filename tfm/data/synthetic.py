@@ -7,6 +7,8 @@
 * `documents`: English documents (lists of sentences) that share a topic, for LM and NSP.
 * `topical_documents`: documents on one of 32 topics with disjoint nouns and verbs, so a
   sentence from another document is nearly always off-topic (BERT pretraining's NSP).
+* `topic_pairs`: labelled sentence pairs on those topics, 1 when both share one (BERT
+  fine-tuning's offline GLUE-style task, features like `glue/rte`).
 * `prepare_translation` / `prepare_documents`: write them as TFDS array_record datasets
   (`tfm_synthetic_translate` with features {"en", "de"} like `wmt14_translate/de-en`;
   `tfm_synthetic_docs` with {"title", "text"} like `wikipedia`), read back by
@@ -18,6 +20,7 @@ import os
 import random
 from typing import Iterable
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 # (english, german, gender)
@@ -142,14 +145,32 @@ def topical_documents(n: int, seed: int = 0, min_sentences: int = 3,
         raise ValueError(f"need 1 <= min_sentences <= max_sentences, got "
                          f"{min_sentences}, {max_sentences}")
     rng = random.Random(seed)
-    noun_size, verb_size = len(NOUNS) // NOUN_TOPICS, len(VERBS) // VERB_TOPICS
     docs = []
     for _ in range(n):
-        t, v = rng.randrange(NOUN_TOPICS), rng.randrange(VERB_TOPICS)
-        nouns, verbs = NOUNS[t * noun_size:(t + 1) * noun_size], VERBS[v * verb_size:(v + 1) * verb_size]
+        topic = rng.randrange(NOUN_TOPICS), rng.randrange(VERB_TOPICS)
         num = rng.randint(min_sentences, max_sentences)
-        docs.append([_sentence(rng, nouns, verbs)[0] for _ in range(num)])
+        docs.append([_topical_sentence(rng, topic) for _ in range(num)])
     return docs
+
+
+def _topical_sentence(rng: random.Random, topic: tuple[int, int]) -> str:
+    """An English sentence on topic (noun group, verb group)."""
+    (t, v), noun_size, verb_size = topic, len(NOUNS) // NOUN_TOPICS, len(VERBS) // VERB_TOPICS
+    return _sentence(rng, NOUNS[t * noun_size:(t + 1) * noun_size], VERBS[v * verb_size:(v + 1) * verb_size])[0]
+
+
+def topic_pairs(n: int, seed: int = 0) -> list[tuple[str, str, int]]:
+    """`n` (sentence1, sentence2, label) of `topical_documents`' sentences: label 1 (every even
+    index, so the classes are balanced) when both are on one topic, 0 when on two different
+    topics (which may share the noun or the verb group)."""
+    rng = random.Random(seed)
+    topics = [(t, v) for t in range(NOUN_TOPICS) for v in range(VERB_TOPICS)]
+    pairs = []
+    for i in range(n):
+        first, same = rng.choice(topics), i % 2 == 0
+        second = first if same else rng.choice([t for t in topics if t != first])
+        pairs.append((_topical_sentence(rng, first), _topical_sentence(rng, second), int(same)))
+    return pairs
 
 
 def write_text(path: str | os.PathLike, lines: Iterable[str]) -> str:
@@ -244,6 +265,31 @@ class TfmSyntheticTopics(TfmSyntheticDocs):
             yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
 
 
+class TfmSyntheticTopicPairs(_LocalBuilder):
+    """TFDS builder of `topic_pairs` (BERT fine-tuning); features match `glue/rte`."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
+        self._sizes, self._seed = sizes or _split_sizes(1000, 500, 500), seed
+        super().__init__(**kwargs)
+
+    def _info(self):
+        return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
+            "sentence1": tfds.features.Text(), "sentence2": tfds.features.Text(),
+            "label": tfds.features.ClassLabel(names=["different_topics", "same_topic"]),
+            "idx": tfds.features.Scalar(np.int32)}))
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {s: self._generate_examples(s) for s in self._sizes}
+
+    def _generate_examples(self, split):
+        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
+        for i, (a, b, label) in enumerate(topic_pairs(self._sizes[split], seed)):
+            yield i, {"sentence1": a, "sentence2": b, "label": label, "idx": i}
+
+
 def _prepare(cls, data_dir, sizes, seed) -> str:
     builder = cls(sizes=sizes, seed=seed, data_dir=os.fspath(data_dir),
                   file_format="array_record")
@@ -275,3 +321,9 @@ def prepare_topical_documents(data_dir: str | os.PathLike, train: int = 3000, va
                               test: int = 100, seed: int = 0) -> str:
     """Writes `tfm_synthetic_topics` (array_record, one document an example) under `data_dir`."""
     return _prepare(TfmSyntheticTopics, data_dir, _split_sizes(train, validation, test), seed)
+
+
+def prepare_topic_pairs(data_dir: str | os.PathLike, train: int = 1000, validation: int = 500,
+                        test: int = 500, seed: int = 0) -> str:
+    """Writes `tfm_synthetic_topic_pairs` (array_record, one sentence pair an example) under `data_dir`."""
+    return _prepare(TfmSyntheticTopicPairs, data_dir, _split_sizes(train, validation, test), seed)
