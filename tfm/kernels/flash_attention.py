@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
+GPU_NUM_WARPS, GPU_NUM_STAGES = 4, 2  # Triton launch parameters of all three GPU kernels
 
 
 # --------------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequentia
         return pltpu.CompilerParams(dimension_semantics=semantics)
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+        return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
     return None
 
 
