@@ -29,7 +29,7 @@ REFUSE_SPILLS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
 
 
 class Variant(NamedTuple):
-    """One attention call: q [B, T, N, H], k, v [B, S, K, H], bf16, and its mask features."""
+    """One attention call's shapes, q [B, T, N, H] and k, v [B, S, K, H], and mask features."""
     name: str
     T: int = 512
     S: int = 512
@@ -69,7 +69,7 @@ def feature_sweep() -> list[Variant]:
 
 
 def compile_attention(variant: Variant, head_dim: int, devices, *, backward: bool = True,
-                      block_sizes=None, dtype="bfloat16", compiler_options: Optional[dict] = None):
+                      dtype="bfloat16", compiler_options: Optional[dict] = None):
     """The compiled `jax.jit` of the attention entry point (impl="pallas") for `variant` with
     q, k, v of `dtype`, forward only or the gradients of sum(o) w.r.t. q, k, v, on a mesh over
     `devices` (compile-only ones) with the batch split over them (one sequence per device)."""
@@ -96,8 +96,7 @@ def compile_attention(variant: Variant, head_dim: int, devices, *, backward: boo
         segments, extra = (extra[:2], extra[2:]) if v.segments else ((None, None), extra)
         return dot_product_attention(q, k, w, causal=v.causal, window=v.window, softcap=v.softcap,
                                      q_segment_ids=segments[0], kv_segment_ids=segments[1],
-                                     alibi_slopes=extra[0] if v.alibi else None, impl="pallas",
-                                     block_sizes=block_sizes)
+                                     alibi_slopes=extra[0] if v.alibi else None, impl="pallas")
 
     def grads(q, k, w, *extra):
         loss = lambda q, k, w: attend(q, k, w, *extra).astype(jnp.float32).sum()
@@ -145,14 +144,12 @@ def ptxas_registers(ptx_files, ptxas: str) -> dict[str, Registers]:
 
 
 def kernel_registers(variant: Variant, head_dim: int, devices, *, backward: bool = True,
-                     block_sizes=None, refuse_spills: bool = True,
-                     ptxas: Optional[str] = None) -> dict[str, Registers]:
+                     refuse_spills: bool = True, ptxas: Optional[str] = None) -> dict[str, Registers]:
     """{kernel entry: Registers} of `variant` compiled for `devices` (one compile-only H100);
     with refuse_spills a spilling kernel raises XlaRuntimeError "... register spilling"."""
     with tempfile.TemporaryDirectory() as dump:
         options = {**(REFUSE_SPILLS if refuse_spills else {}), "xla_dump_to": dump}
-        compile_attention(variant, head_dim, devices, backward=backward, block_sizes=block_sizes,
-                          compiler_options=options)
+        compile_attention(variant, head_dim, devices, backward=backward, compiler_options=options)
         return ptxas_registers(glob.glob(os.path.join(dump, "*.ptx")), ptxas or ptxas_path())
 
 

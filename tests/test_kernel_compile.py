@@ -20,7 +20,6 @@ from benchmarks import gpu_registers
 from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
 from tfm.kernels import flash_attention as fa
 from tfm.ops import select
-from tfm.ops.attention import dot_product_attention
 from tfm.parallel.mesh import MeshConfig, make_mesh
 from tfm.preflight.targets import parse_target
 
@@ -83,10 +82,9 @@ def test_triton_refuses_fp32():
 
 
 def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
-    mesh = make_mesh(MeshConfig(), _devices("h100-1"))
+    with pytest.raises(ValueError, match="flash attention on GPU"):
+        gpu_registers.compile_attention(VARIANTS[1], 64, _devices("h100-1"), dtype="float32")
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
-    with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match="flash attention on GPU"):
-            jax.jit(functools.partial(dot_product_attention, impl="pallas")).trace(q, q, q)
+    with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
         assert select.choose_impl(q, q) == "xla"
         assert select.choose_impl(q.update(dtype=jnp.bfloat16), q) == "pallas"
