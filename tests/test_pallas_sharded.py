@@ -171,7 +171,7 @@ def test_sharded_call_lowers_for_accelerators_on_per_device_shapes(platform, mes
                                                   interpret=False, **kw)
     mesh, rules = _mesh_and_rules(mesh_name)
     q_spec, kv_spec = _input_specs(mesh, rules, K)
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    shapes = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))  # Triton: no fp32
               for x, spec in zip(_inputs(N, K), (q_spec, kv_spec, kv_spec, q_spec))]
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         lowered = jax.jit(_loss(case, "pallas", attention)).trace(*shapes).lower(lowering_platforms=(platform,))
@@ -221,8 +221,9 @@ def test_sharded_train_step_lowers_for_accelerators_on_per_device_shapes(platfor
     [B/4, N/2 | K/2] blocks."""
     backend, blocks = _KERNEL_BUILDS[platform]
     compiled = pallas.flash_attention.flash_attention
-    monkeypatch.setattr(pallas.flash_attention, "flash_attention", lambda *a, **kw: compiled(
-        *a, **{**kw, "backend": backend, "interpret": False, "block_sizes": blocks}))
+    monkeypatch.setattr(pallas.flash_attention, "flash_attention", lambda q, k, v, **kw: compiled(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)),  # the fp32 model's q, k, v: Triton takes bf16
+        **{**kw, "backend": backend, "interpret": False, "block_sizes": blocks}).astype(q.dtype))
     trainer, batch = _llama_trainer("pallas")
     global_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
                     for k, v in batch.items()}

@@ -32,6 +32,12 @@ from jax.experimental import pallas as pl
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
+# Triton launch parameters of the three GPU kernels. With 4 warps the forward kernel used all
+# 255 registers a thread has at the default blocks; 8 warps (two warpgroups of 64 rows of the
+# 128-row query tile) halve each thread's share of the fp32 tiles and keep the tiles, so the
+# K/V traffic per query is unchanged (benchmarks/gpu_registers.py, benchmarks/RESULTS.md).
+GPU_NUM_WARPS, GPU_NUM_STAGES = 8, 2
+GPU_DTYPES = ("bfloat16", "float16")  # Triton: the tensor-core dtypes; float32 is refused
 
 
 # --------------------------------------------------------------------------------------
@@ -78,7 +84,8 @@ class BlockSizes:
 
     @classmethod
     def default(cls, backend: str, head_dim: int) -> "BlockSizes":
-        """Per-backend defaults (not yet tuned on hardware; see benchmarks/RESULTS.md)."""
+        """Per-backend defaults (not yet timed on hardware; on GPU they leave every kernel
+        register headroom with GPU_NUM_WARPS: benchmarks/RESULTS.md)."""
         if backend == "tpu":
             return cls(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=256)
         if backend == "gpu":
@@ -413,7 +420,7 @@ def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequentia
         return pltpu.CompilerParams(dimension_semantics=semantics)
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+        return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
     return None
 
 
@@ -606,13 +613,19 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
                     backend: Optional[str] = None, interpret: Optional[bool] = None):
     """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
-    backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton) or "cpu"; default the
-    JAX default backend. interpret: run the Pallas interpreter; default on CPU.
+    backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton; q, k, v in GPU_DTYPES)
+    or "cpu"; default the JAX default backend. interpret: run the Pallas interpreter; default on CPU.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     backend = _backend_name(backend)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    if backend == "gpu" and not interpret:
+        dtypes = sorted({jnp.dtype(x.dtype).name for x in (q, k, v)} - set(GPU_DTYPES))
+        if dtypes:
+            raise ValueError(f"flash attention on GPU takes {' or '.join(GPU_DTYPES)} q, k, v, not "
+                             f"{'/'.join(dtypes)} (Triton's float32 dot runs off the tensor cores and "
+                             f"spills registers): cast them to bfloat16, or use impl='xla'")
     scale = H ** -0.5 if scale is None else scale
     block_sizes = BlockSizes.default(backend, H) if block_sizes is None else block_sizes
     if not isinstance(block_sizes, BlockSizes):

@@ -1,0 +1,90 @@
+"""The flash-attention kernels compiled by the real compilers, from this CPU machine.
+
+Every kernel variant the attention entry point reaches (`benchmarks.gpu_registers.VARIANTS`:
+bidirectional, causal, cross-attention with T != S, packed segments, window, ALiBi, soft-cap,
+GQA, MQA, and all features at once for self- and cross-attention), bf16, H 64 and 128, at the
+default block sizes, through `dot_product_attention(impl="pallas")` in `jax.jit`: compiled
+by libtpu for a v5p-8 slice (Mosaic) and by XLA's CUDA plugin for one H100 (Triton, register
+spilling refused). Each compile is of the gradients, so it holds the forward kernel (the
+custom VJP's forward is the primal's kernel) and the dQ and dK/dV kernels. Also: the GPU
+forward kernel's register headroom (when ptxas is installed) and fp32 refused on Triton.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import gpu_registers
+from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
+from tfm.kernels import flash_attention as fa
+from tfm.ops import select
+from tfm.parallel.mesh import MeshConfig, make_mesh
+from tfm.preflight.targets import parse_target
+
+KERNEL_CALLS = {"v5p-8": 'custom_call_target="tpu_custom_call"',
+                "h100-1": 'custom_call_target="__gpu$xla.gpu.triton"'}
+HEADROOM = 16  # registers the GPU forward kernel keeps free at the defaults (255 - 239)
+
+
+@functools.cache
+def _devices(target: str):
+    """Compile-only devices of `target`; skips when its compiler plugin is not installed
+    (`make test` installs both)."""
+    try:
+        return tuple(parse_target(target).devices())
+    except ValueError as error:  # tfm.preflight.require_plugin: names the pip command
+        pytest.skip(str(error))
+
+
+def _kernels(hlo: str, target: str) -> list[str]:
+    """Sorted kernel names (fwd, dq, dkv) of the Pallas custom calls in compiled HLO text."""
+    lines = [line for line in hlo.splitlines() if KERNEL_CALLS[target] in line]
+    return sorted(re.search(r"flash_attention_(fwd|dkv|dq)", line).group(1) for line in lines)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+@pytest.mark.parametrize("target", list(KERNEL_CALLS))
+def test_kernels_compile(target, variant, head_dim):
+    options = REFUSE_SPILLS if target == "h100-1" else None  # a spilling kernel raises
+    compiled = gpu_registers.compile_attention(variant, head_dim, _devices(target), compiler_options=options)
+    assert _kernels(compiled.as_text(), target) == ["dkv", "dq", "fwd"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_forward_register_headroom(head_dim):
+    """ptxas -v on the forward kernel with every mask feature: <= 255 - HEADROOM registers."""
+    if gpu_registers.ptxas_path() is None:
+        pytest.skip("no ptxas (nvidia-cuda-nvcc-cu12 in the compile-only plugin folder)")
+    variant = next(v for v in VARIANTS if v.name == "all")
+    found = gpu_registers.kernel_registers(variant, head_dim, _devices("h100-1"), backward=False)
+    forward = found["flash_attention_fwd"]
+    print(f"H {head_dim}: forward {forward}")
+    assert forward.threads == 32 * fa.GPU_NUM_WARPS
+    assert forward.spill_stores == forward.spill_loads == 0
+    assert forward.registers <= gpu_registers.MAX_REGISTERS - HEADROOM, forward
+
+
+def test_triton_refuses_fp32():
+    """Triton's fp32 dot runs off the tensor cores and spills: a one-line error names the fixes;
+    interpret mode (the CPU tests) and bf16/fp16 are unaffected."""
+    q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"^flash attention on GPU .*float32.*bfloat16.*impl='xla'") as error:
+        fa.flash_attention(q, q, q, backend="gpu", interpret=False)
+    assert "\n" not in str(error.value)
+    for dtype in (jnp.bfloat16, jnp.float16):  # lowering only: the check passes these
+        x = jnp.zeros((1, 64, 2, 64), dtype)
+        jax.jit(functools.partial(fa.flash_attention, backend="gpu", interpret=False)).trace(x, x, x)
+    out = fa.flash_attention(q, q, q, backend="gpu", interpret=True)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+
+
+def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
+    with pytest.raises(ValueError, match="flash attention on GPU"):
+        gpu_registers.compile_attention(VARIANTS[1], 64, _devices("h100-1"), dtype="float32")
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+    with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
+        assert select.choose_impl(q, q) == "xla"
+        assert select.choose_impl(q.update(dtype=jnp.bfloat16), q) == "pallas"
