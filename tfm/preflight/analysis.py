@@ -98,8 +98,11 @@ def model_flops(model, task, params_shapes, batch: dict) -> float:
 # ---------------------------------------------------------------------------- the HLO
 
 
-def _array_bytes(shape_text: str) -> list[int]:
-    return [_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape_text)]
+def _largest_array(shape_text: str) -> tuple[int, str]:
+    """(bytes, "bf16[2,8]") of the largest array in a result shape (a tuple's largest element)."""
+    sizes = [(_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d), f"{t}[{dims}]")
+             for t, dims in _ARRAY.findall(shape_text)]
+    return max(sizes, default=(0, ""))
 
 
 def _arrays(shape_text: str) -> str:
@@ -127,8 +130,9 @@ def _split_instruction(line: str):
 
 
 def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
-    """(collectives {kind: {count, bytes}}, kernel calls, `top` largest arrays) of compiled HLO.
-    A collective's bytes are its largest array; instructions in a loop body count once."""
+    """(collectives {kind: {count, bytes}}, kernel calls, `top` largest arrays (bytes, shape,
+    opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's largest
+    element); instructions in a loop body count once."""
     shapes, collectives, kernels, sizes = {}, {}, [], {}
     for line in text.splitlines():
         parts = _split_instruction(line)
@@ -136,7 +140,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
             continue
         name, shape, opcode, rest = parts
         shapes[name] = shape
-        nbytes = max(_array_bytes(shape), default=0)
+        nbytes, array = _largest_array(shape)
         kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
         if kind in COLLECTIVES:
             entry = collectives.setdefault(kind, {"count": 0, "bytes": 0})
@@ -152,7 +156,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
                                 "operands": [_arrays(shapes.get(o, "?")) for o in operands],
                                 "result": _arrays(shape)})
         if nbytes and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-            key = (_arrays(shape), opcode)
+            key = (array, opcode)
             sizes[key] = max(sizes.get(key, 0), nbytes)
     largest = sorted(((b, s, op) for (s, op), b in sizes.items()), reverse=True)[:top]
     return collectives, kernels, largest
@@ -251,9 +255,10 @@ def advice(report: StepReport, train_config, model_config) -> list[str]:
     if "fsdp" not in train_config.parallelism:
         tips.append("shard parameters and optimizer state: --config.parallelism=fsdp (or data+fsdp) with "
                     "--config.mesh.fsdp=-1 --config.mesh.data=1")
-    if getattr(model_config, "remat_policy", "none") == "none":
-        tips.append("rematerialise activations: --config.model.overrides.remat_policy="
-                    "dots_with_no_batch_dims_saveable (or 'full')")
+    policy = getattr(model_config, "remat_policy", "none")
+    if policy != "full":
+        stronger = "dots_with_no_batch_dims_saveable' or 'full" if policy == "none" else "full"
+        tips.append(f"rematerialise more (now {policy!r}): --config.model.overrides.remat_policy='{stronger}'")
     tips.append(f"accumulate gradients: --config.microbatches={2 * train_config.microbatches}")
     tips.append("or a smaller --config.batch_size")
     return tips

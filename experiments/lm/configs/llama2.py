@@ -7,7 +7,8 @@ Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama2
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/llama2.py:7b --target=v5p-512
 Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU v5p-1024 (512 chips)
            or 32 nodes of 8 H100s (h100-256). FSDP over every chip, layers scanned and
-           rematerialised (matmul outputs saved), bf16 compute with fp32 parameters and Adam.
+           rematerialised (7b keeps the matmul outputs, 70b only each layer's input), bf16
+           compute with fp32 parameters and Adam.
            The preflight's figures per target are in benchmarks/RESULTS.md.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
@@ -15,8 +16,11 @@ Expected:  no published lm1b figure at this scale; the loss must fall below the 
 """
 from experiments.lm.configs import gpt2_small
 
-SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, d_ff=11008),
-          "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672)}
+SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, d_ff=11008,
+                    remat_policy="dots_with_no_batch_dims_saveable"),
+          # 70b saves only each layer's input: its matmul outputs, kept for the backward as 7b's
+          # are, would take 108 GiB per v5p chip and 229 GiB per H100 (preflight)
+          "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672, remat_policy="full")}
 
 
 def get_config(arg: str = "7b"):
@@ -28,8 +32,7 @@ def get_config(arg: str = "7b"):
     c = gpt2_small.get_config()
     c.model.preset = "llama"
     c.model.overrides = dict(SHAPES[size], max_len=4096, rope_theta=10_000.0, dtype="bfloat16",
-                             attention_impl="auto", scan_layers=True,
-                             remat_policy="dots_with_no_batch_dims_saveable")
+                             attention_impl="auto", scan_layers=True)
     c.seq_len = 4096
     c.batch_size = 256 if size == "7b" else 1024  # 1M / 4M tokens per step (Llama-2: 4M)
     c.optimizer.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, schedule="cosine",
