@@ -225,6 +225,21 @@ def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
     return None
 
 
+def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> None:
+    """Reports a failure to parse the flags: a misspelt `--config.KEY` by name, with the valid keys."""
+    fail(config_arg and _unknown_override(argv, config_arg) or error)
+
+
+def define_config_flag(default: Optional[str] = None) -> None:
+    """`--config=FILE[:arg]`, locked. ml_collections loads a default (with the command line's
+    `--config.KEY=VALUE` overrides) at once, so its failures are reported here."""
+    from ml_collections import config_flags
+    try:
+        config_flags.DEFINE_config_file("config", default, "experiment config file", lock_config=True)
+    except Exception as e:  # noqa: BLE001 - ml_collections raises many types
+        _flag_error(sys.argv, default, e)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (an `app.run` flags_parser), with every failure reported by `fail`:
     a missing config file, a misspelt `--config.KEY` (naming the valid keys), any other flag error."""
@@ -236,7 +251,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
-        fail(config_arg and _unknown_override(argv, config_arg) or e)
+        _flag_error(argv, config_arg, e)
 
 
 def run_cli(command: Callable[[list[str]], None]) -> None:
@@ -258,9 +273,8 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
     train, report. Exit status 0: finished; EXIT_PREEMPTED: saved and stopped by a signal;
     EXIT_ERROR: one line on stderr says what failed and what to do."""
     from absl import flags
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    define_config_flag()
     flags.DEFINE_string("workdir", None, "checkpoints, logs and the vocabulary go here")
     flags.mark_flags_as_required(["config", "workdir"])
 
@@ -269,12 +283,17 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         parallel.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
         check_workdir(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
         result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-        if preempted(result):
-            print("preempted: the checkpoint is saved; run the same command to resume", flush=True)
-            sys.exit(EXIT_PREEMPTED)
+        exit_if_preempted(result)
         report(result)
 
     run_cli(run)
+
+
+def exit_if_preempted(result, resume: str = "run the same command") -> None:
+    """Says how to resume and exits with EXIT_PREEMPTED if `result` stopped early on a signal."""
+    if preempted(result):
+        print(f"preempted: the checkpoint is saved; {resume} to resume", flush=True)
+        sys.exit(EXIT_PREEMPTED)
 
 
 def preempted(result) -> bool:
