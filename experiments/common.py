@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 import typing
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NoReturn, Optional
 
 import jax
 import ml_collections
@@ -173,7 +173,7 @@ EXIT_ERROR = 1       # a clear, one-line error on stderr (bad flag or config, wo
 ERRORS = (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError, OSError)  # what `fail` reports
 
 
-def fail(error) -> None:
+def fail(error) -> NoReturn:
     """Writes `error: <message on one line>` to stderr and exits with EXIT_ERROR."""
     sys.stderr.write(f"error: {' '.join(str(error).split())}\n")  # one write: no thread splits the line
     sys.stderr.flush()
@@ -225,9 +225,13 @@ def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
     return None
 
 
-def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> None:
+def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> NoReturn:
     """Reports a failure to parse the flags: a misspelt `--config.KEY` by name, with the valid keys."""
-    fail(config_arg and _unknown_override(argv, config_arg) or error)
+    try:
+        message = config_arg and _unknown_override(argv, config_arg)
+    except Exception:  # noqa: BLE001 - the config file itself fails to load: `error` says how
+        message = None
+    fail(message or error)
 
 
 def define_config_flag(default: Optional[str] = None) -> None:

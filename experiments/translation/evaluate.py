@@ -31,10 +31,11 @@ def require_final_checkpoint(workdir: str, keep: int) -> None:
     checkpointer.close()
     logged = last_logged_step(workdir)
     if newest is None or newest < logged:
+        found = "none" if newest is None else f"step {newest}"
         raise CheckpointError(
-            f"the newest checkpoint in {workdir}/checkpoints is {'none' if newest is None else f'step {newest}'}, but the run "
-            f"logged step {logged} (metrics.jsonl): its final state was not saved, so its score would not be the "
-            "run's. Run its training command again on this workdir (it resumes and saves), then evaluate")
+            f"the newest checkpoint in {workdir}/checkpoints is {found}, but the run logged step {logged} "
+            "(metrics.jsonl): its final state was not saved, so its score would not be the run's. Run its "
+            "training command again on this workdir (it resumes and saves), then evaluate")
 
 
 def evaluate(workdir: str, average_last: int | None = None, split: str = "test") -> dict:
