@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import sys
+import tempfile
 import typing
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn, Optional
 
 import jax
 import ml_collections
@@ -179,37 +181,136 @@ def on_first_process(prepare: Callable[[], object]) -> None:
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; run the same command to resume
-EXIT_ERROR = 1       # a clear, one-line error on stderr (bad config, workdir in use, checkpoint, NaN, dataset not prepared)
+EXIT_ERROR = 1       # a clear, one-line error on stderr (bad flag or config, workdir, checkpoint, NaN, dataset not prepared)
+ERRORS = (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError, DatasetNotPreparedError,
+          OSError)  # what `fail` reports
+
+
+def fail(error) -> NoReturn:
+    """Writes `error: <message on one line>` to stderr and exits with EXIT_ERROR."""
+    sys.stderr.write(f"error: {' '.join(str(error).split())}\n")  # one write: no thread splits the line
+    sys.stderr.flush()
+    os._exit(EXIT_ERROR)  # skip interpreter teardown: background threads would print noise
+
+
+def check_workdir(workdir: str) -> None:
+    """Refuses, before anything is written there, a URL, a file, or a directory that cannot be
+    created or written."""
+    require_filesystem_path(workdir)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir={workdir} is a file, not a directory; give a directory (created if missing)")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        tempfile.TemporaryFile(dir=workdir).close()
+    except OSError as e:
+        raise ValueError(f"--workdir={workdir} cannot be created or written ({e.strerror}); "
+                         "give a directory you can write to") from e
+
+
+def _config_arg(argv: list[str]) -> Optional[str]:
+    """The value of the last `--config=FILE[:arg]` argument, if any."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return values[-1] if values else None
+
+
+def _load_config(config_arg: str) -> ml_collections.ConfigDict:
+    """`get_config([arg])` of a `FILE[:arg]` config file, as ml_collections' config flag calls it."""
+    path, *arg = config_arg.split(":", 1)
+    spec = importlib.util.spec_from_file_location("tfm_experiment_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*arg)
+
+
+def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
+    """The message for the first `--config.KEY=VALUE` whose KEY the config lacks (None: all exist)."""
+    config = _load_config(config_arg)
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        node, where = config, "--config"
+        for key in arg[len("--config."):].split("=", 1)[0].split("."):
+            try:
+                _check_keys([key], list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else [], where)
+            except ValueError as e:
+                return str(e)
+            node, where = node[key], f"{where}.{key}"
+    return None
+
+
+def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> NoReturn:
+    """Reports a failure to parse the flags: a misspelt `--config.KEY` by name, with the valid keys."""
+    try:
+        message = config_arg and _unknown_override(argv, config_arg)
+    except Exception:  # noqa: BLE001 - the config file itself fails to load: `error` says how
+        message = None
+    fail(message or error)
+
+
+def define_config_flag(default: Optional[str] = None) -> None:
+    """`--config=FILE[:arg]`, locked. ml_collections loads a default (with the command line's
+    `--config.KEY=VALUE` overrides) at once, so its failures are reported here."""
+    from ml_collections import config_flags
+    try:
+        config_flags.DEFINE_config_file("config", default, "experiment config file", lock_config=True)
+    except Exception as e:  # noqa: BLE001 - ml_collections raises many types
+        _flag_error(sys.argv, default, e)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (an `app.run` flags_parser), with every failure reported by `fail`:
+    a missing config file, a misspelt `--config.KEY` (naming the valid keys), any other flag error."""
+    from absl import flags
+    config_arg = _config_arg(argv)
+    path = config_arg and config_arg.split(":", 1)[0]
+    if path and not os.path.isfile(path):
+        fail(f"--config file {path} not found (run from the repository root, or give its full path)")
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
+        _flag_error(argv, config_arg, e)
+
+
+def run_cli(command: Callable[[list[str]], None]) -> None:
+    """`app.run(command)` with WARNING-level logs and every error in ERRORS reported by `fail`."""
+    from absl import app, logging
+
+    def run(argv):
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+        try:
+            command(argv)
+        except ERRORS as e:
+            fail(e)
+
+    app.run(run, flags_parser=parse_flags)
 
 
 def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda result: None):
     """`--config=FILE[:arg] --workdir=DIR [--config.KEY=VALUE ...]`: join the multi-host job,
     train, report. Exit status 0: finished; EXIT_PREEMPTED: saved and stopped by a signal;
     EXIT_ERROR: one line on stderr says what failed and what to do."""
-    from absl import app, flags, logging
-    from ml_collections import config_flags
+    from absl import flags
 
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    define_config_flag()
     flags.DEFINE_string("workdir", None, "checkpoints, logs and the vocabulary go here")
     flags.mark_flags_as_required(["config", "workdir"])
 
     def run(argv):
         del argv
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         parallel.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
-        try:
-            require_filesystem_path(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
-            result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-        except (ValueError, CheckpointError, WorkdirLockedError, FloatingPointError, DatasetNotPreparedError) as e:
-            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")  # one write: no thread splits the line
-            sys.stderr.flush()
-            os._exit(EXIT_ERROR)  # skip interpreter teardown: background threads would print noise
-        if preempted(result):
-            print("preempted: the checkpoint is saved; run the same command to resume", flush=True)
-            sys.exit(EXIT_PREEMPTED)
+        check_workdir(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
+        result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+        exit_if_preempted(result)
         report(result)
 
-    app.run(run)
+    run_cli(run)
+
+
+def exit_if_preempted(result, resume: str = "run the same command") -> None:
+    """Says how to resume and exits with EXIT_PREEMPTED if `result` stopped early on a signal."""
+    if preempted(result):
+        print(f"preempted: the checkpoint is saved; {resume} to resume", flush=True)
+        sys.exit(EXIT_PREEMPTED)
 
 
 def preempted(result) -> bool:

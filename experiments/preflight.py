@@ -93,10 +93,10 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
 
 
 def main():
-    from absl import app, flags, logging
+    from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    common.define_config_flag()
     flags.DEFINE_string("target", None, "e.g. v5p-8, v5e-256, v6e:4x4, h100-8 (see the module doc)")
     flags.DEFINE_integer("num_slices", 1, "TPU slices (or GPU host groups) joined over DCN")
     flags.DEFINE_bool("eval", True, "also compile the eval step")
@@ -105,15 +105,9 @@ def main():
 
     def run(argv):
         del argv
-        logging.set_verbosity(logging.ERROR)
-        try:
-            records = run_preflight(flags.FLAGS.config, config_flags.get_config_filename(flags.FLAGS["config"]),
-                                    flags.FLAGS.target, num_slices=flags.FLAGS.num_slices,
-                                    with_eval=flags.FLAGS.eval, say=lambda s: print(s, flush=True))
-        except ValueError as e:
-            sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
-            sys.stderr.flush()
-            os._exit(common.EXIT_ERROR)
+        records = run_preflight(flags.FLAGS.config, config_flags.get_config_filename(flags.FLAGS["config"]),
+                                flags.FLAGS.target, num_slices=flags.FLAGS.num_slices,
+                                with_eval=flags.FLAGS.eval, say=lambda s: print(s, flush=True))
         if flags.FLAGS.json:
             with open(flags.FLAGS.json, "w") as f:
                 json.dump(records, f, indent=1, default=str)
@@ -122,7 +116,7 @@ def main():
             sys.exit(EXIT_DOES_NOT_FIT)
         print("fits: every step compiled within the chips' memory")
 
-    app.run(run)
+    common.run_cli(run)
 
 
 if __name__ == "__main__":

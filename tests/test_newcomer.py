@@ -65,6 +65,38 @@ def test_progress_in_a_redirected_log_is_plain_lines(tmp_path):
     assert lines == [f"step {i} train: loss={1.0 / i:.4g} accuracy=0.5" for i in range(1, 6)]
 
 
+def test_progress_in_a_terminal_that_reports_no_size_is_plain_lines(tmp_path):
+    """A pseudo-terminal starts with size 0 x 0 (as some CI and container consoles report): tqdm
+    would draw a bar of width 0, i.e. nothing, so the logger prints plain step lines instead."""
+    import pty
+    code = f"""
+        from tfm.train.metrics import MetricLogger
+        logger = MetricLogger({str(tmp_path)!r}, total_steps=3)
+        for step in range(1, 4):
+            logger.advance()
+            logger.write(step, {{"loss": 1.0 / step}})
+        logger.close()
+    """
+    parent, child = pty.openpty()
+    assert os.get_terminal_size(child).columns == 0
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, stdin=child, stdout=child,
+                            stderr=child, env={**os.environ, "PYTHONPATH": ROOT})
+    os.close(child)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(parent, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(parent)
+    assert proc.wait(timeout=300) == 0, out.decode()
+    lines = [line for line in out.decode().replace("\r\n", "\n").splitlines() if line.startswith("step ")]
+    assert lines == [f"step {i} train: loss={1.0 / i:.4g}" for i in range(1, 4)], out.decode()
+
+
 @pytest.fixture(scope="module")
 def lm():
     from tfm.models import DecoderLM

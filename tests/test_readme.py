@@ -1,8 +1,11 @@
-"""The README's "Outputs and resuming" section, run: its command works as written (on a
-temporary workdir) and leaves exactly the files its table lists."""
+"""The README's commands, run as written (on temporary workdirs, CPU-sized): the "Outputs and
+resuming" command leaves exactly the files its table lists; the local translation commands, in
+order, score what they trained; its `make` targets and environment are as it says."""
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -76,3 +79,82 @@ def test_bert_runlocal_pretraining_then_fine_tuning_offline(tmp_path):
     assert report and report.group(1) == "40", run.stdout[-3000:]  # 128 examples, 5 epochs of batch 16
     accuracy = float(report.group(2))
     assert 0 <= accuracy <= 100 and abs(accuracy * 5 - round(accuracy * 5)) < 1e-6, accuracy
+
+
+def _bleu_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if "bleu_moses_compound_split" in line)
+
+
+def _command(args, tmp_path, shrink):
+    """A README command as run here: this interpreter, the workdir under tmp_path, CPU-sized."""
+    assert args[0] == "python"
+    args = [sys.executable] + [f"--workdir={tmp_path}/{a.rsplit('/', 1)[1]}" if a.startswith("--workdir=") else a
+                               for a in args[1:]]
+    return args + (shrink if args[2] in ("experiments.demo", "experiments.translation.train") else [])
+
+
+def test_local_translation_commands_in_order(tmp_path):
+    """The README's local translation commands, in order: evaluate repeats the demo's BLEU and, after
+    a run stopped by Ctrl-C and resumed, the resumed run's, each naming the final step; a workdir
+    whose final checkpoint is missing (as every runlocal run left it before) is refused."""
+    block = next(b for b in re.findall(r"```bash\n(.*?)\n```", _section("Reproductions"), re.S)
+                 if "experiments.demo" in b)
+    shrink = ["--config.num_train_steps=30", "--config.synthetic_pairs=500", "--config.eval_examples=8",
+              "--config.log_every=1"]
+    commands = [_command(args, tmp_path, shrink) for args in map(lambda l: shlex.split(l, comments=True),
+                                                                 block.splitlines()) if args]
+    assert [c[2] for c in commands] == ["experiments.demo", "experiments.translation.evaluate",
+                                        "experiments.translation.train", "experiments.translation.train",
+                                        "experiments.translation.evaluate"]
+    run = lambda args: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    demo = run(commands[0])
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert _bleu_line(demo.stdout).endswith("(checkpoint step 30)"), demo.stdout[-3000:]
+    assert f"python -m experiments.translation.evaluate --workdir={tmp_path}/demo" in demo.stdout
+    scored = run(commands[1])
+    assert scored.returncode == 0 and scored.stderr == "", scored.stderr[-3000:]  # no absl INFO lines
+    assert _bleu_line(scored.stdout) == f"{_bleu_line(demo.stdout)}; translations in {tmp_path}/demo/translations.test.txt"
+
+    first, log = subprocess.Popen(commands[2], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), []
+    for line in first.stdout:
+        log.append(line)
+        if line.startswith("step 3 train"):
+            first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=300) == 75, "".join(log)[-3000:]
+    stopped = int(re.search(r"SIGINT at step (\d+)", "".join(log)).group(1))
+    resumed = run(commands[3])
+    assert resumed.returncode == 0 and f"restored checkpoint at step {stopped}" in resumed.stdout, resumed.stderr[-3000:]
+    assert _bleu_line(resumed.stdout).endswith("(checkpoint step 30)")
+    scored = run(commands[4])
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert _bleu_line(scored.stdout).startswith(_bleu_line(resumed.stdout) + "; translations in ")
+
+    workdir = tmp_path / "wmt_local"
+    shutil.rmtree(workdir / "checkpoints" / "30")
+    stale = run(commands[4])
+    assert stale.returncode == 1 and stale.stdout == "", stale.stdout[-3000:]
+    assert stale.stderr == (f"error: the newest checkpoint in {workdir}/checkpoints is step {stopped}, but the run "
+                            "logged step 30 (metrics.jsonl): its final state was not saved, so its score would not "
+                            "be the run's. Run its training command again on this workdir (it resumes and saves), "
+                            "then evaluate\n")
+
+
+def test_readme_says_how_to_use_the_environment_make_installs():
+    """`make` installs into a virtual environment; the README's bare `python` commands need it active."""
+    venv = re.search(r"^VENV := (\S+)$", open(os.path.join(ROOT, "Makefile")).read(), re.M).group(1)
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert f"source {venv}/bin/activate" in text
+    assert text.index(f"source {venv}/bin/activate") < text.index("python -m ")
+
+
+def test_make_bench_leaves_the_heavy_cases_to_bench_full():
+    """`make bench` fits the development machine (2 cores, 24 GB, other jobs running): the BERT-base
+    and GPT-2-small train steps, which the kernel killed at 13.6 GB, run only in `make bench-full`."""
+    dry = lambda target: subprocess.run(["make", "-n", target], cwd=ROOT,
+                                        capture_output=True, text=True, check=True).stdout
+    step = [line for line in dry("bench").splitlines() if "benchmarks.train_step" in line]
+    assert len(step) == 1 and step[0].endswith("--only transformer"), step
+    assert any(line.endswith("benchmarks.train_step --only bert,gpt2") for line in dry("bench-full").splitlines())
+    text = open(os.path.join(ROOT, "README.md")).read()
+    assert "`make bench-full`" in text and "GB" in text.split("`make bench-full`", 1)[1].split("\n\n", 1)[0]

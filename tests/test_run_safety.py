@@ -3,6 +3,7 @@ stops the run with its last good checkpoint, and the command line's exit statuse
 stay truthful across preemptions and resumes."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -111,18 +112,38 @@ def _error_lines(stderr: str) -> list[str]:
             if line.strip() and not line.startswith(("W", "I"))]
 
 
+def _truncate(checkpoint, arrays_only: bool) -> None:
+    """Cuts the largest file of a checkpoint's train state (array data; the metadata still reads)
+    to 100 bytes, or empties every file of it."""
+    files = [f for f in (checkpoint / "state").rglob("*") if f.is_file() and not f.name.startswith("_")]
+    for f in [max(files, key=lambda f: f.stat().st_size)] if arrays_only else files:
+        f.write_bytes(f.read_bytes()[:100] if arrays_only else b"")
+
+
+def _one_error_line(proc) -> str:
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
 def test_cli_exit_statuses_logs_across_resumes_and_one_line_errors(tmp_path):
+    short = _cli(tmp_path, "--config.num_train_steps=8")  # a first, shorter run of the same workdir
+    assert short.returncode == 0, short.stderr[-3000:]
     proc, log = _cli(tmp_path, background=True), []
-    _wait_for(proc, "step 6 train", log)
+    _wait_for(proc, "step 10 train", log)
     proc.send_signal(signal.SIGTERM)
     log += proc.stdout.readlines()
     log = "".join(log)
     assert proc.wait(timeout=300) == 75, log[-3000:]  # EXIT_PREEMPTED
     assert "checkpoint saved, exiting" in log and "preempted" in log
     assert "final eval loss" not in log and "sample (" not in log  # nothing pretends it finished
+    assert f"config changed since {tmp_path}/config.json (new one in {tmp_path}/config.step8.json)" in log
+    assert "num_train_steps: 8 -> 24" in log
 
-    done = _cli(tmp_path)  # resume 1: to the end
+    done = _cli(tmp_path)  # resume 1: to the end, unchanged since the latest record (config.step8.json)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "config changed" not in done.stdout, done.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json", "config.step8.json"]
     final = [line for line in done.stdout.splitlines() if "final eval loss" in line]
     assert len(final) == 1 and "nan" not in final[0], done.stdout[-2000:]
     again = _cli(tmp_path)  # resume 2: already finished, reports the same final metrics
@@ -130,14 +151,30 @@ def test_cli_exit_statuses_logs_across_resumes_and_one_line_errors(tmp_path):
     train_steps, eval_steps = _train_records(tmp_path)
     assert train_steps == list(range(1, 25)) and eval_steps == [8, 16, 24]
 
-    for f in (tmp_path / "checkpoints" / "24" / "state").rglob("*"):
-        if f.is_file() and not f.name.startswith("_"):
-            f.write_bytes(b"")  # truncate the newest checkpoint
-    broken = _cli(tmp_path, "--config.fallback_to_older=False")
-    assert broken.returncode == 1
-    lines = _error_lines(broken.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: checkpoint") and "fallback_to_older=True" in lines[0], \
-        broken.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    for arrays_only in (True, False):  # metadata or array reads fail, by where the cut falls
+        _truncate(checkpoints / "24", arrays_only)
+        line = _one_error_line(_cli(tmp_path, "--config.fallback_to_older=False"))
+        assert re.match(rf"error: checkpoint {checkpoints}/24 (could not be restored|is unreadable) \(corrupt or "
+                        r"partial\): \w+: ", line), line
+        assert re.search(r'Error reading "(params|opt_state)\.[\w.]+/', line), line  # the array that failed
+        assert "fallback_to_older=True" in line and not re.search(r"TensorStore\(|tensorstore_spec|<bound", line), line
+
+
+def test_a_workdir_whose_checkpoints_were_all_set_aside_is_not_restarted(tmp_path):
+    """Every checkpoint corrupt: each is moved to checkpoints.broken/, and neither that run nor the
+    next starts over from step 0 (which would overwrite the history in metrics.jsonl)."""
+    assert _cli(tmp_path, "--config.num_train_steps=8").returncode == 0
+    history = (tmp_path / "metrics.jsonl").read_bytes()
+    for step in ("4", "8"):
+        _truncate(tmp_path / "checkpoints" / step, arrays_only=True)
+    refusal = (f"error: no readable checkpoint left in {tmp_path}/checkpoints: the broken ones are in "
+               f"{tmp_path}/checkpoints.broken/ (never deleted). To start over from step 0 deliberately "
+               f"(overwriting metrics.jsonl), move {tmp_path}/checkpoints.broken out of the workdir, or use a new --workdir")
+    for _ in range(2):
+        assert _one_error_line(_cli(tmp_path, "--config.num_train_steps=8")) == refusal
+        assert (tmp_path / "metrics.jsonl").read_bytes() == history
+    assert len(os.listdir(tmp_path / "checkpoints.broken")) == 2
 
 
 def test_a_url_workdir_is_refused_before_anything_is_written(tmp_path, monkeypatch):

@@ -13,13 +13,29 @@ import os
 import jax
 
 from experiments import common
-from experiments.translation import bleu as bleu_lib
 from experiments.translation import train
 from experiments.translation.settings import TranslationSettings
 from tfm.data import pipeline, sources, tokenizers
 from tfm.models import EncoderDecoder
 from tfm.train import Seq2SeqTask, Trainer
+from tfm.train.checkpoint import CheckpointError, Checkpointer
+from tfm.train.metrics import last_logged_step
 from tfm.train.workdir_lock import require_filesystem_path
+
+
+def require_final_checkpoint(workdir: str, keep: int) -> None:
+    """Refuses a workdir whose newest checkpoint is older than the last step its run logged:
+    scoring it would report an earlier model than the run's."""
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
+    newest = checkpointer.latest_step()
+    checkpointer.close()
+    logged = last_logged_step(workdir)
+    if newest is None or newest < logged:
+        found = "none" if newest is None else f"step {newest}"
+        raise CheckpointError(
+            f"the newest checkpoint in {workdir}/checkpoints is {found}, but the run logged step {logged} "
+            "(metrics.jsonl): its final state was not saved, so its score would not be the run's. Run its "
+            "training command again on this workdir (it resumes and saves), then evaluate")
 
 
 def evaluate(workdir: str, average_last: int | None = None, split: str = "test") -> dict:
@@ -31,7 +47,11 @@ def evaluate(workdir: str, average_last: int | None = None, split: str = "test")
     with open(path) as f:
         raw = {k: v for k, v in json.load(f).items() if k != "model_config"}
     derived = {"batch_size": jax.device_count()} if raw.get("batch_size") is None else {}  # not used here
-    exp = common.resolve(raw, TranslationSettings, Seq2SeqTask, **derived)
+    try:
+        exp = common.resolve(raw, TranslationSettings, Seq2SeqTask, **derived)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a translation run's config ({e})") from e
+    require_final_checkpoint(workdir, exp.train.keep_checkpoints)
     s = exp.settings
     tok = tokenizers.SentencePieceTokenizer.load(os.path.join(workdir, f"spm_{s.vocab_size}.model"))
     source = dict(zip(("train", "validation", "test"), train.load_sources(s, workdir)))[split]
@@ -51,7 +71,7 @@ def evaluate(workdir: str, average_last: int | None = None, split: str = "test")
 
 
 def main():
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("workdir", None, "the --workdir of a translation training run")
     flags.DEFINE_integer("average_last", None, "checkpoints to average (default: the config's average_last)")
@@ -61,10 +81,9 @@ def main():
     def run(argv):
         del argv
         scores = evaluate(flags.FLAGS.workdir, flags.FLAGS.average_last, flags.FLAGS.split)
-        print(bleu_lib.report(scores, scores["test_set"]) +
-              f" (average of {scores['averaged_checkpoints']} checkpoints); translations in {scores['translations']}")
+        print(f"{train.report_line(scores)}; translations in {scores['translations']}")
 
-    app.run(run)
+    common.run_cli(run)
 
 
 if __name__ == "__main__":

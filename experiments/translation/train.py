@@ -17,7 +17,7 @@ from experiments.translation.settings import TranslationSettings
 from tfm import decode
 from tfm.data import pipeline, sources, synthetic
 from tfm.models import EncoderDecoder
-from tfm.train.checkpoint import Checkpointer, average_checkpoints
+from tfm.train.checkpoint import CheckpointError, Checkpointer, average_checkpoints
 from tfm.train.tasks import Seq2SeqTask
 from tfm.train.trainer import train_and_evaluate as run_training
 
@@ -122,34 +122,45 @@ def train_and_evaluate(config, workdir: str) -> dict:
         return {"preempted": True, "step": int(result.state.step), "eval_history": result.eval_history}
     test_examples = [test[i] for i in range(min(s.eval_examples, len(test)))]
     scores = checkpoint_bleu(model, result.trainer.abstract_state, workdir, s, tok, test_examples, "test",
-                             keep=tcfg.keep_checkpoints, params=result.state.params)
+                             keep=tcfg.keep_checkpoints)
     scores["final_loss"] = result.history[-1]["loss"] if result.history else float("nan")
     scores["eval_history"] = result.eval_history
     return scores
 
 
 def checkpoint_bleu(model, abstract_state, workdir: str, settings, tok, examples, split: str, *, keep: int,
-                    average_last: Optional[int] = None, params=None) -> dict:
+                    average_last: Optional[int] = None) -> dict:
     """BLEU on `examples` of `split` of the average of the last `average_last` (default
-    settings.average_last) checkpoints in workdir; with one (or none), of `params` if given,
-    else of the latest checkpoint. The test set is named and the decoding timed."""
+    settings.average_last) checkpoints in workdir ("checkpoint_steps" names them). The test set
+    is named and the decoding timed."""
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
-    averaged = max(1, min(average_last or settings.average_last, len(checkpointer.all_steps())))
-    if averaged > 1:
-        params = average_checkpoints(checkpointer, abstract_state, averaged)
-    elif params is None:
-        params = checkpointer.restore(abstract_state, with_data=False)[0].params
+    steps = checkpointer.all_steps()
+    if not steps:
+        raise CheckpointError(f"no checkpoint to score in {checkpointer.directory}")
+    steps = steps[-max(1, min(average_last or settings.average_last, len(steps))):]
+    if len(steps) > 1:
+        params = average_checkpoints(checkpointer, abstract_state, len(steps))
+    else:
+        params = checkpointer.restore(abstract_state, steps[0], with_data=False)[0].params
     checkpointer.close()
     start = time.perf_counter()
     scores = bleu(model, params, tok, examples, settings.decode_length, settings.beam_size, settings.alpha)
     scores["decode_seconds"] = time.perf_counter() - start
     scores["test_set"] = bleu_lib.describe_test_set(sources.resolve(settings.dataset), split, len(examples))
-    scores["averaged_checkpoints"] = averaged
+    scores["averaged_checkpoints"], scores["checkpoint_steps"] = len(steps), steps
     return scores
 
 
+def report_line(scores) -> str:
+    """Both BLEUs on the named test set, and the checkpoint (or the average of checkpoints) scored."""
+    steps = scores["checkpoint_steps"]
+    scored = (f"checkpoint step {steps[0]}" if len(steps) == 1 else
+              f"average of the {len(steps)} checkpoints of steps {', '.join(map(str, steps))}")
+    return f"{bleu_lib.report(scores, scores['test_set'])} ({scored})"
+
+
 def report(scores):
-    print(bleu_lib.report(scores, scores["test_set"]) + f" (average of {scores['averaged_checkpoints']} checkpoints)")
+    print(report_line(scores))
 
 
 if __name__ == "__main__":

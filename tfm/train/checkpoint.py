@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import re
 import sys
 import time
 from typing import Any, Optional
@@ -93,6 +94,15 @@ def _ignore_orphaned_read_completions() -> None:
     sys.unraisablehook = hook
 
 
+def _cause(error: BaseException) -> str:
+    """`Type: message` of the innermost exception in `error`'s chain (where tensorstore names the
+    array and file that failed and why), without the reprs of TensorStore specs it appends."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    text = re.sub(r"\s*(\[tensorstore_spec=|See full TensorStore details:).*", "", str(error), flags=re.S)
+    return f"{type(error).__name__}: {text}"
+
+
 def _key(entry) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(entry, attr):
@@ -156,7 +166,7 @@ class Checkpointer:
             meta = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable (corrupt or partial): "
-                                         f"{type(e).__name__}: {e}") from e
+                                         f"{_cause(e)}") from e
         if meta is None:
             raise CorruptCheckpointError(f"checkpoint {where} has no train state (corrupt or partial)")
         check_compatible(meta, abstract_state, where)
@@ -170,7 +180,7 @@ class Checkpointer:
             raise
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpointError(f"checkpoint {where} could not be restored (corrupt or "
-                                         f"partial): {type(e).__name__}: {e}") from e
+                                         f"partial): {_cause(e)}") from e
         return restored["state"], (restored["data"] if has_data else None)
 
     def set_aside(self, step: int) -> str:

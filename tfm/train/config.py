@@ -95,7 +95,7 @@ class TrainConfig:
     eval_every: int = 0              # 0: only at the end
     keep_best: Optional[str] = None  # eval metric whose best value's checkpoint is kept in best/
     keep_best_mode: str = "max"      # "max" or "min" for keep_best
-    checkpoint_every: int = 1000     # 0: no periodic checkpoints
+    checkpoint_every: int = 1000     # 0: no periodic checkpoints (the last step is always saved)
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     fallback_to_older: bool = True   # a corrupt latest checkpoint is moved aside, the next older used

@@ -139,7 +139,8 @@ class Preemption(Hook):
 
 
 class Checkpointing(Hook):
-    """Saves every `run.checkpointer.every` steps, at a stop, and after the last step;
+    """Saves every `run.checkpointer.every` steps (0: never), at a stop, and after the last step
+    (always, so a finished run's final state is on disk for evaluation and resuming);
     `guard` (a NonFiniteCheck) first settles every step up to the one saved. A background
     save that failed is reported at the first step after it failed (at the latest before the
     next save, which waits for it), naming it and the last good checkpoint."""
@@ -179,7 +180,7 @@ class Checkpointing(Hook):
             self._save(run, step, force=bool(run.stop_reason))
 
     def end(self, run):
-        if not run.stop_reason and run.checkpointer.every and run.step not in run.checkpointer.all_steps():
+        if not run.stop_reason and run.step not in run.checkpointer.all_steps():
             self._save(run, run.step, force=True)
         self._check_background(run, run.step, wait=True)
 

@@ -4,6 +4,7 @@ installed and asked for) wandb."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -26,9 +27,17 @@ def flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: 
 
 
 def interactive_output() -> bool:
-    """True in a terminal or a notebook, where a redrawn progress bar stays one line; a
-    redirected log would collect every redraw, joined by carriage returns, into one line."""
-    return (sys.stdout.isatty() and sys.stderr.isatty()) or "ipykernel" in sys.modules
+    """True in a notebook or a terminal that reports its width, where a redrawn progress bar
+    stays one line; a redirected log would collect every redraw, joined by carriage returns,
+    into one line, and in a terminal of width 0 the bar draws nothing at all."""
+    if "ipykernel" in sys.modules:
+        return True
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return False
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except OSError:
+        return False
 
 
 def peak_flops(device=None) -> Optional[float]:
@@ -45,6 +54,11 @@ def _records_upto(path: str, step: int) -> list[dict]:
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r for r in records if r["step"] <= step]
+
+
+def last_logged_step(workdir: str) -> int:
+    """The largest step recorded in workdir/metrics.jsonl (0: none)."""
+    return max((r["step"] for r in _records_upto(os.path.join(workdir, "metrics.jsonl"), math.inf)), default=0)
 
 
 class MetricLogger:

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import flax.linen as nn
@@ -243,21 +244,35 @@ def _restore_latest(checkpointer: Checkpointer, abstract_state, *, fallback: boo
             say(f"checkpoint step {step} is corrupt ({str(e).splitlines()[0]}); moved it to {moved}, "
                 "trying the next older one")
             if checkpointer.latest_step() is None:
-                raise CorruptCheckpointError(f"no readable checkpoint left in {checkpointer.directory} "
-                                             "(broken ones were moved aside, see above)") from e
+                raise CorruptCheckpointError(_nothing_readable(checkpointer)) from e
+
+
+def _nothing_readable(checkpointer: Checkpointer) -> str:
+    """Why a workdir whose checkpoints were all set aside is not restarted, and how to."""
+    broken = f"{checkpointer.directory}.broken"
+    return (f"no readable checkpoint left in {checkpointer.directory}: the broken ones are in {broken}/ "
+            f"(never deleted). To start over from step 0 deliberately (overwriting metrics.jsonl), move "
+            f"{broken} out of the workdir, or use a new --workdir")
+
+
+def _latest_record(workdir: str) -> str:
+    """The newest config record: config.json, or the config.step<N>.json of the largest N."""
+    steps = [int(m.group(1)) for m in map(re.compile(r"config\.step(\d+)\.json$").match, os.listdir(workdir)) if m]
+    return os.path.join(workdir, f"config.step{max(steps)}.json" if steps else "config.json")
 
 
 def _record_config(workdir: str, config_dict: Optional[dict], start: int, changes: list[str], say) -> None:
-    """config.json for a new run; for a resumed run with changes, config.step<start>.json beside it."""
+    """config.json for a new run; for a resumed run with changes since the latest record,
+    config.step<start>.json beside it."""
     if config_dict is None or jax.process_index() != 0:
         return
-    record = os.path.join(workdir, "config.json")
+    record, latest = os.path.join(workdir, "config.json"), _latest_record(workdir)
     path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
     if path == record or changes:
         with open(path, "w") as f:
             json.dump(config_dict, f, indent=2, default=str)
     if changes:
-        say(f"config changed since {record} (new one in {path}):\n  " + "\n  ".join(changes))
+        say(f"config changed since {latest} (new one in {path}):\n  " + "\n  ".join(changes))
 
 
 def _skip_trained(iterator, first, data_state, start: int, say) -> Iterator[dict]:
@@ -281,11 +296,13 @@ def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
     trainer = Trainer(model, task, config, mesh).setup(first)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
                                 keep=config.keep_checkpoints, async_save=config.async_checkpoint)
-    record, changes, notes = os.path.join(workdir, "config.json"), [], []
+    record, changes, notes = _latest_record(workdir), [], []
     if config_dict is not None and os.path.exists(record):
         with open(record) as f:
             changes = config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
     if checkpointer.latest_step() is None:
+        if os.path.isdir(f"{checkpointer.directory}.broken"):
+            raise CheckpointError(_nothing_readable(checkpointer))
         state, data_state = trainer.init_state(), None
     else:
         try:
