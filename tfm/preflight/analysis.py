@@ -134,7 +134,11 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
     opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's largest
     element); instructions in a loop body count once."""
     shapes, collectives, kernels, sizes = {}, {}, [], {}
+    fused = False  # inside a fusion's computation: its values live in registers, not in memory
     for line in text.splitlines():
+        if line.rstrip().endswith("{") and " = " not in line:  # a computation's header
+            fused = "fused" in line.split("(")[0] or "fusion" in line.split("(")[0]
+            continue
         parts = _split_instruction(line)
         if parts is None:
             continue
@@ -155,7 +159,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
                 kernels.append({"backend": backend, "name": kernel.group(1) if kernel else name,
                                 "operands": [_arrays(shapes.get(o, "?")) for o in operands],
                                 "result": _arrays(shape)})
-        if nbytes and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+        if nbytes and not fused and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
             key = (array, opcode)
             sizes[key] = max(sizes.get(key, 0), nbytes)
     largest = sorted(((b, s, op) for (s, op), b in sizes.items()), reverse=True)[:top]
