@@ -4,6 +4,11 @@ Command (TPU v3-128 pod slice or 8 GPUs; on a pod, a workdir every worker sees: 
   python -m experiments.bert.pretrain --config=experiments/bert/configs/large.py --workdir=/gcs/BUCKET/bert_large
 Hardware and time: the paper took 4 days on 64 Cloud TPU chips (16 Cloud TPUs); not yet run
 with this code.
+Target and preflight: TPU v5p-16 (8 chips), data parallel. `python -m experiments.preflight
+  --config=experiments/bert/configs/large.py --target=v5p-16` (2026-11-24, libtpu 0.0.42.1):
+  fits in both phases: 9.33 GiB per chip at 256 x 128 and 34.96 GiB at 256 x 512, of 95 (3.76
+  params + Adam); XLA cost-model steps 51.1 / 182.6 ms, MFU 32.8% / 39.0% (estimates, fp32
+  compute). benchmarks/RESULTS.md has the bf16 + fsdp figures.
 Expected: GLUE average 82.1 and SQuAD v1.1 dev F1 90.9 after fine-tuning (paper, Tables 1 and
 2); held-out masked_lm_accuracy 0.720 is MLPerf's BERT-large target (MLPerf Training reference,
 Wikipedia only).

@@ -9,7 +9,10 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            or 32 nodes of 8 H100s (h100-256). FSDP over every chip, layers scanned and
            rematerialised (7b keeps the matmul outputs, 70b only each layer's input), bf16
            compute with fp32 parameters and Adam.
-           The preflight's figures per target are in benchmarks/RESULTS.md.
+           Preflight (2026-11-24, libtpu 0.0.42.1, jax-cuda12-pjrt 0.10.2): 7b fits v5p-512 at
+           12.75 GiB per chip (0.29 params + Adam), cost-model MFU 62.1% (an estimate, scaled
+           from the scanned compile), and h100-64 at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
+           v5p-1024 and the rest in benchmarks/RESULTS.md.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
 `:runlocal` shrinks either to a CPU smoke run on the generated corpus.

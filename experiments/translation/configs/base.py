@@ -6,6 +6,11 @@ Command (TPU v3-8 or 8 GPUs; on a pod, a --workdir every worker sees, e.g. a gcs
 Hardware and time: the paper trained 100k steps in 12 h on 8 P100s; expect a few hours on a TPU v3-8.
 Expected result: newstest2014 BLEU 27.3 (paper, tokenized, beam 4, alpha 0.6, average of the last
 5 checkpoints); report sacreBLEU beside it, typically ~1 lower.
+Target and preflight: TPU v5p-8 (4 chips), data parallel. `python -m experiments.preflight
+  --config=experiments/translation/configs/base.py --target=v5p-8` (2026-11-24, libtpu 0.0.42.1;
+  100 packed rows of 256): fits, 4.63 GiB per chip of 95 (0.71 params + Adam, 3.93 temporaries);
+  XLA cost-model step 25.4 ms, MFU 22.3% (an estimate; fp32 compute as the paper). On 8 H100s
+  (h100-8) see benchmarks/RESULTS.md.
 Prerequisite: the TFDS dataset `wmt14_translate/de-en` prepared in --data_dir (needs the `tf` extra).
 
 `runlocal` (e.g. `--config=.../base.py:runlocal`) trains a tiny model on the project's generated
