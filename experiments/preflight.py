@@ -82,7 +82,7 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
         trainer.setup(batch)
         say(f"{shape_name}: batch {next(iter(batch.values())).shape}, {trainer.num_params / 1e6:.1f}M parameters")
         for report in preflight.check_step(trainer, batch, target, with_eval=with_eval):
-            for line in preflight.format_report(report):
+            for line in preflight.format_report(report, target.chip):
                 say("  " + line)
             if not report.fits:
                 for tip in preflight.advice(report, plan.train, plan.model.config):

@@ -4,7 +4,7 @@
     trainer = Trainer(model, task, config, mesh=make_mesh(config.mesh, target.devices()))
     trainer.setup(example_batch)                       # abstract: nothing runs on the mesh
     for report in check_step(trainer, global_batch_spec, target):
-        print(format_report(report))
+        print("\n".join(format_report(report, target.chip)))
 
 Run with JAX_PLATFORMS=cpu and the compile-only plugins on the path (`use_plugins()` before
 JAX starts). The command that reads experiment recipes is `experiments.preflight`.
@@ -17,8 +17,8 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
-def format_report(r: StepReport) -> list[str]:
-    """The report as lines of text (estimates named as such)."""
+def format_report(r: StepReport, chip) -> list[str]:
+    """The report as lines of text for a step on `chip` (estimates named as such)."""
     lines = [f"{r.step} step on {r.target} ({r.chips} chips): compiled in {r.compile_seconds:.1f} s"]
     if r.error:
         lines.append(f"  memory: DOES NOT FIT - the compiler refused: {r.error}")
@@ -31,6 +31,10 @@ def format_report(r: StepReport) -> list[str]:
     counted = "forward + backward: 3 x the forward's matmuls" if r.step == "train" else "the forward's matmuls"
     lines.append(f"  model FLOPs per step: {r.model_flops:.4g} ({counted})"
                  + (f"; XLA counts {r.xla_flops:.4g} per chip" if r.xla_flops else ""))
+    if r.xla_flops and r.xla_bytes and r.cost_model_seconds:
+        lines.append(f"  roofline per chip: matmul-rate time {r.xla_flops / chip.peak_flops * 1e3:.2f} ms, HBM time "
+                     f"{r.xla_bytes / chip.hbm_bandwidth * 1e3:.2f} ms ({r.xla_bytes / GiB:.1f} GiB moved), "
+                     f"against the cost model's {r.cost_model_seconds * 1e3:.2f} ms")
     if r.estimate_seconds:
         lines.append(f"  estimated step time {r.estimate_seconds * 1e3:.2f} ms, MFU {r.mfu:.1%} "
                      f"(an estimate: {r.estimate_note})")

@@ -46,6 +46,7 @@ class StepReport:
     fits: bool = False
     model_flops: float = 0.0        # global, per step: 3 x forward dot_general FLOPs
     xla_flops: Optional[float] = None   # per chip, XLA's count (a scanned body once)
+    xla_bytes: Optional[float] = None   # per chip, HBM bytes XLA's cost model moves (likewise)
     cost_model_seconds: Optional[float] = None
     estimate_seconds: Optional[float] = None
     estimate_note: str = ""
@@ -195,7 +196,7 @@ def _fill(report: StepReport, compiled, target: Target, scanned: bool) -> None:
     report.fits = report.total_bytes <= report.hbm_bytes
     report.collectives, report.kernels, report.largest = read_hlo(compiled.as_text())
     cost = _cost(compiled)
-    report.xla_flops = cost.get("flops")
+    report.xla_flops, report.xla_bytes = cost.get("flops"), cost.get("bytes accessed")
     seconds = cost.get("optimal_seconds")
     if seconds is None:
         report.estimate_note = (f"no cost model: XLA's {target.chip.platform.upper()} compiler gives no "

@@ -32,6 +32,7 @@ class Chip:
     platform: str           # "tpu" or "gpu"
     hbm_bytes: int
     peak_flops: float
+    hbm_bandwidth: float     # bytes/s
     cores_per_chip: int = 1  # slice names count cores (v4, v5p: 2 per chip)
     topology_dims: int = 3   # TPU torus dimensions
     gpu_description: str = ""
@@ -67,13 +68,13 @@ device_description_str: "{name}"
 
 _H100_MEMORY, _H200_MEMORY = 84_978_434_048, 150_754_820_096  # bytes the driver reports
 CHIPS = {
-    "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, cores_per_chip=2),
-    "v5p": Chip("TPU v5p", "tpu", 95 * GiB, 459e12, cores_per_chip=2),
-    "v5e": Chip("TPU v5e", "tpu", 16 * GiB, 197e12, topology_dims=2),
-    "v6e": Chip("TPU v6e", "tpu", 32 * GiB, 918e12, topology_dims=2),
-    "h100": Chip("NVIDIA H100 80GB HBM3", "gpu", _H100_MEMORY, 989e12, gpu_description=_gpu_description(
+    "v4": Chip("TPU v4", "tpu", 32 * GiB, 275e12, 1.2e12, cores_per_chip=2),
+    "v5p": Chip("TPU v5p", "tpu", 95 * GiB, 459e12, 2.765e12, cores_per_chip=2),
+    "v5e": Chip("TPU v5e", "tpu", 16 * GiB, 197e12, 0.819e12, topology_dims=2),
+    "v6e": Chip("TPU v6e", "tpu", 32 * GiB, 918e12, 1.64e12, topology_dims=2),
+    "h100": Chip("NVIDIA H100 80GB HBM3", "gpu", _H100_MEMORY, 989e12, 3.35e12, gpu_description=_gpu_description(
         "NVIDIA H100 80GB HBM3", sms=132, memory=_H100_MEMORY, bandwidth=3.35e12, clock_ghz=1.98)),
-    "h200": Chip("NVIDIA H200", "gpu", _H200_MEMORY, 989e12, gpu_description=_gpu_description(
+    "h200": Chip("NVIDIA H200", "gpu", _H200_MEMORY, 989e12, 4.8e12, gpu_description=_gpu_description(
         "NVIDIA H200", sms=132, memory=_H200_MEMORY, bandwidth=4.8e12, clock_ghz=1.98)),
 }
 _TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
