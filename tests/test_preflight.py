@@ -49,6 +49,8 @@ def test_compile_only_devices_per_target():
     gpus = preflight.parse_target("h100-16").devices()
     assert len(gpus) == 16 and {d.process_index for d in gpus} == {0, 1}
     assert gpus[0].device_kind == "NVIDIA H100 80GB HBM3"
+    inherited = subprocess.run(["env"], capture_output=True, text=True).stdout  # libtpu's pod guesses: gone
+    assert "CLOUD_TPU_TASK_ID=" not in inherited and "TPU_WORKER_ID=" not in inherited
 
 
 def test_model_flops_match_the_closed_form():

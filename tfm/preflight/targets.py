@@ -12,8 +12,11 @@ so that plain CPU runs never load them.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -83,6 +86,29 @@ _TORUS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128:
 GPUS_PER_HOST = 8
 
 
+def _c_environment() -> set[str]:
+    """Names in the process's C environment (what child processes inherit), which a library's
+    setenv changes without `os.environ` knowing."""
+    names, entries = set(), ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    for i in itertools.count():
+        if entries[i] is None:
+            return names
+        names.add(entries[i].split(b"=", 1)[0].decode(errors="replace"))
+
+
+@contextlib.contextmanager
+def _no_new_environment_variables():
+    """libtpu writes its guesses of a TPU pod (CLOUD_TPU_TASK_ID, TPU_WORKER_ID, ...) into the
+    environment when it starts; a child process (a training command) would then think it runs
+    on a pod and try to join one. Removes what appeared."""
+    before = _c_environment() | set(os.environ)
+    try:
+        yield
+    finally:
+        for name in _c_environment() - before - set(os.environ):
+            os.unsetenv(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """`chips` chips of `chip` in `num_slices` slices (TPU) or hosts (GPU, within `topology`)."""
@@ -104,7 +130,8 @@ class Target:
             if self.num_slices > 1:
                 kwargs["num_slices"] = self.num_slices
             generation = self.name.split(":")[0].split("-")[0]
-            return list(topologies.get_topology_desc(f"{generation}:{self.topology}", "tpu", **kwargs).devices)
+            with _no_new_environment_variables():
+                return list(topologies.get_topology_desc(f"{generation}:{self.topology}", "tpu", **kwargs).devices)
         return list(topologies.get_topology_desc(platform="cuda", topology=self.topology,
                                                  target_config=self.chip.gpu_description).devices)
 
