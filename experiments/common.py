@@ -230,8 +230,11 @@ def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
             continue
         node, where = config, "--config"
         for key in arg[len("--config."):].split("=", 1)[0].split("."):
+            valid = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            if where == "--config.model.overrides":
+                valid = [f.name for f in dataclasses.fields(ModelConfig)]
             try:
-                _check_keys([key], list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else [], where)
+                _check_keys([key], valid, where)
             except ValueError as e:
                 return str(e)
             node, where = node[key], f"{where}.{key}"
@@ -265,10 +268,41 @@ def parse_flags(argv: list[str]) -> list[str]:
     path = config_arg and config_arg.split(":", 1)[0]
     if path and not os.path.isfile(path):
         fail(f"--config file {path} not found (run from the repository root, or give its full path)")
+    argv, model_overrides = _new_model_overrides(argv, config_arg)
+    sys.argv = argv  # ml_collections reads the overrides from sys.argv
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
         _flag_error(argv, config_arg, e)
+    with flags.FLAGS.config.model.overrides.unlocked():
+        flags.FLAGS.config.model.overrides.update(model_overrides)
+    return rest
+
+
+_MODEL_OVERRIDES = "--config.model.overrides."
+
+
+def _new_model_overrides(argv: list[str], config_arg: Optional[str]) -> tuple[list[str], dict]:
+    """(argv without them, {field: value}) for the `--config.model.overrides.FIELD=VALUE` whose
+    ModelConfig FIELD the recipe does not set (ml_collections only overrides existing keys);
+    VALUE is read as a Python literal, else taken as a string."""
+    import ast
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        known = set(_load_config(config_arg).model.overrides) if config_arg else set()
+    except Exception:  # noqa: BLE001 - the config file itself fails to load: parsing says how
+        return argv, {}
+    kept, new = [], {}
+    for arg in argv:
+        key, _, value = arg[len(_MODEL_OVERRIDES):].partition("=")
+        if arg.startswith(_MODEL_OVERRIDES) and key in fields and key not in known:
+            try:
+                new[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                new[key] = value
+        else:
+            kept.append(arg)
+    return kept, new
 
 
 def run_cli(command: Callable[[list[str]], None]) -> None:

@@ -163,9 +163,12 @@ def _error_lines(stderr):
 def test_command_reports_a_recipe_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
     proc = _preflight("--config=experiments/lm/configs/tiny.py", "--target=v5p-8", f"--json={out}",
-                      "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.parallelism=data+fsdp")
+                      "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.parallelism=data+fsdp",
+                      "--config.model.overrides.scan_layers=True")  # a ModelConfig field the recipe leaves unset
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for text in ("v5p-8: 4 x TPU v5p", "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 1}",
+    for text in ("v5p-8: 4 x TPU v5p", "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 1}", "scan_layers True",
+                 # (2DV + 2 layers of 8D² + 4DF + 4TD) / (2DV + 1 layer): 57344 / 36864 = 1.56 at D 32, F 64, T 32, V 256
+                 "XLA cost model x 1.6: it counts a scanned body once",
                  "train step on v5p-8 (4 chips)", "eval step on v5p-8", "memory per chip", "MFU",
                  "collectives", "fits: every step"):
         assert text in proc.stdout, (text, proc.stdout)
