@@ -2,7 +2,10 @@
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/gpt2_small.py \
                --workdir=/gcs/BUCKET/lm/gpt2_small          (append :runlocal for a CPU smoke run)
-Hardware:  TPU v4-32 or 8x H100, FSDP over all chips.
+Hardware:  TPU v4-32 or 8x H100, FSDP over all chips. Preflight (2026-11-24; `python -m
+           experiments.preflight --config=experiments/lm/configs/gpt2_small.py --target=v4-32`):
+           fits, 3.04 GiB per chip of 32 on v4-32 and 6.52 GiB of 79 on h100-8; XLA's v4 cost
+           model returns a negative time (no estimate), the GPU compiler has none.
 Runtime:   ~10 h for 100k steps of 256 x 256 tokens (not yet measured on this codebase).
 Expected:  lm1b validation perplexity in the low 30s at 100k steps for a 124M model
            (Radford et al. report 35.8 zero-shot perplexity on lm1b for GPT-2 small; a model

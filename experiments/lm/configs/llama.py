@@ -2,7 +2,9 @@
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama.py \
                --workdir=/gcs/BUCKET/lm/llama                (append :runlocal for CPU)
-Hardware:  TPU v4-32 or 8x H100; FSDP x tensor parallel.
+Hardware:  TPU v4-32 or 8x H100; FSDP x tensor parallel. Preflight (2026-11-24, v4-32:
+           fsdp 8 x tensor 2): fits, 3.23 GiB per chip of 32; no cost-model estimate on v4
+           (XLA returns a negative time).
 Runtime:   not yet measured on this codebase.
 Expected:  lm1b validation loss below the GPT-2-small config at equal tokens (Llama
            architecture changes); not yet reproduced here.
