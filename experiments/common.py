@@ -274,8 +274,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         rest = flags.FLAGS(argv)
     except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
         _flag_error(argv, config_arg, e)
-    with flags.FLAGS.config.model.overrides.unlocked():
-        flags.FLAGS.config.model.overrides.update(model_overrides)
+    if model_overrides:  # commands without --config (evaluate) have none
+        with flags.FLAGS.config.model.overrides.unlocked():
+            flags.FLAGS.config.model.overrides.update(model_overrides)
     return rest
 
 
