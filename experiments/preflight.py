@@ -18,6 +18,7 @@ Needs libtpu (TPU) or jax-cuda12-pjrt (GPU) at the versions that go with the ins
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -41,7 +42,6 @@ EXIT_DOES_NOT_FIT = 3
 
 def experiment_of(config_path: str):
     """The module whose `blueprint(config, num_devices)` builds a recipe at experiments/<name>/configs/."""
-    import importlib
     parts = os.path.normpath(config_path.split(":")[0]).split(os.sep)
     name = parts[-3] if len(parts) >= 3 and parts[-2] == "configs" else None
     if name not in EXPERIMENTS or parts[-1] in PRETRAINING_ONLY.get(name, ()):
@@ -85,7 +85,7 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
             for line in preflight.format_report(report, target.chip):
                 say("  " + line)
             if not report.fits:
-                for tip in preflight.advice(report, plan.train, plan.model.config):
+                for tip in preflight.advice(plan.train, plan.model.config):
                     say(f"    to fit: {tip}")
             records.append({"recipe": config_path, "shape": shape_name, "parameters": trainer.num_params,
                             **dataclasses.asdict(report)})

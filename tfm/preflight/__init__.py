@@ -9,6 +9,8 @@
 Run with JAX_PLATFORMS=cpu and the compile-only plugins on the path (`use_plugins()` before
 JAX starts). The command that reads experiment recipes is `experiments.preflight`.
 """
+import collections
+
 from tfm.preflight.analysis import StepReport, advice, check_step, dot_flops, model_flops, read_hlo
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
@@ -45,10 +47,7 @@ def format_report(r: StepReport, chip) -> list[str]:
             f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))
     else:
         lines.append("  collectives: none")
-    kernels = {}
-    for k in r.kernels:
-        kernels.setdefault((k["backend"], k["name"], k["result"], tuple(k["operands"][:2])), 0)
-        kernels[(k["backend"], k["name"], k["result"], tuple(k["operands"][:2]))] += 1
+    kernels = collections.Counter((k["backend"], k["name"], k["result"], tuple(k["operands"][:2])) for k in r.kernels)
     if kernels:
         for (backend, name, result, operands), n in kernels.items():
             lines.append(f"  attention kernel {backend} {name} x{n}: per-device operands {', '.join(operands)} "

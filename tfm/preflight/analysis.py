@@ -264,7 +264,7 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     return reports
 
 
-def advice(report: StepReport, train_config, model_config) -> list[str]:
+def advice(train_config, model_config) -> list[str]:
     """What would make a step that does not fit fit, from what the config does not do yet."""
     tips = []
     if "fsdp" not in train_config.parallelism:
