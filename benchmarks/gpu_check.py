@@ -63,7 +63,7 @@ from benchmarks import attention as attention_bench
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
 SECTIONS = ("correctness", "attention", "train", "decode", "auto")
-BUDGET_S = {"correctness": 75, "attention": 240, "train": 120, "decode": 75, "auto": 1}
+BUDGET_S = {"correctness": 150, "attention": 300, "train": 240, "decode": 90, "auto": 1}
 # Relative error max|x - ref| / max|ref| allowed per dtype, for outputs and gradients alike.
 # fp32 allows TF32 matmul units (10-bit mantissa) on the GPU.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 2e-3}
@@ -132,8 +132,8 @@ def correctness_cases(smoke: bool) -> list[Case]:
     return [Case("causal GQA L 1000", 2, 1000, 1000, 16, 4, 128, causal=True),
             Case("cross T 333 / S 777", 4, 333, 777, 8, 8, 64),
             Case("MQA H 80 L 513", 2, 513, 513, 8, 1, 80, causal=True),
-            Case("packed segments + padding L 1024", 2, 1024, 1024, 8, 2, 64, packed=True),
-            Case("window 256 + ALiBi L 1024", 2, 1024, 1024, 8, 8, 64, causal=True, window=256, alibi=True),
+            Case("packed segments + padding L 1023", 2, 1023, 1023, 8, 2, 64, packed=True),
+            Case("window 256 + ALiBi L 1023", 2, 1023, 1023, 8, 8, 64, causal=True, window=256, alibi=True),
             Case("soft-cap 5 L 1024", 2, 1024, 1024, 8, 4, 128, causal=True, softcap=5.0)]
 
 
@@ -192,6 +192,8 @@ def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], tolerance: f
 
 def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     """Why tfm's `impl` cannot run this case here, or None."""
+    if impl == "pallas" and dtype == "float32" and jax.default_backend() == "gpu":
+        return "tfm's Triton kernels refuse fp32 by design (off the tensor cores; `auto` picks xla)"
     if impl != "cudnn":
         return None
     if jax.default_backend() != "gpu":
@@ -312,10 +314,10 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    finally:
+        seconds = (time.perf_counter() - start) / iters
+    finally:  # after the clock stops: a collection of JAX's heap takes far longer than a step
         del q, k, v
         release_memory()
-    seconds = (time.perf_counter() - start) / iters
     tflops = attention_bench.flops(shape, backward) / seconds / 1e12
     return seconds * 1e3, tflops, torch.cuda.max_memory_allocated() / 2**20
 
@@ -324,6 +326,15 @@ def measure_impl(impl: str, shape, backward: bool, iters: int):
     if impl.startswith("torch "):
         return torch_measure(impl, shape, backward, iters)
     return attention_bench.measure_forward(jax_forward(impl, shape.causal), shape, backward, jnp.bfloat16, iters)
+
+
+# tfm xla keeps fp32 logits [B, N, L, L] (forward), about three of them with the backward; above this
+# it ran out of an H100's half (JAX's share here) and its autotuner spent the budget failing.
+XLA_MAX_LOGIT_GIB = 16
+
+
+def xla_logit_gib(shape, backward: bool) -> float:
+    return shape.B * shape.N * shape.L ** 2 * 4 * (3 if backward else 1) / 2**30
 
 
 def throughput(smoke: bool, budget: Budget) -> tuple[list[str], list[dict]]:
@@ -337,6 +348,8 @@ def throughput(smoke: bool, budget: Budget) -> tuple[list[str], list[dict]]:
                            tflops=None, peak=None, **{"pass": "fwd+bwd" if backward else "fwd"})
                 if budget.spent():
                     row["status"] = budget.skipped()
+                elif impl == "tfm xla" and xla_logit_gib(shape, backward) > XLA_MAX_LOGIT_GIB:
+                    row["status"] = f"skipped: materialises ~{xla_logit_gib(shape, backward):.0f} GiB of fp32 logits"
                 else:
                     row["status"] = throughput_cell(row, impl, shape, backward, iters)
                 log(f"attention  {impl:15} {row['pass']:8} H {shape.H:3} L {shape.L:6} causal {shape.causal!s:5} "
@@ -396,7 +409,7 @@ def torch_device(smoke: bool) -> str:
     raise Unavailable(f"torch {torch.__version__} has no CUDA device")
 
 
-TRAIN_RUNS = ("tfm pallas", "torch eager", "tfm cudnn", "tfm xla", "torch compile")  # in the order they run
+TRAIN_RUNS = ("tfm pallas", "torch eager", "tfm cudnn", "torch compile", "tfm xla")  # in the order they run
 
 
 def train(smoke: bool, budget: Budget) -> list[str]:
@@ -425,7 +438,8 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                 if trainer is not None:
                     cfg = trainer.model.config
                     flops_per_step[name] = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
-            log(f"train  {name:5} {label:14} {status[name, label]}")
+            result = status[name, label]
+            log(f"train  {name:5} {label:14} " + (result if isinstance(result, str) else f"{result[0] * 1e3:.1f} ms"))
     rows = []
     for name, B, T in cases:
         for label in [f"tfm {impl}" for impl in TFM_IMPLS] + ["torch eager", "torch compile"]:
