@@ -87,4 +87,21 @@ def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
     with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
         assert select.choose_impl(q, q) == "xla"
-        assert select.choose_impl(q.update(dtype=jnp.bfloat16), q) == "pallas"
+        bf16 = q.update(dtype=jnp.bfloat16)
+        assert not select.cudnn_present()  # compile-only: JAX cannot lower cuDNN calls here
+        assert select.choose_impl(bf16, q) == "pallas"
+
+
+def test_auto_on_a_gpu_with_cudnn_picks_it_where_it_computes_the_layer(monkeypatch):
+    """The rules measured on an H100 (RESULTS.md), cuDNN's presence assumed."""
+    monkeypatch.setattr(select, "cudnn_present", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+    with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
+        assert select.choose_impl(q, q) == "xla"
+        bf16 = q.update(dtype=jnp.bfloat16)
+        assert select.choose_impl(bf16, q) == "cudnn"
+        for features in (dict(softcap=5.0), dict(window=8), dict(alibi=True), dict(segments=True)):
+            assert select.choose_impl(bf16, q, **features) == "pallas", features
+        assert select.choose_impl(bf16, q, causal=True, window=8) == "cudnn"
+        assert select.choose_impl(bf16.update(shape=(1, 256, 2, 80)), q) == "cudnn"
+        assert select.choose_impl(bf16.update(shape=(1, 256, 2, 68)), q) == "pallas"  # H % 8 != 0

@@ -74,7 +74,9 @@ def dot_product_attention(
     S = k.shape[1]
     scale = H ** -0.5 if scale is None else scale
     if impl == "auto":
-        impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None)
+        impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None,
+                                  causal=causal, window=window, softcap=softcap,
+                                  alibi=alibi_slopes is not None, segments=kv_segment_ids is not None)
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention dropout is implemented only by impl='xla', not {impl!r}")
     if bias is not None:
