@@ -36,6 +36,7 @@ from tfm.convert import from_hf  # noqa: E402
 from tfm.data import tokenizers  # noqa: E402
 from tfm.models import EncoderModel  # noqa: E402
 from tfm.train import Checkpointer, TrainState  # noqa: E402
+from tfm.train.init_from import merge_params  # noqa: E402
 from tfm.train.optim import make_optimizer  # noqa: E402
 from tfm.train.config import OptimizerConfig  # noqa: E402
 
@@ -286,7 +287,8 @@ def test_span_and_regression_heads_on_an_hf_checkpoint_equal_transformers(hf_dir
     heads = {"span": {"kernel": qa.qa_outputs.weight.detach().numpy().T, "bias": qa.qa_outputs.bias.detach().numpy()},
              "regressor": {"kernel": reg.classifier.weight.detach().numpy().T,
                            "bias": reg.classifier.bias.detach().numpy()}}
-    params = finetune.merge_pretrained(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), fresh), pre)
+    params = merge_params(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), fresh), pre.params, source=pre.source,
+                          optional=finetune.OPTIONAL_PARAMS)
     assert {"pooler", "encoder"} <= set(pre.params) and not set(heads) & set(pre.params)
     params = {**params, **heads}
     out = jax.jit(model.apply)({"params": params}, jnp.asarray(ids), token_type_ids=jnp.asarray(types),

@@ -28,8 +28,6 @@ from typing import Optional
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
-from flax import traverse_util
 
 from experiments import common
 from experiments.bert.glue import GENERATED, Glue
@@ -39,7 +37,8 @@ from tfm.config import ModelConfig
 from tfm.data import pipeline
 from tfm.data.tokenizers import WordPieceTokenizer
 from tfm.models import EncoderModel
-from tfm.train import Hook, Task
+from tfm.train import Task
+from tfm.train.init_from import InitFromParams, checkpoint_params
 from tfm.train import train_and_evaluate as train_loop
 
 
@@ -98,6 +97,7 @@ def data_for(settings: FinetuneSettings, tokenizer: WordPieceTokenizer, workdir:
 # ------------------------------------------------------------------- pretrained checkpoints
 
 PRETRAINING_HEADS = ("mlm_transform", "mlm_norm", "mlm_output", "nsp")  # params dropped for fine-tuning
+OPTIONAL_PARAMS = ("pooler",)  # dropped where the task's model has none (the span head reads every token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def load_pretrained(init_dir: str) -> Pretrained:
         record = json.load(f)
     if "model_config" in record:
         config = _config_from_record(record["model_config"], record_path)
-        params, step = latest_params(os.path.join(init_dir, "checkpoints"))
+        params, step = checkpoint_params(os.path.join(init_dir, "checkpoints"))
         source = f"tfm checkpoint {init_dir}/checkpoints/{step}"
     else:
         config, params, _ = convert.from_hf(init_dir)
@@ -136,63 +136,17 @@ def load_pretrained(init_dir: str) -> Pretrained:
     return Pretrained(config.replace(heads=()), params, tokenizer, source)
 
 
+def init_hook(pretrained: Pretrained) -> InitFromParams:
+    """The hook that puts the pretrained params into a fresh run's model (tfm.train.init_from);
+    the task's head, and a pooler the checkpoint lacks, keep their random init."""
+    return InitFromParams(pretrained.params, source=pretrained.source, optional=OPTIONAL_PARAMS)
+
+
 def _config_from_record(fields: dict, where: str) -> ModelConfig:
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
     if unknown:
         raise ValueError(f"{where}: model_config has fields this tfm does not know: {unknown}")
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-
-
-def latest_params(directory: str) -> tuple[dict, int]:
-    """(params as numpy, step) of the newest finished checkpoint; optimizer state is not read."""
-    steps = sorted(int(d) for d in (os.listdir(directory) if os.path.isdir(directory) else [])
-                   if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
-    if not steps:
-        raise ValueError(f"{directory} holds no checkpoint to fine-tune from")
-    path = os.path.join(directory, str(steps[-1]), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    meta = checkpointer.metadata(path)
-    meta = getattr(meta, "item_metadata", meta)["params"]
-    item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), meta)}
-    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=restore, partial_restore=True))
-    return restored["params"], steps[-1]
-
-
-def merge_pretrained(fresh: dict, pretrained: Pretrained) -> dict:
-    """`fresh` (the fine-tuning model's initialised params) with every pretrained param in its
-    place, in fresh's dtype (and sharding, for jax arrays); ValueError naming a param that has
-    no place or another shape."""
-    flat = traverse_util.flatten_dict(fresh, sep="/")
-    for name, value in traverse_util.flatten_dict(pretrained.params, sep="/").items():
-        if name.startswith("pooler/") and "pooler" not in fresh:  # the span head reads every token
-            continue
-        if name not in flat:
-            raise ValueError(f"{pretrained.source}: param {name} has no place in the fine-tuning model")
-        target = flat[name]
-        if tuple(np.shape(value)) != tuple(target.shape):
-            raise ValueError(f"{pretrained.source}: param {name} has shape {tuple(np.shape(value))}, "
-                             f"the fine-tuning model {tuple(target.shape)}")
-        value = np.asarray(value, target.dtype)
-        flat[name] = jax.device_put(value, target.sharding) if isinstance(target, jax.Array) else value
-    return traverse_util.unflatten_dict(flat, sep="/")
-
-
-class InitFromPretrained(Hook):
-    """On a fresh run (step 0), puts the pretrained params into the initialised state; the
-    task's head (and a pooler the checkpoint lacks) keep their random init. A resumed run
-    already holds fine-tuned params."""
-
-    def __init__(self, pretrained: Pretrained):
-        self.pretrained = pretrained
-
-    def start(self, run):
-        if run.step:
-            return
-        run.state = run.state.replace(params=merge_pretrained(run.state.params, self.pretrained))
-        new = sorted(set(run.state.params) - set(self.pretrained.params))
-        run.logger.message(f"initialised from {self.pretrained.source}; newly initialised: {new}")
 
 
 # --------------------------------------------------------------------------------- batches
@@ -290,7 +244,7 @@ def fine_tune(config, workdir: str, pretrained: Pretrained, data, learning_rate:
 
     result = train_loop(exp.train, workdir, model=EncoderModel(mcfg), task=exp.task,
                         train_data=train_batches(data.train, exp.train.batch_size, exp.train.seed),
-                        eval_extra=evaluate, hooks=lambda defaults: [InitFromPretrained(pretrained)] + defaults,
+                        eval_extra=evaluate, hooks=lambda defaults: [init_hook(pretrained)] + defaults,
                         config_dict={**exp.record(mcfg), "init": pretrained.source})
     dev = {k: v for k, v in (result.eval_history[-1] if result.eval_history else {}).items() if k != "step"}
     return {"task": settings.dataset, "learning_rate": exp.train.optimizer.learning_rate,

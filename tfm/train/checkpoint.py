@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -129,13 +130,15 @@ def check_compatible(saved_metadata, abstract_state, where: str) -> None:
 
 
 class Checkpointer:
-    """Saves every `every` steps (async), keeps the last `keep`, restores the latest."""
+    """Saves every `every` steps (async), keeps the last `keep`, restores the latest.
+    `read_only`: neither creates the directory nor saves (reading another run's checkpoints)."""
 
-    def __init__(self, directory, *, every: int = 1000, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, every: int = 1000, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = epath.Path(directory)
-        self.every, self.async_save = every, async_save
+        self.every, self.async_save, self.read_only = every, async_save, read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=max(every, 1), create=True,
+            max_to_keep=keep, save_interval_steps=max(every, 1), create=not read_only,
             enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
@@ -148,20 +151,21 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, data_state=None, *, force: bool = False) -> bool:
+        if self.read_only:
+            raise CheckpointError(f"{self.directory} was opened read-only: not saving step {step}")
         items = {"state": ocp.args.StandardSave(state)}
         if data_state is not None:
             items["data"] = DataStateArgs(data_state)
         return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
-    def restore(self, abstract_state, step: Optional[int] = None, *, with_data: bool = True):
-        """(state, data_state or None) at `step` (default latest), onto the shardings of
-        `abstract_state` (a tree of jax.ShapeDtypeStruct with .sharding)."""
-        step = self.latest_step() if step is None else step
-        where = f"{self.directory}/{step}"
+    def _state_metadata(self, step: Optional[int]):
+        """The saved train state's metadata tree at `step`; CheckpointError if there is no such
+        step, CorruptCheckpointError if its files cannot be read."""
         _ignore_orphaned_read_completions()
         if step is None or step not in self.all_steps():
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
                                   f"(available: {self.all_steps()})")
+        where = f"{self.directory}/{step}"
         try:
             meta = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types for unreadable files
@@ -169,6 +173,14 @@ class Checkpointer:
                                          f"{_cause(e)}") from e
         if meta is None:
             raise CorruptCheckpointError(f"checkpoint {where} has no train state (corrupt or partial)")
+        return meta
+
+    def restore(self, abstract_state, step: Optional[int] = None, *, with_data: bool = True):
+        """(state, data_state or None) at `step` (default latest), onto the shardings of
+        `abstract_state` (a tree of jax.ShapeDtypeStruct with .sharding)."""
+        step = self.latest_step() if step is None else step
+        where = f"{self.directory}/{step}"
+        meta = self._state_metadata(step)
         check_compatible(meta, abstract_state, where)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         has_data = with_data and (self.directory / str(step) / "data").exists()
@@ -182,6 +194,28 @@ class Checkpointer:
             raise CorruptCheckpointError(f"checkpoint {where} could not be restored (corrupt or "
                                          f"partial): {_cause(e)}") from e
         return restored["state"], (restored["data"] if has_data else None)
+
+    def restore_params(self, step: Optional[int] = None) -> tuple[dict, int]:
+        """(params as numpy arrays, step) of checkpoint `step` (default latest), on the host and
+        onto no mesh: the optimizer and data states are not read. For initialising another model
+        from this run's weights (tfm.train.init_from)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{self.directory} holds no checkpoint")
+        where = f"{self.directory}/{step}"
+        meta = self._state_metadata(step)
+        if "params" not in meta:
+            raise CorruptCheckpointError(f"checkpoint {where} has no params (corrupt or partial)")
+        item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), meta["params"])}
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item),
+            partial_restore=True)
+        try:  # the state item alone, as a plain pytree: StandardRestore cannot leave out opt_state
+            restored = ocp.PyTreeCheckpointer().restore(self.directory / str(step) / "state", args=args)
+        except Exception as e:  # noqa: BLE001
+            raise CorruptCheckpointError(f"checkpoint {where} could not be restored (corrupt or "
+                                         f"partial): {_cause(e)}") from e
+        return restored["params"], step
 
     def set_aside(self, step: int) -> str:
         """Moves step `step` out of the way (never deletes it): to <directory>.broken/<step>-<time>."""
