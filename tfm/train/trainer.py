@@ -261,7 +261,7 @@ def _latest_record(workdir: str) -> str:
     return os.path.join(workdir, f"config.step{max(steps)}.json" if steps else "config.json")
 
 
-def _record_config(workdir: str, config_dict: Optional[dict], start: int, changes: list[str], say) -> None:
+def _record_config(workdir: str, config_dict: Optional[dict], *, start: int, changes: list[str], say) -> None:
     """config.json for a new run; for a resumed run with changes since the latest record,
     config.step<start>.json beside it."""
     if config_dict is None or jax.process_index() != 0:
@@ -275,7 +275,7 @@ def _record_config(workdir: str, config_dict: Optional[dict], start: int, change
         say(f"config changed since {latest} (new one in {path}):\n  " + "\n  ".join(changes))
 
 
-def _skip_trained(iterator, first, data_state, start: int, say) -> Iterator[dict]:
+def _skip_trained(iterator, *, first, data_state, start: int, say) -> Iterator[dict]:
     """The batches still to train on after `start` steps (`first` was already drawn)."""
     if not start:
         return itertools.chain([first], iterator)
@@ -288,46 +288,77 @@ def _skip_trained(iterator, first, data_state, start: int, say) -> Iterator[dict
     return iterator
 
 
-def _resume(config, workdir, model, task, train_data, mesh, config_dict) -> Run:
+def _checkpointer(config: TrainConfig, workdir: str) -> Checkpointer:
+    return Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
+                        keep=config.keep_checkpoints, async_save=config.async_checkpoint)
+
+
+def _changes_since_record(workdir: str, config_dict: Optional[dict]) -> tuple[str, list[str]]:
+    """(the latest config record's path, how `config_dict` differs from it: none where there is
+    no record or no config to compare)."""
+    record = _latest_record(workdir)
+    if config_dict is None or not os.path.exists(record):
+        return record, []
+    with open(record) as f:
+        return record, config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
+
+
+def _initial_state(trainer: Trainer, checkpointer: Checkpointer, *, fallback: bool, record: str,
+                   changes: list[str], say) -> tuple:
+    """(state, data state): the newest readable checkpoint's, or a fresh init where the workdir
+    has none. A workdir whose checkpoints were all set aside is refused; a refused restore names
+    the config changes since `record`, the likely cause."""
+    if checkpointer.latest_step() is None:
+        if os.path.isdir(f"{checkpointer.directory}.broken"):
+            raise CheckpointError(_nothing_readable(checkpointer))
+        return trainer.init_state(), None
+    try:
+        return _restore_latest(checkpointer, trainer.abstract_state, fallback=fallback, say=say)
+    except CheckpointError as e:
+        if changes:
+            raise CheckpointError(f"{e}\nThe config changed since {record} was written:\n  "
+                                  + "\n  ".join(changes)) from e
+        raise
+
+
+def _logger(config: TrainConfig, workdir: str, *, start: int, config_dict: Optional[dict]) -> MetricLogger:
+    """metrics.jsonl (and the progress bar, wandb) continuing after `start` steps."""
+    return MetricLogger(workdir, config.num_train_steps, initial_step=start, progress_bar=config.progress_bar,
+                        wandb_project=config.wandb_project, config=config_dict)
+
+
+def _previous_histories(logger: MetricLogger) -> tuple[list, list]:
+    """(train, eval) records of earlier runs in this workdir, for the result's histories."""
+    previous = {"train": [], "eval": []}
+    for record in logger.previous:
+        previous[record["split"]].append({k: v for k, v in record.items() if k != "split"})
+    return previous["train"], previous["eval"]
+
+
+def _resume(config: TrainConfig, workdir: str, *, model, task, train_data, mesh: Optional[jax.sharding.Mesh],
+            config_dict: Optional[dict]) -> Run:
     """Trainer set up from the first batch; state restored from the latest checkpoint or
     initialised; the config recorded (after the restore check, so a refused run changes nothing)."""
     iterator = iter(train_data)
     first = next(iterator)
     trainer = Trainer(model, task, config, mesh).setup(first)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
-                                keep=config.keep_checkpoints, async_save=config.async_checkpoint)
-    record, changes, notes = _latest_record(workdir), [], []
-    if config_dict is not None and os.path.exists(record):
-        with open(record) as f:
-            changes = config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
-    if checkpointer.latest_step() is None:
-        if os.path.isdir(f"{checkpointer.directory}.broken"):
-            raise CheckpointError(_nothing_readable(checkpointer))
-        state, data_state = trainer.init_state(), None
-    else:
-        try:
-            state, data_state = _restore_latest(checkpointer, trainer.abstract_state,
-                                                fallback=config.fallback_to_older, say=notes.append)
-        except CheckpointError as e:
-            if changes:
-                raise CheckpointError(f"{e}\nThe config changed since {record} was written:\n  "
-                                      + "\n  ".join(changes)) from e
-            raise
+    checkpointer = _checkpointer(config, workdir)
+    record, changes = _changes_since_record(workdir, config_dict)
+    notes = []  # said once the logger exists
+    state, data_state = _initial_state(trainer, checkpointer, fallback=config.fallback_to_older, record=record,
+                                       changes=changes, say=notes.append)
     start = int(state.step)
-    logger = MetricLogger(workdir, config.num_train_steps, initial_step=start,
-                          progress_bar=config.progress_bar, wandb_project=config.wandb_project,
-                          config=config_dict)
+    logger = _logger(config, workdir, start=start, config_dict=config_dict)
     for note in notes:
         logger.message(note)
-    _record_config(workdir, config_dict, start, changes, logger.message)
+    _record_config(workdir, config_dict, start=start, changes=changes, say=logger.message)
     if start:
         logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
-    batches = _skip_trained(iterator, first, data_state, start, logger.message)
-    previous = {"train": [], "eval": []}  # earlier runs' records, for the result's histories
-    for record in logger.previous:
-        previous[record["split"]].append({k: v for k, v in record.items() if k != "split"})
-    return Run(config, workdir, trainer, checkpointer, logger, DevicePrefetch(batches, iterator, trainer.global_batch),
-               state, start, history=previous["train"], eval_history=previous["eval"])
+    batches = _skip_trained(iterator, first=first, data_state=data_state, start=start, say=logger.message)
+    history, eval_history = _previous_histories(logger)
+    return Run(config=config, workdir=workdir, trainer=trainer, checkpointer=checkpointer, logger=logger,
+               batches=DevicePrefetch(batches, iterator, trainer.global_batch), state=state, step=start,
+               history=history, eval_history=eval_history)
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
@@ -350,7 +381,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     config_dict: the resolved config, recorded in workdir/config.json.
     """
     with WorkdirLock(workdir):
-        run = _resume(config, workdir, model, task, train_data, mesh, config_dict)
+        run = _resume(config, workdir, model=model, task=task, train_data=train_data, mesh=mesh,
+                      config_dict=config_dict)
         shapes = {k: np.zeros((config.batch_size,) + shape) for k, shape in run.trainer.example_shapes.items()}
         fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
         all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
