@@ -7,8 +7,8 @@ query_key_value interleaved per head ([N, 3, H]), tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                split_qkv, stack_layers)
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, linear, linear_pair, model_params,
+                                norm, split_qkv)
 from tfm.models import DecoderLM
 
 
@@ -35,14 +35,9 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("transformer.word_embeddings.weight", (V, D))
-    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "input": {"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: _layer(w, f"transformer.h.{i}", cfg), cfg.num_layers, final_norm="transformer.ln_f")
+    return model_params(w, cfg, embedding="transformer.word_embeddings.weight", stacks={"decoder": decoder},
+                        input={"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)})
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -8,9 +8,8 @@ output layer `embed_out` without bias.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope, split_qkv,
-                                stack_layers)
-from tfm.convert.export import hf_activation, hf_rope
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, hf_rope, linear,
+                                linear_pair, model_params, norm, rope, split_qkv)
 from tfm.models import DecoderLM
 
 
@@ -39,18 +38,10 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("gpt_neox.embed_in.weight", (V, D))
-    layers = [_layer(w, f"gpt_neox.layers.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
-                       "final_norm": norm(w, "gpt_neox.final_layer_norm", cfg.norm)}}
+    decoder = Stack(lambda i: _layer(w, f"gpt_neox.layers.{i}", cfg), cfg.num_layers,
+                    final_norm="gpt_neox.final_layer_norm")
     head = "embed_out.weight" if w.has("embed_out.weight") else "lm_head.weight"  # older / newer name
-    if cfg.tie_embeddings:
-        w.tied(head, embedding, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w(head, (V, D)).T}}
-    return out
+    return model_params(w, cfg, embedding="gpt_neox.embed_in.weight", stacks={"decoder": decoder}, head=head)
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -7,8 +7,8 @@ q, k, v and output projections without bias; untied output layer with a bias.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
-from tfm.convert.export import hf_activation
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, linear, linear_pair,
+                                model_params, norm)
 from tfm.models import DecoderLM
 
 
@@ -32,12 +32,9 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
-    return {"embed": {"embedding": w("transformer.wte.weight", (V, D))},
-            "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
-                        "final_norm": norm(w, "transformer.ln_f", cfg.norm)},
-            "output": {"lm_head": {"kernel": w("lm_head.weight", (V, D)).T}, "bias": w("lm_head.bias", (V,))}}
+    decoder = Stack(lambda i: _layer(w, f"transformer.h.{i}", cfg), cfg.num_layers, final_norm="transformer.ln_f")
+    return model_params(w, cfg, embedding="transformer.wte.weight", stacks={"decoder": decoder},
+                        output={"bias": w("lm_head.bias", (cfg.vocab_size,))})  # + the untied lm_head
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                rope, stack_layers)
-from tfm.convert.export import hf_activation, hf_rope
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, hf_rope, linear,
+                                linear_pair, model_params, norm, rope)
 from tfm.models import DecoderLM
 
 
@@ -49,13 +48,8 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("model.embed_tokens.weight", (V, D))
-    layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "model.norm", cfg.norm)}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffn), cfg.num_layers, final_norm="model.norm")
+    return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 
 def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:

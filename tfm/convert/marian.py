@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
-                                add_output_head, stack_layers)
-from tfm.convert.export import hf_activation
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, add_output_head, attention,
+                                hf_activation, linear, linear_pair, norm, stack_params)
 from tfm.layers.embeddings import sinusoidal_table
 from tfm.models import EncoderDecoder
 
@@ -42,7 +41,8 @@ def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+def layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+    """One post-norm block (self-attention, cross-attention if `cross`, feed-forward); BART's too."""
     out = {"self_attn": _attention(w, f"{p}.self_attn", cfg),
            "attn_norm": norm(w, f"{p}.self_attn_layer_norm", cfg.norm),
            "ffn": {"wi": linear(w, f"{p}.fc1"), "wo": linear(w, f"{p}.fc2")},
@@ -62,6 +62,12 @@ def _check_positions(w: Weights, side: str, cfg: ModelConfig):
             raise ConversionError(f"{w.source}: {key} is not the sin-then-cos sinusoidal table tfm computes")
 
 
+def stacks(w: Weights, cfg: ModelConfig) -> dict:
+    """The encoder and decoder of Marian's layout (BART's too)."""
+    return {"encoder": Stack(lambda i: layer(w, f"model.encoder.layers.{i}", cfg, False), cfg.num_layers),
+            "decoder": Stack(lambda i: layer(w, f"model.decoder.layers.{i}", cfg, True), cfg.decoder_layers)}
+
+
 def params(w: Weights, cfg: ModelConfig) -> dict:
     V, D = cfg.vocab_size, cfg.d_model
     if cfg.share_source_target_embeddings:
@@ -76,10 +82,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
         out = {"source_embed": {"embedding": source}, "target_embed": {"embedding": target}}
     for side in ("encoder", "decoder"):
         _check_positions(w, side, cfg)
-    out["encoder"] = stack_layers([_layer(w, f"model.encoder.layers.{i}", cfg, False)
-                                   for i in range(cfg.num_layers)], cfg.scan_layers)
-    out["decoder"] = stack_layers([_layer(w, f"model.decoder.layers.{i}", cfg, True)
-                                   for i in range(cfg.decoder_layers)], cfg.scan_layers)
+    out.update(stack_params(w, cfg, stacks(w, cfg)))
     out["output"] = {"bias": w("final_logits_bias", (1, V))[0]}
     add_output_head(out, w, target, cfg)
     return out

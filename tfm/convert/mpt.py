@@ -7,8 +7,8 @@ with q, k, v one after another, tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                split_qkv, stack_layers)
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, linear, linear_pair, model_params,
+                                norm, split_qkv)
 from tfm.models import DecoderLM
 
 # attn_config fields whose non-default values change the math tfm reproduces.
@@ -50,14 +50,9 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("transformer.wte.weight", (V, D))
-    layers = [_layer(w, f"transformer.blocks.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
-                       "final_norm": norm(w, "transformer.norm_f", "rmsnorm")}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: _layer(w, f"transformer.blocks.{i}", cfg), cfg.num_layers,
+                    final_norm="transformer.norm_f", norm_kind="rmsnorm")  # scale only
+    return model_params(w, cfg, embedding="transformer.wte.weight", stacks={"decoder": decoder})
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -10,8 +10,8 @@ so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, norm, add_output_head,
-                                stack_layers)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, linear, model_params,
+                                norm)
 from tfm.models import EncoderDecoder
 
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}  # plain feed-forward
@@ -74,24 +74,17 @@ def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
     return out
 
 
-def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> dict:
-    cross = side == "decoder"
+def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> Stack:
     bias = w(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
              (cfg.relative_buckets, cfg.num_heads))
-    layers = [_layer(w, f"{side}.block.{i}", cfg, cross) for i in range(num_layers)]
-    return {**stack_layers(layers, cfg.scan_layers), "relative_bias": {"embedding": bias},
-            "final_norm": norm(w, f"{side}.final_layer_norm", cfg.norm)}
+    return Stack(lambda i: _layer(w, f"{side}.block.{i}", cfg, side == "decoder"), num_layers,
+                 final_norm=f"{side}.final_layer_norm", extra={"relative_bias": {"embedding": bias}})
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    shared = w("shared.weight", (V, D))
-    for side in ("encoder", "decoder"):
-        w.tied(f"{side}.embed_tokens.weight", shared, "the shared embedding")
-    out = {"embed": {"embedding": shared}, "encoder": _stack(w, "encoder", cfg, cfg.num_layers),
-           "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
-    add_output_head(out, w, shared, cfg)
-    return out
+    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers), "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
+    return model_params(w, cfg, embedding="shared.weight", stacks=stacks,
+                        tied=[f"{side}.embed_tokens.weight" for side in ("encoder", "decoder")])
 
 
 def hf_config(cfg: ModelConfig) -> dict:
