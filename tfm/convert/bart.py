@@ -49,7 +49,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export)."""
     return dict(model_type="bart", vocab_size=cfg.vocab_size, d_model=cfg.d_model,
                 encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.num_decoder_layers, encoder_ffn_dim=cfg.d_ff,
                 decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len - POSITION_OFFSET,
                 activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
                 tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, dropout=cfg.dropout_rate,

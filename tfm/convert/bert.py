@@ -37,7 +37,7 @@ def config(hf: HFConfig, heads=()) -> ModelConfig:
 def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.attention.self.{n}", True) for n in ("query", "key", "value")]
     qkvo.append(linear_pair(w, f"{p}.attention.output.dense", True))
-    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "attn_norm": norm(w, f"{p}.attention.output.LayerNorm", cfg.norm),
             "ffn": {"wi": linear(w, f"{p}.intermediate.dense"), "wo": linear(w, f"{p}.output.dense")},
             "ffn_norm": norm(w, f"{p}.output.LayerNorm", cfg.norm)}

@@ -29,7 +29,7 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     q, k, v = split_qkv(*linear_pair(w, f"{p}.self_attention.query_key_value", True), cfg.num_heads, per_head=True)
     o = linear_pair(w, f"{p}.self_attention.dense", True)
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
             "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
-from tfm.config import ModelConfig
+from tfm.config import ModelConfig, RopeConfig
 
 
 class ConversionError(ValueError):
@@ -288,10 +288,10 @@ def stack_params(w: Weights, cfg, stacks: Mapping[str, Stack]) -> dict:
     return out
 
 
-def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
+def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfig:
     """RoPE fields of an HF config (v5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`)
-    -> ModelConfig kwargs: default, linear, dynamic, llama3 and yarn scaling, and (partial=True,
-    for families whose HF model rotates part of each head) partial_rotary_factor as rotary_dim."""
+    -> ModelConfig.rope (a RopeConfig): default, linear, dynamic, llama3 and yarn scaling, and
+    (partial=True, for families whose HF model rotates part of each head) partial_rotary_factor as dim."""
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
@@ -301,22 +301,21 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
     field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
     max_len = hf.get("max_position_embeddings")
     original = scaling.get("original_max_position_embeddings") or max_len
-    out = dict(rope_theta=float(theta))
+    out = dict(theta=float(theta))
     if kind == "linear":
-        out.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+        out.update(scaling="linear", factor=float(scaling["factor"]))
     elif kind == "dynamic":  # HF stretches past max_position_embeddings itself
-        out.update(rope_scaling="dynamic", rope_scaling_factor=float(scaling["factor"]), rope_original_max_len=max_len)
+        out.update(scaling="dynamic", factor=float(scaling["factor"]), original_max_len=max_len)
     elif kind == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
-                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+        out.update(scaling="llama3", factor=float(scaling["factor"]),
+                   low_freq_factor=float(scaling["low_freq_factor"]),
+                   high_freq_factor=float(scaling["high_freq_factor"]),
+                   original_max_len=int(scaling["original_max_position_embeddings"]))
     elif kind == "yarn":
         factor = scaling.get("factor") or max_len / original
-        out.update(rope_scaling="yarn", rope_scaling_factor=float(factor), rope_original_max_len=int(original),
-                   rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow") or 1),
-                   rope_truncate=bool(scaling.get("truncate", True)),
-                   rope_attention_factor=_yarn_attention_factor(scaling, factor))
+        out.update(scaling="yarn", factor=float(factor), original_max_len=int(original),
+                   beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                   truncate=bool(scaling.get("truncate", True)), attention_factor=_yarn_attention_factor(scaling, factor))
     elif kind != "default":
         raise hf.unsupported(field, kind, "tfm maps 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
     fraction = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -324,8 +323,8 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
         if not partial:
             raise hf.unsupported("partial_rotary_factor", fraction, f"{hf.architecture} rotates the whole head")
         head_dim = hf.get("head_dim") or hf.require("hidden_size") // hf.require("num_attention_heads")
-        out["rotary_dim"] = int(head_dim * fraction)
-    return out
+        out["dim"] = int(head_dim * fraction)
+    return RopeConfig(**out)
 
 
 def _yarn_attention_factor(scaling: dict, factor: float) -> Optional[float]:
@@ -366,17 +365,17 @@ def hf_activation(activation: str, gated: bool = False) -> str:
 
 def hf_rope(cfg: ModelConfig) -> dict:
     """RoPE fields as transformers 5 `rope_parameters` (default, linear, dynamic, llama3, yarn)."""
-    params = {"rope_type": cfg.rope_scaling or "default", "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling is not None:
-        params["factor"] = float(cfg.rope_scaling_factor)
-    if cfg.rope_scaling in ("llama3", "yarn"):
-        params["original_max_position_embeddings"] = cfg.rope_original_max_len
-    if cfg.rope_scaling == "llama3":
-        params.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
-    elif cfg.rope_scaling == "yarn":
-        params.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
-        if cfg.rope_attention_factor is not None:
-            params["attention_factor"] = cfg.rope_attention_factor
-    elif cfg.rope_scaling not in (None, "linear", "dynamic"):
-        raise ConversionError(f"rope_scaling={cfg.rope_scaling!r} has no Hugging Face rope_type")
+    params = {"rope_type": cfg.rope.scaling or "default", "rope_theta": float(cfg.rope.theta)}
+    if cfg.rope.scaling is not None:
+        params["factor"] = float(cfg.rope.factor)
+    if cfg.rope.scaling in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = cfg.rope.original_max_len
+    if cfg.rope.scaling == "llama3":
+        params.update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor)
+    elif cfg.rope.scaling == "yarn":
+        params.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow, truncate=cfg.rope.truncate)
+        if cfg.rope.attention_factor is not None:
+            params["attention_factor"] = cfg.rope.attention_factor
+    elif cfg.rope.scaling not in (None, "linear", "dynamic"):
+        raise ConversionError(f"rope.scaling={cfg.rope.scaling!r} has no Hugging Face rope_type")
     return {"rope_parameters": params}

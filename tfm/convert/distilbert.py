@@ -28,7 +28,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.attention.{n}_lin", True) for n in ("q", "k", "v", "out")]
-    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "attn_norm": norm(w, f"{p}.sa_layer_norm", cfg.norm),
             "ffn": {"wi": linear(w, f"{p}.ffn.lin1"), "wo": linear(w, f"{p}.ffn.lin2")},
             "ffn_norm": norm(w, f"{p}.output_layer_norm", cfg.norm)}

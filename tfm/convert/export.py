@@ -140,11 +140,8 @@ def _check_round_trip(arch: str, converter: Converter, config: ModelConfig, fiel
 
 
 def _canonical(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with derived defaults spelled out and fields that do not change the function reset."""
-    defaults = {f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED
-                if f in ModelConfig.__dataclass_fields__}
-    return cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, num_decoder_layers=cfg.decoder_layers,
-                       **defaults)
+    """`cfg` with the fields that do not change the function reset (derived ones are always set)."""
+    return cfg.replace(**{f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED})
 
 
 def _meta_model(arch: str, hf_cfg):

@@ -33,7 +33,7 @@ def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     o = conv1d(w, f"{p}.attn.c_proj")
     dense = lambda name: {"kernel": w(f"{p}.mlp.{name}.weight"), "bias": w(f"{p}.mlp.{name}.bias")}
     return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.ln_2", cfg.norm),
             "ffn": {"wi": dense("c_fc"), "wo": dense("c_proj")}}  # Conv1D is already [in, out]
 

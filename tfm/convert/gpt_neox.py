@@ -8,8 +8,8 @@ output layer `embed_out` without bias.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, hf_rope, linear,
-                                linear_pair, model_params, norm, rope, split_qkv)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, hf_activation,
+                                hf_rope, linear, linear_pair, model_params, norm, rope, split_qkv)
 from tfm.models import DecoderLM
 
 
@@ -24,7 +24,7 @@ def config(hf: HFConfig) -> ModelConfig:
         parallel_block=parallel, parallel_norms=2 if parallel else 1, attention_bias=bool(hf.get("attention_bias", True)),
         activation=hf.activation("hidden_act", "gelu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         pad_id=hf.pad_id(vocab), dropout_rate=hf.get("hidden_dropout", 0.0),
-        attention_dropout=hf.get("attention_dropout", 0.0), **rope(hf, 10_000.0, partial=True))
+        attention_dropout=hf.get("attention_dropout", 0.0), rope=rope(hf, 10_000.0, partial=True))
 
 
 def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
@@ -33,7 +33,7 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     o = linear_pair(w, f"{p}.attention.dense", b)
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
 
 
@@ -46,8 +46,10 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export); the rotated fraction goes in rope_parameters."""
+    if cfg.position != "rope":
+        raise ConversionError(f"position={cfg.position!r}: GPT-NeoX has rotary positions")
     rope = hf_rope(cfg)
-    rope["rope_parameters"]["partial_rotary_factor"] = cfg.rope_dim / cfg.head_size
+    rope["rope_parameters"]["partial_rotary_factor"] = cfg.rope.dim / cfg.head_dim
     return dict(model_type="gpt_neox", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_attention_heads=cfg.num_heads, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff,
                 max_position_embeddings=cfg.max_len, layer_norm_eps=cfg.norm_eps,

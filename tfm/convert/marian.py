@@ -38,7 +38,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.{n}_proj", True) for n in ("q", "k", "v", "out")]
-    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+    return attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
@@ -65,7 +65,7 @@ def _check_positions(w: Weights, side: str, cfg: ModelConfig):
 def stacks(w: Weights, cfg: ModelConfig) -> dict:
     """The encoder and decoder of Marian's layout (BART's too)."""
     return {"encoder": Stack(lambda i: layer(w, f"model.encoder.layers.{i}", cfg, False), cfg.num_layers),
-            "decoder": Stack(lambda i: layer(w, f"model.decoder.layers.{i}", cfg, True), cfg.decoder_layers)}
+            "decoder": Stack(lambda i: layer(w, f"model.decoder.layers.{i}", cfg, True), cfg.num_decoder_layers)}
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
@@ -92,7 +92,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export); decoding starts from the pad token, as in Marian."""
     return dict(model_type="marian", vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size, d_model=cfg.d_model,
                 encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.num_decoder_layers, encoder_ffn_dim=cfg.d_ff,
                 decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len,
                 activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
                 tie_word_embeddings=cfg.tie_embeddings, share_encoder_decoder_embeddings=cfg.share_source_target_embeddings,

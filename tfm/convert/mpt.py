@@ -44,7 +44,7 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     q, k, v = split_qkv(*linear_pair(w, f"{p}.attn.Wqkv", False), cfg.num_heads, per_head=False)
     o = linear_pair(w, f"{p}.attn.out_proj", False)
     return {"attn_norm": norm(w, f"{p}.norm_1", "rmsnorm"),  # scale only
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.norm_2", "rmsnorm"),
             "ffn": {"wi": linear(w, f"{p}.ffn.up_proj", False), "wo": linear(w, f"{p}.ffn.down_proj", False)}}
 

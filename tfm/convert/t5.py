@@ -53,7 +53,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [(w(f"{p}.{n}.weight"), None) for n in ("q", "k", "v", "o")]
-    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+    return attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
@@ -82,7 +82,7 @@ def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> Stack:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers), "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
+    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers), "decoder": _stack(w, "decoder", cfg, cfg.num_decoder_layers)}
     return model_params(w, cfg, embedding="shared.weight", stacks=stacks,
                         tied=[f"{side}.embed_tokens.weight" for side in ("encoder", "decoder")])
 
@@ -94,8 +94,8 @@ def hf_config(cfg: ModelConfig) -> dict:
             "swiglu": "gated-silu"}.get(cfg.activation)
     if proj is None:
         raise ConversionError(f"activation={cfg.activation!r} has no T5 feed_forward_proj")
-    return dict(model_type="t5", vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_size, d_ff=cfg.d_ff,
-                num_layers=cfg.num_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.num_heads,
+    return dict(model_type="t5", vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
+                num_layers=cfg.num_layers, num_decoder_layers=cfg.num_decoder_layers, num_heads=cfg.num_heads,
                 relative_attention_num_buckets=cfg.relative_buckets,
                 relative_attention_max_distance=cfg.relative_max_distance, layer_norm_epsilon=cfg.norm_eps,
                 feed_forward_proj=proj, tie_word_embeddings=cfg.rescale_tied_output,

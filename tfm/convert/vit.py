@@ -45,7 +45,7 @@ def _layer(w: Weights, p: str, names, cfg: ModelConfig) -> dict:
     b = cfg.attention_bias
     qkvo = [linear_pair(w, q, b), linear_pair(w, k, b), linear_pair(w, v, b), linear_pair(w, o, True)]
     return {"attn_norm": norm(w, f"{p}.layernorm_before", cfg.norm),
-            "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.layernorm_after", cfg.norm),
             "ffn": {"wi": linear(w, fc1), "wo": linear(w, fc2)}}
 
