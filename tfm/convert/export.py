@@ -34,6 +34,7 @@ of the params, plus the verifying import.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Dict, Optional
@@ -132,11 +133,17 @@ def _check_round_trip(arch: str, converter: Converter, config: ModelConfig, fiel
         back = converter.config(HFConfig(fields, arch))
     except ConversionError as e:
         raise ConversionError(f"{arch} cannot express this tfm config: {e}") from None
-    want, got = _canonical(config), _canonical(back)
-    diff = [f"{name}={getattr(want, name)!r} (a {arch} config gives {getattr(got, name)!r})"
-            for name in ModelConfig.__dataclass_fields__ if getattr(want, name) != getattr(got, name)]
+    want, got = _flat_fields(_canonical(config)), _flat_fields(_canonical(back))
+    diff = [f"{name}={want[name]!r} (a {arch} config gives {got[name]!r})" for name in want if want[name] != got[name]]
     if diff:
         raise ConversionError(f"{arch} cannot express this tfm config: " + ", ".join(diff))
+
+
+def _flat_fields(cfg: ModelConfig) -> dict:
+    """{field: value} of a ModelConfig, RoPE's as rope.theta, rope.scaling, ... (so a refusal names one)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "rope"}
+    out.update({f"rope.{f.name}": getattr(cfg.rope, f.name) for f in dataclasses.fields(cfg.rope)})
+    return out
 
 
 def _canonical(cfg: ModelConfig) -> ModelConfig:
