@@ -152,7 +152,7 @@ def test_logits_match_hf(family):
                 "neox": dict(rope=dict(dim=4), parallel_block=True, parallel_norms=2),
                 "bloom": dict(position="alibi", embedding_norm=True, num_heads=6),
                 "mpt": dict(position="alibi", norm_bias=False, attention_bias=False)}[name]
-    got = lambda k, v: {f: getattr(cfg.rope, f) for f in v} if k == "rope" else getattr(cfg, k)  # rope: its fields named
+    got = lambda k, v: {f: getattr(cfg.rope, f) for f in v} if k == "rope" else getattr(cfg, k)  # rope: fields named
     assert {k: got(k, v) for k, v in expected.items()} == expected
 
 

@@ -89,7 +89,8 @@ LEGACY_ROPE_FIELDS = {"rope_theta": "theta", "rope_scaling": "scaling", "rope_sc
                       "rope_original_max_len": "original_max_len", "rope_low_freq_factor": "low_freq_factor",
                       "rope_high_freq_factor": "high_freq_factor", "rope_beta_fast": "beta_fast",
                       "rope_beta_slow": "beta_slow", "rope_truncate": "truncate",
-                      "rope_attention_factor": "attention_factor", "rotary_dim": "dim", "rope_interleaved": "interleaved"}
+                      "rope_attention_factor": "attention_factor", "rotary_dim": "dim",
+                      "rope_interleaved": "interleaved"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,8 +261,8 @@ class Stack:
     extra: Optional[Mapping[str, dict]] = None  # the stack's other params (T5's relative bias table)
 
 
-def model_params(w: Weights, cfg, *, embedding: str, stacks: Mapping[str, Stack], head: Optional[str] = "lm_head.weight",
-                 tied: Sequence[str] = (), **extra) -> dict:
+def model_params(w: Weights, cfg, *, embedding: str, stacks: Mapping[str, Stack],
+                 head: Optional[str] = "lm_head.weight", tied: Sequence[str] = (), **extra) -> dict:
     """The param tree every family shares: the token embedding `embedding` [V, D] (`tied`: copies of
     it the checkpoint may hold, e.g. each side's embed_tokens), the family's `extra` top-level params
     (input norms and positions, output bias, heads), each stack's layers (scanned or not, in groups of
@@ -315,7 +315,8 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfi
         factor = scaling.get("factor") or max_len / original
         out.update(scaling="yarn", factor=float(factor), original_max_len=int(original),
                    beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
-                   truncate=bool(scaling.get("truncate", True)), attention_factor=_yarn_attention_factor(scaling, factor))
+                   truncate=bool(scaling.get("truncate", True)),
+                   attention_factor=_yarn_attention_factor(scaling, factor))
     elif kind != "default":
         raise hf.unsupported(field, kind, "tfm maps 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
     fraction = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))

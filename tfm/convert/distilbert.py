@@ -35,7 +35,8 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    inputs = {"position": {"embedding": w("distilbert.embeddings.position_embeddings.weight", (cfg.max_len, cfg.d_model))},
+    position = w("distilbert.embeddings.position_embeddings.weight", (cfg.max_len, cfg.d_model))
+    inputs = {"position": {"embedding": position},
               "norm": norm(w, "distilbert.embeddings.LayerNorm", cfg.norm)}
     encoder = Stack(lambda i: _layer(w, f"distilbert.transformer.layer.{i}", cfg), cfg.num_layers)
     out = model_params(w, cfg, embedding="distilbert.embeddings.word_embeddings.weight", stacks={"encoder": encoder},

@@ -27,10 +27,11 @@ def config(hf: HFConfig) -> ModelConfig:
         attention_dropout=hf.get("attention_dropout", 0.0), rope=rope(hf, 10_000.0, partial=True))
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+def layer(w: Weights, p: str, cfg: ModelConfig, attn: str = "attention") -> dict:
+    """One block with the fused per-head query_key_value under `attn` (BLOOM's too: "self_attention")."""
     b = cfg.attention_bias
-    q, k, v = split_qkv(*linear_pair(w, f"{p}.attention.query_key_value", b), cfg.num_heads, per_head=True)
-    o = linear_pair(w, f"{p}.attention.dense", b)
+    q, k, v = split_qkv(*linear_pair(w, f"{p}.{attn}.query_key_value", b), cfg.num_heads, per_head=True)
+    o = linear_pair(w, f"{p}.{attn}.dense", b)
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
             "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
@@ -38,7 +39,7 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    decoder = Stack(lambda i: _layer(w, f"gpt_neox.layers.{i}", cfg), cfg.num_layers,
+    decoder = Stack(lambda i: layer(w, f"gpt_neox.layers.{i}", cfg), cfg.num_layers,
                     final_norm="gpt_neox.final_layer_norm")
     head = "embed_out.weight" if w.has("embed_out.weight") else "lm_head.weight"  # older / newer name
     return model_params(w, cfg, embedding="gpt_neox.embed_in.weight", stacks={"decoder": decoder}, head=head)

@@ -52,14 +52,18 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 
-def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
-    """The inverse of `config` (export); variants drop or add their own fields."""
-    return dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+def hf_config(cfg: ModelConfig, model_type: str = "llama", bias_fields: bool = True) -> dict:
+    """The inverse of `config` (export); variants add their own fields (bias_fields=False: the
+    variant has no attention_bias / mlp_bias field, its biases are fixed)."""
+    out = dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_len,
                 rms_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation, gated=True),
                 attention_bias=cfg.attention_bias, mlp_bias=cfg.ffn_bias, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_id, attention_dropout=cfg.attention_dropout, **hf_rope(cfg))
+    if not bias_fields:
+        del out["attention_bias"], out["mlp_bias"]
+    return out
 
 
 IGNORE = ("*rotary_emb.inv_freq",)

@@ -82,7 +82,8 @@ def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> Stack:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers), "decoder": _stack(w, "decoder", cfg, cfg.num_decoder_layers)}
+    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers),
+              "decoder": _stack(w, "decoder", cfg, cfg.num_decoder_layers)}
     return model_params(w, cfg, embedding="shared.weight", stacks=stacks,
                         tied=[f"{side}.embed_tokens.weight" for side in ("encoder", "decoder")])
 
