@@ -1,7 +1,9 @@
 """Frozen, validated model configuration shared by every family.
 
 One `ModelConfig` describes a stack of identical `Block`s plus embeddings and heads; the
-family (encoder, decoder-only, encoder-decoder) is the model class that consumes it.
+family (encoder, decoder-only, encoder-decoder) is the model class that consumes it. RoPE's
+settings are one nested `RopeConfig` (`config.rope.theta`); fields left None to be derived
+(num_kv_heads, head_dim, num_decoder_layers, rope.dim) hold their value once built.
 Impossible combinations raise `ValueError` naming the field.
 """
 from __future__ import annotations
