@@ -4,7 +4,8 @@ An experiment config is an ml_collections ConfigDict made by `new_config(Setting
 its keys are exactly
   - every TrainConfig field at the top level (`optimizer` and `mesh` nested), defaults
     from the dataclasses themselves;
-  - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields);
+  - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields; RoPE's
+    nested: `model.overrides.rope.theta`);
   - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight);
   - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets.
 The dict is locked, so a misspelt key fails where it is written (in the config file or as
@@ -25,7 +26,7 @@ import jax
 import ml_collections
 
 from tfm import parallel
-from tfm.config import ModelConfig
+from tfm.config import ModelConfig, RopeConfig
 from tfm.data import tokenizers
 from tfm.data.sources import DatasetNotPreparedError
 from tfm.models import presets
@@ -231,14 +232,19 @@ def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
         node, where = config, "--config"
         for key in arg[len("--config."):].split("=", 1)[0].split("."):
             valid = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            if where == "--config.model.overrides":
-                valid = [f.name for f in dataclasses.fields(ModelConfig)]
+            if where in _MODEL_FIELDS:  # the model's fields, set by the recipe or not
+                valid = [f.name for f in dataclasses.fields(_MODEL_FIELDS[where])]
             try:
                 _check_keys([key], valid, where)
             except ValueError as e:
                 return str(e)
-            node, where = node[key], f"{where}.{key}"
+            node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
+            where = f"{where}.{key}"
     return None
+
+
+# The config keys that take a dataclass's fields, though the recipe may set none of them.
+_MODEL_FIELDS = {"--config.model.overrides": ModelConfig, "--config.model.overrides.rope": RopeConfig}
 
 
 def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> NoReturn:
@@ -285,25 +291,43 @@ _MODEL_OVERRIDES = "--config.model.overrides."
 
 def _new_model_overrides(argv: list[str], config_arg: Optional[str]) -> tuple[list[str], dict]:
     """(argv without them, {field: value}) for the `--config.model.overrides.FIELD=VALUE` whose
-    ModelConfig FIELD the recipe does not set (ml_collections only overrides existing keys);
+    ModelConfig FIELD the recipe does not set (ml_collections only overrides existing keys), and
+    for `--config.model.overrides.rope.FIELD=VALUE` ({"rope": {FIELD: value}}) likewise;
     VALUE is read as a Python literal, else taken as a string."""
     import ast
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
     try:
-        known = set(_load_config(config_arg).model.overrides) if config_arg else set()
+        recipe = _load_config(config_arg).model.overrides if config_arg else ml_collections.ConfigDict()
     except Exception:  # noqa: BLE001 - the config file itself fails to load: parsing says how
         return argv, {}
     kept, new = [], {}
     for arg in argv:
         key, _, value = arg[len(_MODEL_OVERRIDES):].partition("=")
-        if arg.startswith(_MODEL_OVERRIDES) and key in fields and key not in known:
-            try:
-                new[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                new[key] = value
-        else:
+        path = key.split(".")
+        if not arg.startswith(_MODEL_OVERRIDES) or not _new_model_field(path, recipe):
             kept.append(arg)
+            continue
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        node = new
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
     return kept, new
+
+
+def _new_model_field(path: list[str], recipe) -> bool:
+    """Whether `path` (["d_model"], ["rope", "theta"]) names a model field that `recipe` (its
+    model.overrides) does not set."""
+    where, node = _MODEL_OVERRIDES.rstrip("."), recipe
+    for name in path:
+        cls = _MODEL_FIELDS.get(where)
+        if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        node = node.get(name) if isinstance(node, (dict, ml_collections.ConfigDict)) else None
+        where = f"{where}.{name}"
+    return node is None
 
 
 def run_cli(command: Callable[[list[str]], None]) -> None:

@@ -37,6 +37,28 @@ def test_a_misspelt_nested_key_names_the_keys_of_its_level(tmp_path):
                            "'learning_rate'?); valid keys: ['b1', 'b2',"), line
 
 
+def test_a_misspelt_rope_override_names_ropes_fields(tmp_path):
+    """RoPE's settings nest under model.overrides.rope, whether the recipe sets some or none."""
+    line = _error(*TRAIN, f"--workdir={tmp_path}", "--config.model.overrides.rope.thta=1e4")
+    assert line.startswith("error: --config.model.overrides.rope.thta is not a config key (did you mean "
+                           "'theta'?); valid keys: ['attention_factor', 'beta_fast',"), line
+
+
+def test_nested_rope_overrides_reach_the_model_config():
+    """`--config.model.overrides.rope.FIELD` sets one RoPE field: over the recipe's rope (llama2 sets
+    theta) or the preset's, whether the recipe names that field or not."""
+    code = ("import sys; from absl import flags; from experiments import common; from tfm.models import presets\n"
+            "sys.argv = argv = sys.argv[1:]\n"
+            "common.define_config_flag(); common.parse_flags(argv); c = flags.FLAGS.config\n"
+            "print(presets.build(c.model.preset, 64, c.model.overrides.to_dict()).rope)")
+    args = ["p", "--config=experiments/lm/configs/llama2.py:runlocal", "--config.model.overrides.rope.theta=5.0",
+            "--config.model.overrides.rope.scaling=linear", "--config.model.overrides.rope.factor=2.0"]
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RopeConfig(theta=5.0, scaling='linear', factor=2.0," in done.stdout, done.stdout
+
+
 def test_a_missing_config_file_is_named(tmp_path):
     line = _error("-m", "experiments.lm.train", "--config=experiments/lm/configs/tiyn.py", f"--workdir={tmp_path}")
     assert line == ("error: --config file experiments/lm/configs/tiyn.py not found (run from the repository root, "

@@ -91,6 +91,12 @@ def test_gpt2_small_and_llama_counts():
     (dict(heads=("mlm", "qa")), "unknown"),
     (dict(pad_id=64), "pad_id=64 outside the vocabulary"),
     (dict(remat_policy="sometimes"), "remat_policy='sometimes'"),
+    (dict(position="rope", rope=dict(scaling="ntk", factor=0.5)), r"rope.factor must be >= 1"),
+    (dict(position="rope", rope=dict(scaling="yarn")), r"rope.scaling='yarn' needs rope.original_max_len"),
+    (dict(position="rope", rope=dict(scaling="longrope")), r"rope.scaling='longrope' is not one of"),
+    (dict(position="rope", rope=dict(dim=3)), r"rope.dim=3 must be even"),
+    (dict(position="rope", rope=dict(dim=16)), r"rope.dim=16 must be at most head_dim=8"),
+    (dict(rope=dict(thta=1.0)), r"rope has no field\(s\) \['thta'\]"),
 ])
 def test_bad_configs_raise_clear_errors(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -122,3 +128,40 @@ def test_bad_inputs_raise_clear_errors():
         bert.apply(p, x, token_type_ids=jnp.full_like(x, 2))
     with pytest.raises(ValueError, match="unknown family"):
         presets.tiny("rnn")
+
+
+def test_derived_fields_are_set_and_follow_what_they_derive_from():
+    """num_kv_heads, head_dim, num_decoder_layers and rope.dim are set once built (one name, one
+    value); `replace` re-derives those still at their derivation, and keeps the ones set."""
+    llama = presets.llama()  # D 4096, 32 heads, 8 kv heads
+    assert (llama.head_dim, llama.num_kv_heads, llama.rope.dim) == (128, 8, 128)
+    small = llama.replace(d_model=256, num_heads=4, num_kv_heads=2)
+    assert (small.head_dim, small.rope.dim) == (64, 64)
+    encdec = presets.transformer_base()
+    assert encdec.num_decoder_layers == 6 and encdec.replace(num_layers=2).num_decoder_layers == 2
+    assert encdec.replace(num_decoder_layers=3).replace(num_layers=2).num_decoder_layers == 3  # set: kept
+    assert presets.tiny("llama", head_dim=16).replace(d_model=64).head_dim == 16
+    partial = presets.tiny("llama", rope=dict(dim=4))
+    assert partial.replace(d_model=64).rope.dim == 4
+    mha = presets.gpt2_small()
+    assert mha.num_kv_heads == 12 and mha.replace(num_heads=4).num_kv_heads == 4
+
+
+def test_rope_is_one_nested_config():
+    """A dict sets some RoPE fields over the current ones; a RopeConfig replaces them all; configs
+    recorded with the old flat names (rope_theta, rotary_dim, ...) still load."""
+    import dataclasses
+    import json
+
+    from tfm.config import ModelConfig, RopeConfig
+    cfg = presets.tiny("llama").replace(rope=dict(scaling="linear", factor=2.0))
+    assert (cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor) == (500_000.0, "linear", 2.0)
+    assert cfg.replace(rope=RopeConfig(theta=10.0)).rope == RopeConfig(theta=10.0, dim=cfg.head_dim)
+    record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert record["rope"]["factor"] == 2.0 and ModelConfig.from_dict(record) == cfg
+    legacy = {k: v for k, v in record.items() if k != "rope"}
+    legacy.update(rope_theta=500_000.0, rope_scaling="linear", rope_scaling_factor=2.0, rotary_dim=None)
+    assert ModelConfig.from_dict(legacy) == cfg
+    with pytest.raises(ValueError, match=r"RoPE's settings are nested now: \['rope.theta'\]"):
+        presets.build("llama", 64, {"rope_theta": 1e4})
+    assert presets.build("tiny_llama", 64, {"rope": {"theta": 1e4}}).rope.theta == 1e4

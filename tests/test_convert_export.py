@@ -38,11 +38,11 @@ CASES = {
                                             activation="gelu_tanh"), "AutoModelForCausalLM"),
     # GQA, head_dim != D / N, linear RoPE scaling, biases on, untied output; scanned layers.
     "llama": ("LlamaForCausalLM", ModelConfig(
-        **LLAMA, head_dim=16, rope_theta=500.0, rope_scaling="linear", rope_scaling_factor=2.0,
+        **LLAMA, head_dim=16, rope=dict(theta=500.0, scaling="linear", factor=2.0),
         tie_embeddings=False, scan_layers=True), "AutoModelForCausalLM"),
     # 4 experts top-2, a sliding window shorter than the sequence, tied output.
     "mixtral": ("MixtralForCausalLM", ModelConfig(
-        **LLAMA, head_dim=8, rope_theta=1e6, attention_bias=False, ffn_bias=False, num_experts=4,
+        **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
     "marian": ("MarianMTModel", ModelConfig(
         vocab_size=V, d_model=32, num_heads=4, num_layers=2, num_decoder_layers=1, d_ff=37, max_len=64,

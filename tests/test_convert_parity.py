@@ -159,9 +159,9 @@ def test_decoder_logits(decoder, source):
     print(f"{type(hf).__name__}[{source}] max-abs {diff:.2e}")
     assert diff < TOL
     if name == "mixtral":
-        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.kv_heads == 2
+        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2
     if name == "llama":
-        assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_theta, cfg.head_size) == ("linear", 2.0, 500.0, 16)
+        assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.theta, cfg.head_dim) == ("linear", 2.0, 500.0, 16)
 
 
 def test_runtime_overrides(decoder):

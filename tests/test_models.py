@@ -117,7 +117,7 @@ def test_post_norm_block_matches_hand_computation():
     a = p["self_attn"]
     proj = lambda w, y: jnp.einsum("btd,dnh->btnh", y, w["kernel"]) + w["bias"]
     q, k, v = proj(a["query"], h), proj(a["key"], h), proj(a["value"], h)
-    w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(cfg.head_size), -1)
+    w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(cfg.head_dim), -1)
     attn = jnp.einsum("bnts,bsnh->btnh", w, v)
     attn = jnp.einsum("btnh,nhd->btd", attn, a["out"]["kernel"]) + a["out"]["bias"]
     h = ln(h + attn, p["attn_norm"])
@@ -161,11 +161,11 @@ def test_moe_routing_capacity_and_aux_loss_closed_form():
 
 def test_rope_depends_only_on_relative_position_and_linear_scaling():
     cfg = presets.tiny("llama")
-    q, k = jax.random.normal(RNG, (2, 1, 1, cfg.head_size))
+    q, k = jax.random.normal(RNG, (2, 1, 1, cfg.head_dim))
     dot = lambda i, j, c=cfg: float(jnp.sum(apply_rope(q[None], jnp.array([[i]]), c) *
                                             apply_rope(k[None], jnp.array([[j]]), c)))
     assert abs(dot(3, 1) - dot(12, 10)) < 1e-5 and abs(dot(3, 1) - dot(3, 2)) > 1e-3
-    scaled = cfg.replace(rope_scaling="linear", rope_scaling_factor=4.0)
+    scaled = cfg.replace(rope=dict(scaling="linear", factor=4.0))
     assert abs(dot(8, 4, scaled) - dot(2, 1)) < 1e-5
 
 

@@ -143,16 +143,17 @@ def test_logits_match_hf(family):
         print(f"{name} [{'model' if source is hf else 'dir'}] max-abs {diff:.2e}")
         assert diff < TOL, (name, diff)
     expected = {"gpt1": dict(norm_position="post", heads=("classification",), num_labels=1),
-                "mistral": dict(sliding_window=4, attention_pattern=None, kv_heads=2),
+                "mistral": dict(sliding_window=4, attention_pattern=None, num_kv_heads=2),
                 "qwen2": dict(attention_pattern=("global", "local"), sliding_window=3, attention_out_bias=False),
-                "llama3": dict(rope_scaling="llama3", rope_original_max_len=64),
-                "yarn": dict(rope_scaling="yarn", rope_scaling_factor=4.0),
-                "dynamic": dict(rope_scaling="dynamic", rope_original_max_len=8),
-                "gptj": dict(rotary_dim=4, rope_interleaved=True, parallel_block=True, parallel_norms=1),
-                "neox": dict(rotary_dim=4, parallel_block=True, parallel_norms=2),
+                "llama3": dict(rope=dict(scaling="llama3", original_max_len=64)),
+                "yarn": dict(rope=dict(scaling="yarn", factor=4.0)),
+                "dynamic": dict(rope=dict(scaling="dynamic", original_max_len=8)),
+                "gptj": dict(rope=dict(dim=4, interleaved=True), parallel_block=True, parallel_norms=1),
+                "neox": dict(rope=dict(dim=4), parallel_block=True, parallel_norms=2),
                 "bloom": dict(position="alibi", embedding_norm=True, num_heads=6),
                 "mpt": dict(position="alibi", norm_bias=False, attention_bias=False)}[name]
-    assert {k: getattr(cfg, k) for k in expected} == expected
+    got = lambda k, v: {f: getattr(cfg.rope, f) for f in v} if k == "rope" else getattr(cfg, k)  # rope: fields named
+    assert {k: got(k, v) for k, v in expected.items()} == expected
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)

@@ -1,13 +1,15 @@
 """Frozen, validated model configuration shared by every family.
 
 One `ModelConfig` describes a stack of identical `Block`s plus embeddings and heads; the
-family (encoder, decoder-only, encoder-decoder) is the model class that consumes it.
+family (encoder, decoder-only, encoder-decoder) is the model class that consumes it. RoPE's
+settings are one nested `RopeConfig` (`config.rope.theta`); fields left None to be derived
+(num_kv_heads, head_dim, num_decoder_layers, rope.dim) hold their value once built.
 Impossible combinations raise `ValueError` naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from tfm.kernels.flash_attention import BlockSizes
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
@@ -25,6 +27,75 @@ HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "s
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embeddings (ModelConfig.rope, used with position="rope"): the base, the
+    long-context scaling as Hugging Face's rope init functions define it, and which dims rotate.
+
+    scaling: None, "linear" (position interpolation), "ntk" (base rescale), "dynamic" (NTK growing
+      past original_max_len), "llama3" (Llama 3.1's wavelength band), "yarn" (Peng et al. 2023).
+    """
+
+    theta: float = 10_000.0
+    scaling: Optional[str] = None
+    factor: float = 1.0  # the scaling's stretch
+    original_max_len: Optional[int] = None  # llama3 / yarn / dynamic: the pretraining context length
+    low_freq_factor: float = 1.0  # llama3: the interpolated wavelength band
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0  # yarn: the ramp between original and interpolated frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None  # yarn's cos/sin factor; None = 0.1 ln(factor) + 1
+    dim: Optional[int] = None  # rotate the first `dim` of each head (GPT-J, GPT-NeoX); None = the whole head
+    interleaved: bool = False  # rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of halves (Llama)
+
+    def __post_init__(self):
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"ModelConfig.rope.scaling={self.scaling!r} is not one of {ROPE_SCALINGS}")
+        if self.theta <= 0:
+            raise ValueError(f"ModelConfig.rope.theta must be > 0, got {self.theta}")
+        if self.scaling is not None and self.factor < 1.0:
+            raise ValueError(f"ModelConfig.rope.factor must be >= 1, got {self.factor}")
+        if self.scaling in ("llama3", "yarn", "dynamic") and (self.original_max_len or 0) < 1:
+            raise ValueError(f"ModelConfig.rope.scaling={self.scaling!r} needs rope.original_max_len "
+                             f"(the pretraining context length), got {self.original_max_len}")
+        if self.scaling == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"ModelConfig.rope.low_freq_factor={self.low_freq_factor} must be > 0 and "
+                             f"below rope.high_freq_factor={self.high_freq_factor}")
+        if self.scaling == "yarn" and not 0 < self.beta_slow <= self.beta_fast:
+            raise ValueError(f"ModelConfig.rope.beta_slow={self.beta_slow} must be > 0 and <= "
+                             f"rope.beta_fast={self.beta_fast}")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(f"ModelConfig.rope.attention_factor must be > 0, got {self.attention_factor}")
+        if self.dim is not None and (self.dim < 1 or self.dim % 2):
+            raise ValueError(f"ModelConfig.rope.dim={self.dim} must be even and >= 2 (or None: the whole head)")
+
+    @classmethod
+    def coerce(cls, value: Union["RopeConfig", Mapping[str, Any], None], base: Optional["RopeConfig"] = None
+               ) -> "RopeConfig":
+        """A RopeConfig from itself, or from a mapping of its fields laid over `base` (default: the defaults)."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return base or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"ModelConfig.rope must be a RopeConfig or a dict of its fields, got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"ModelConfig.rope has no field(s) {unknown}; its fields are {names}")
+        return dataclasses.replace(base or cls(), **value)
+
+
+# ModelConfig's flat RoPE fields before `rope` grouped them (configs recorded then still load).
+LEGACY_ROPE_FIELDS = {"rope_theta": "theta", "rope_scaling": "scaling", "rope_scaling_factor": "factor",
+                      "rope_original_max_len": "original_max_len", "rope_low_freq_factor": "low_freq_factor",
+                      "rope_high_freq_factor": "high_freq_factor", "rope_beta_fast": "beta_fast",
+                      "rope_beta_slow": "beta_slow", "rope_truncate": "truncate",
+                      "rope_attention_factor": "attention_factor", "rotary_dim": "dim",
+                      "rope_interleaved": "interleaved"}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of one transformer. Sizes use the shape letters of DESIGN.md."""
 
@@ -33,6 +104,7 @@ class ModelConfig:
     num_heads: int  # N
     num_layers: int  # encoder layers, or decoder layers for a decoder-only model
     d_ff: int  # F
+    # Derived when left None, and always set once built (see `replace`):
     num_kv_heads: Optional[int] = None  # K; None = num_heads (MHA), 1 = MQA
     head_dim: Optional[int] = None  # H; None = d_model // num_heads
     num_decoder_layers: Optional[int] = None  # encoder-decoder only; None = num_layers
@@ -48,21 +120,9 @@ class ModelConfig:
 
     # Positions
     position: str = "sinusoidal"
-    rope_theta: float = 10_000.0
-    rope_scaling: Optional[str] = None  # "linear" (position interpolation) or "ntk" (base rescale)
-    rope_scaling_factor: float = 1.0
-    # llama3 / yarn / dynamic (Hugging Face's rope init functions): the pretraining context length,
-    # llama3's wavelength band, yarn's ramp (beta_fast, beta_slow, truncate) and cos/sin factor
-    # (None = 0.1 ln(factor) + 1).
-    rope_original_max_len: Optional[int] = None
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True
-    rope_attention_factor: Optional[float] = None
-    rotary_dim: Optional[int] = None  # rotate the first rotary_dim of each head (GPT-J, GPT-NeoX); None = H
-    rope_interleaved: bool = False  # rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of halves (Llama)
+    # position="rope": a RopeConfig, or a dict of its fields (over the defaults; over the current
+    # rope in `replace`). rope.dim is set to head_dim when left None.
+    rope: Union[RopeConfig, dict, None] = None
     alibi_bias_max: float = 8.0  # ALiBi slopes 2^(-alibi_bias_max * i / N) (MPT's knob; 8 = the paper)
     position_offset: int = 0  # learned table row = position + offset (BART 2, RoBERTa pad_id + 1)
     padding_positions: bool = False  # RoBERTa: count non-pad tokens only; pad tokens sit at -1
@@ -127,8 +187,7 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
-                       rope_scaling=ROPE_SCALINGS, activation=ACTIVATIONS,
+        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATIONS,
                        attention_impl=ATTENTION_IMPLS, dtype=DTYPES, remat_policy=REMAT_POLICIES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -139,16 +198,22 @@ class ModelConfig:
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"ModelConfig.num_heads={self.num_heads} does not divide "
                              f"d_model={self.d_model}; set head_dim explicitly or change num_heads")
-        if self.num_heads % self.kv_heads:
+        self._derive(num_kv_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
+                     num_decoder_layers=self.num_layers)
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.kv_heads}")
-        if self.position == "rope" and self.head_size % 2:
-            raise ValueError(f"ModelConfig.position='rope' needs an even head_dim, got {self.head_size}")
-        if self.rope_scaling is not None and self.rope_scaling_factor < 1.0:
-            raise ValueError(f"ModelConfig.rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+                             f"num_kv_heads={self.num_kv_heads}")
+        object.__setattr__(self, "rope", RopeConfig.coerce(self.rope))
+        if self.position == "rope":
+            if self.head_dim % 2:
+                raise ValueError(f"ModelConfig.position='rope' needs an even head_dim, got {self.head_dim}")
+            if self.rope.dim is None:
+                object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=self.head_dim))
+            if self.rope.dim > self.head_dim:
+                raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} must be at most head_dim={self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
-        self._check_rope_and_pattern()
+        self._check_pattern()
         if self.parallel_norms not in (1, 2):
             raise ValueError(f"ModelConfig.parallel_norms must be 1 or 2, got {self.parallel_norms}")
         if self.parallel_norms == 2 and not self.parallel_block:
@@ -202,21 +267,13 @@ class ModelConfig:
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
 
-    def _check_rope_and_pattern(self):
-        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_size and self.rotary_dim % 2 == 0):
-            raise ValueError(f"ModelConfig.rotary_dim={self.rotary_dim} must be even and in (0, head_dim="
-                             f"{self.head_size}]")
-        if self.rope_scaling in ("llama3", "yarn", "dynamic") and (self.rope_original_max_len or 0) < 1:
-            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} needs rope_original_max_len "
-                             f"(the pretraining context length), got {self.rope_original_max_len}")
-        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-            raise ValueError(f"ModelConfig.rope_low_freq_factor={self.rope_low_freq_factor} must be > 0 and "
-                             f"below rope_high_freq_factor={self.rope_high_freq_factor}")
-        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow <= self.rope_beta_fast:
-            raise ValueError(f"ModelConfig.rope_beta_slow={self.rope_beta_slow} must be > 0 and <= "
-                             f"rope_beta_fast={self.rope_beta_fast}")
-        if self.rope_attention_factor is not None and self.rope_attention_factor <= 0:
-            raise ValueError(f"ModelConfig.rope_attention_factor must be > 0, got {self.rope_attention_factor}")
+    def _derive(self, **defaults):
+        """Sets each None field of `defaults` to its derived value."""
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    def _check_pattern(self):
         pattern = self.attention_pattern
         if pattern is None:
             return
@@ -229,7 +286,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_pattern has unknown kinds {bad}; choose from {ATTENTION_KINDS}")
         if "local" in pattern and self.sliding_window is None:
             raise ValueError("ModelConfig.attention_pattern has 'local' layers but sliding_window is None")
-        for name in ("num_layers", "decoder_layers"):
+        for name in ("num_layers", "num_decoder_layers"):
             if getattr(self, name) % len(pattern):
                 raise ValueError(f"ModelConfig.attention_pattern of length {len(pattern)} does not divide "
                                  f"{name}={getattr(self, name)}")
@@ -246,25 +303,36 @@ class ModelConfig:
         """Layers per repeat of attention_pattern (1 without one)."""
         return 1 if self.attention_pattern is None else len(self.attention_pattern)
 
-    @property
-    def rope_dim(self) -> int:
-        """The rotated part of each head (rotary_dim, default the whole head)."""
-        return self.head_size if self.rotary_dim is None else self.rotary_dim
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
-
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes`. A derived field (num_kv_heads, head_dim, num_decoder_layers,
+        rope.dim) whose value is still its derivation follows the fields it derives from unless
+        `changes` sets it: tiny(d_model=32, num_heads=4) of a 768-wide preset gets head_dim 8.
+        rope: a RopeConfig replaces the current one; a dict changes only the fields it names."""
+        derived = dict(num_kv_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
+                       num_decoder_layers=self.num_layers)
+        for name, value in derived.items():
+            if name not in changes and getattr(self, name) == value and (name != "head_dim" or not
+                                                                         self.d_model % self.num_heads):
+                changes[name] = None
+        rope = self.rope
+        if rope.dim == self.head_dim:  # the whole head, whatever head_dim becomes
+            rope = dataclasses.replace(rope, dim=None)
+        changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
+        """A ModelConfig from `dataclasses.asdict` of one, as JSON gives it back (lists for tuples),
+        including records written before RoPE's fields were grouped into `rope` (rope_theta, ...)."""
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        legacy = {LEGACY_ROPE_FIELDS[k]: fields.pop(k) for k in list(fields) if k in LEGACY_ROPE_FIELDS}
+        if legacy:
+            fields["rope"] = {**legacy, **dict(fields.get("rope") or {})}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"ModelConfig has no field(s) {unknown}")
+        return cls(**fields)
 
 
 def _block_sizes(value) -> Optional[BlockSizes]:

@@ -143,10 +143,10 @@ def init_hook(pretrained: Pretrained) -> InitFromParams:
 
 
 def _config_from_record(fields: dict, where: str) -> ModelConfig:
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
-    if unknown:
-        raise ValueError(f"{where}: model_config has fields this tfm does not know: {unknown}")
-    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    try:
+        return ModelConfig.from_dict(fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: model_config is not a config this tfm reads: {e}") from None
 
 
 # --------------------------------------------------------------------------------- batches

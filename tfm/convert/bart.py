@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import marian
-from tfm.convert.export import hf_activation
-from tfm.convert.common import Converter, HFConfig, Weights, norm, add_output_head, stack_layers
+from tfm.convert.common import Converter, HFConfig, Weights, hf_activation, model_params, norm
 from tfm.models import EncoderDecoder
 
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
@@ -40,26 +39,17 @@ def _side(w: Weights, side: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    shared = w("model.shared.weight", (V, D))
-    for side in ("encoder", "decoder"):
-        w.tied(f"model.{side}.embed_tokens.weight", shared, "the shared embedding")
-    out = {"embed": {"embedding": shared},
-           "source_input": _side(w, "encoder", cfg), "target_input": _side(w, "decoder", cfg),
-           "encoder": stack_layers([marian._layer(w, f"model.encoder.layers.{i}", cfg, False)
-                                    for i in range(cfg.num_layers)], cfg.scan_layers),
-           "decoder": stack_layers([marian._layer(w, f"model.decoder.layers.{i}", cfg, True)
-                                    for i in range(cfg.decoder_layers)], cfg.scan_layers),
-           "output": {"bias": w("final_logits_bias", (1, V))[0]}}
-    add_output_head(out, w, shared, cfg)
-    return out
+    return model_params(w, cfg, embedding="model.shared.weight", stacks=marian.stacks(w, cfg),
+                        tied=[f"model.{side}.embed_tokens.weight" for side in ("encoder", "decoder")],
+                        source_input=_side(w, "encoder", cfg), target_input=_side(w, "decoder", cfg),
+                        output={"bias": w("final_logits_bias", (1, cfg.vocab_size))[0]})
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export)."""
     return dict(model_type="bart", vocab_size=cfg.vocab_size, d_model=cfg.d_model,
                 encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.num_decoder_layers, encoder_ffn_dim=cfg.d_ff,
                 decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len - POSITION_OFFSET,
                 activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
                 tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, dropout=cfg.dropout_rate,

@@ -10,11 +10,11 @@ and would initialise it at random.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
-                               stack_layers)
-from tfm.convert.export import hf_activation
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, add_output_head, attention,
+                                hf_activation, linear, linear_pair, model_params, norm)
 from tfm.models import EncoderModel
 
 
@@ -34,10 +34,10 @@ def config(hf: HFConfig, heads=()) -> ModelConfig:
         attention_dropout=hf.get("attention_probs_dropout_prob", 0.0))
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.attention.self.{n}", True) for n in ("query", "key", "value")]
     qkvo.append(linear_pair(w, f"{p}.attention.output.dense", True))
-    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "attn_norm": norm(w, f"{p}.attention.output.LayerNorm", cfg.norm),
             "ffn": {"wi": linear(w, f"{p}.intermediate.dense"), "wo": linear(w, f"{p}.output.dense")},
             "ffn_norm": norm(w, f"{p}.output.LayerNorm", cfg.norm)}
@@ -49,35 +49,44 @@ def pooler_if_saved(cfg: ModelConfig, w: Weights) -> ModelConfig:
     return cfg if saved else cfg.replace(heads=())
 
 
+def encoder_params(w: Weights, cfg: ModelConfig, p: str, token_types: bool = True, **extra) -> dict:
+    """Word and position embeddings (`p`embeddings.*), their LayerNorm and the BERT encoder
+    (`p`encoder.layer.{i}); RoBERTa's and BERT's, DistilBERT's with its names."""
+    inputs = {"position": {"embedding": w(f"{p}embeddings.position_embeddings.weight", (cfg.max_len, cfg.d_model))}}
+    if token_types:
+        inputs["token_type"] = {"embedding": w(f"{p}embeddings.token_type_embeddings.weight")}
+    inputs["norm"] = norm(w, f"{p}embeddings.LayerNorm", cfg.norm)
+    encoder = Stack(lambda i: layer(w, f"{p}encoder.layer.{i}", cfg), cfg.num_layers)
+    return model_params(w, cfg, embedding=f"{p}embeddings.word_embeddings.weight", stacks={"encoder": encoder},
+                        head=None, input=inputs, **extra)
+
+
+def mlm_head(out: dict, w: Weights, cfg: ModelConfig, transform: str, layer_norm: str, bias: str, decoder: str,
+             tied_bias: Optional[str] = None) -> dict:
+    """The MLM head (transform dense, its LayerNorm, output bias, decoder tied to the word embeddings
+    unless untied) added to `out`; `tied_bias`: a copy of the bias the checkpoint may hold."""
+    out["mlm_transform"] = linear(w, transform)
+    out["mlm_norm"] = norm(w, layer_norm, cfg.norm)
+    out["mlm_output"] = {"bias": w(bias, (cfg.vocab_size,))}
+    if tied_bias is not None:
+        w.tied(tied_bias, out["mlm_output"]["bias"], "the MLM decoder bias")
+    add_output_head(out, w, out["embed"]["embedding"], cfg, decoder, into="mlm_output")
+    return out
+
+
 def params(w: Weights, cfg: ModelConfig) -> dict:
     pretraining = "mlm" in cfg.heads  # BertForPreTraining; else BertModel
     if not pretraining:
         w.strip_prefix("bert.")  # BertModel weights saved with or without the "bert." wrapper
     p = "bert." if pretraining else ""
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w(f"{p}embeddings.word_embeddings.weight", (V, D))
-    out = {
-        "embed": {"embedding": embedding},
-        "input": {"position": {"embedding": w(f"{p}embeddings.position_embeddings.weight", (cfg.max_len, D))},
-                  "token_type": {"embedding": w(f"{p}embeddings.token_type_embeddings.weight")},
-                  "norm": norm(w, f"{p}embeddings.LayerNorm", cfg.norm)},
-        "encoder": stack_layers([_layer(w, f"{p}encoder.layer.{i}", cfg) for i in range(cfg.num_layers)],
-                                cfg.scan_layers),
-    }
+    out = encoder_params(w, cfg, p)
     if {"nsp", "pooler"} & set(cfg.heads):
         out["pooler"] = linear(w, f"{p}pooler.dense")
     if "nsp" in cfg.heads:
         out["nsp"] = linear(w, "cls.seq_relationship")
     if "mlm" in cfg.heads:
-        out["mlm_transform"] = linear(w, "cls.predictions.transform.dense")
-        out["mlm_norm"] = norm(w, "cls.predictions.transform.LayerNorm", cfg.norm)
-        bias = w("cls.predictions.bias", (V,))
-        w.tied("cls.predictions.decoder.bias", bias, "the MLM decoder bias")
-        out["mlm_output"] = {"bias": bias}
-        if cfg.tie_embeddings:
-            w.tied("cls.predictions.decoder.weight", embedding, "tie_word_embeddings")
-        else:
-            out["mlm_output"]["lm_head"] = {"kernel": w("cls.predictions.decoder.weight", (V, D)).T}
+        mlm_head(out, w, cfg, "cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+                 "cls.predictions.bias", "cls.predictions.decoder.weight", tied_bias="cls.predictions.decoder.bias")
     return out
 
 

@@ -7,8 +7,8 @@ query_key_value interleaved per head ([N, 3, H]), tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                split_qkv, stack_layers)
+from tfm.convert import gpt_neox
+from tfm.convert.common import Converter, HFConfig, Stack, Weights, model_params, norm
 from tfm.models import DecoderLM
 
 
@@ -25,24 +25,11 @@ def config(hf: HFConfig) -> ModelConfig:
         dropout_rate=hf.get("hidden_dropout", 0.0), attention_dropout=hf.get("attention_dropout", 0.0))
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    q, k, v = split_qkv(*linear_pair(w, f"{p}.self_attention.query_key_value", True), cfg.num_heads, per_head=True)
-    o = linear_pair(w, f"{p}.self_attention.dense", True)
-    return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
-            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
-            "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
-
-
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("transformer.word_embeddings.weight", (V, D))
-    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "input": {"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: gpt_neox.layer(w, f"transformer.h.{i}", cfg, "self_attention"), cfg.num_layers,
+                    final_norm="transformer.ln_f")
+    return model_params(w, cfg, embedding="transformer.word_embeddings.weight", stacks={"decoder": decoder},
+                        input={"norm": norm(w, "transformer.word_embeddings_layernorm", cfg.norm)})
 
 
 def hf_config(cfg: ModelConfig) -> dict:

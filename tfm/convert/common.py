@@ -1,5 +1,6 @@
-"""Shared pieces of the Hugging Face import: reading HF config fields with clear errors,
-tracking which checkpoint tensors were used, and the layout changes every family needs.
+"""Shared pieces of the Hugging Face import and export: reading HF config fields with clear errors,
+tracking which checkpoint tensors were used, the layout changes every family needs, the param
+tree they share (`model_params`), and the helpers of the config writers (`hf_activation`, `hf_rope`).
 
 Torch layouts: `nn.Linear.weight` is [out, in]; tfm's `Einsum` kernels are [in, out] with the
 head axes split out: query [D, N, H], key/value [D, K, H], out [N, H, D].
@@ -9,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
+import jax
 import numpy as np
+
+from tfm.config import ModelConfig, RopeConfig
 
 
 class ConversionError(ValueError):
@@ -188,14 +192,19 @@ def linear(w: Weights, prefix: str, bias: bool = True) -> dict:
     return dense(w(f"{prefix}.weight"), w(f"{prefix}.bias") if bias else None)
 
 
-def add_output_head(params: dict, w: Weights, embedding, cfg) -> None:
-    """Adds the untied output projection params["output"]["lm_head"] {"kernel": [D, V]} from
-    `lm_head.weight`; with cfg.tie_embeddings adds nothing (HF's lm_head.weight must then equal
-    `embedding`)."""
+def conv1d(w: Weights, prefix: str):
+    """GPT-style Conv1D (weight [in, out], bias) -> torch Linear layout (weight [out, in], bias)."""
+    return w(f"{prefix}.weight").T, w(f"{prefix}.bias")
+
+
+def add_output_head(params: dict, w: Weights, embedding, cfg, key: str = "lm_head.weight",
+                    into: str = "output") -> None:
+    """Adds the untied output projection params[into]["lm_head"] {"kernel": [D, V]} from `key`;
+    with cfg.tie_embeddings adds nothing (HF's `key` must then equal `embedding`)."""
     if cfg.tie_embeddings:
-        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
+        w.tied(key, embedding, "tie_word_embeddings")
     else:
-        params.setdefault("output", {})["lm_head"] = {"kernel": w("lm_head.weight", (cfg.vocab_size, cfg.d_model)).T}
+        params.setdefault(into, {})["lm_head"] = {"kernel": w(key, (cfg.vocab_size, cfg.d_model)).T}
 
 
 def norm(w: Weights, prefix: str, kind: str) -> dict:
@@ -235,17 +244,54 @@ def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1) -> dict:
     (with an attention pattern of period P > 1: `layers/layer_j` stacks layers j, j + P, ...)."""
     if not scan:
         return {f"layer_{i}": p for i, p in enumerate(layers)}
-    import jax
     stack = lambda group: jax.tree.map(lambda *xs: np.stack(xs), *group)
     if period == 1:
         return {"layers": stack(layers)}
     return {"layers": {f"layer_{j}": stack(layers[j::period]) for j in range(period)}}
 
 
-def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One stack of blocks in a checkpoint, for `model_params`."""
+
+    layer: Callable[[int], dict]  # i -> the params of layer i
+    num_layers: int
+    final_norm: Optional[str] = None  # HF prefix of the norm after the last layer; None = none
+    norm_kind: Optional[str] = None  # that norm's kind; None = cfg.norm
+    extra: Optional[Mapping[str, dict]] = None  # the stack's other params (T5's relative bias table)
+
+
+def model_params(w: Weights, cfg, *, embedding: str, stacks: Mapping[str, Stack],
+                 head: Optional[str] = "lm_head.weight", tied: Sequence[str] = (), **extra) -> dict:
+    """The param tree every family shares: the token embedding `embedding` [V, D] (`tied`: copies of
+    it the checkpoint may hold, e.g. each side's embed_tokens), the family's `extra` top-level params
+    (input norms and positions, output bias, heads), each stack's layers (scanned or not, in groups of
+    cfg.pattern_period) with its final norm, and the output projection `head` (tied to the embedding
+    under cfg.tie_embeddings; None = no output projection)."""
+    embed = w(embedding, (cfg.vocab_size, cfg.d_model))
+    for key in tied:
+        w.tied(key, embed, "the shared embedding")
+    out = {"embed": {"embedding": embed}, **extra, **stack_params(w, cfg, stacks)}
+    if head is not None:
+        add_output_head(out, w, embed, cfg, head)
+    return out
+
+
+def stack_params(w: Weights, cfg, stacks: Mapping[str, Stack]) -> dict:
+    """{name: the stack's layers (scanned or not, in groups of cfg.pattern_period), extra params and final norm}."""
+    out = {}
+    for name, s in stacks.items():
+        layers = [s.layer(i) for i in range(s.num_layers)]
+        out[name] = {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), **(s.extra or {})}
+        if s.final_norm is not None:
+            out[name]["final_norm"] = norm(w, s.final_norm, s.norm_kind or cfg.norm)
+    return out
+
+
+def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfig:
     """RoPE fields of an HF config (v5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`)
-    -> ModelConfig kwargs: default, linear, dynamic, llama3 and yarn scaling, and (partial=True,
-    for families whose HF model rotates part of each head) partial_rotary_factor as rotary_dim."""
+    -> ModelConfig.rope (a RopeConfig): default, linear, dynamic, llama3 and yarn scaling, and
+    (partial=True, for families whose HF model rotates part of each head) partial_rotary_factor as dim."""
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
@@ -255,22 +301,22 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
     field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
     max_len = hf.get("max_position_embeddings")
     original = scaling.get("original_max_position_embeddings") or max_len
-    out = dict(rope_theta=float(theta))
+    out = dict(theta=float(theta))
     if kind == "linear":
-        out.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+        out.update(scaling="linear", factor=float(scaling["factor"]))
     elif kind == "dynamic":  # HF stretches past max_position_embeddings itself
-        out.update(rope_scaling="dynamic", rope_scaling_factor=float(scaling["factor"]), rope_original_max_len=max_len)
+        out.update(scaling="dynamic", factor=float(scaling["factor"]), original_max_len=max_len)
     elif kind == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
-                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+        out.update(scaling="llama3", factor=float(scaling["factor"]),
+                   low_freq_factor=float(scaling["low_freq_factor"]),
+                   high_freq_factor=float(scaling["high_freq_factor"]),
+                   original_max_len=int(scaling["original_max_position_embeddings"]))
     elif kind == "yarn":
         factor = scaling.get("factor") or max_len / original
-        out.update(rope_scaling="yarn", rope_scaling_factor=float(factor), rope_original_max_len=int(original),
-                   rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow") or 1),
-                   rope_truncate=bool(scaling.get("truncate", True)),
-                   rope_attention_factor=_yarn_attention_factor(scaling, factor))
+        out.update(scaling="yarn", factor=float(factor), original_max_len=int(original),
+                   beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                   truncate=bool(scaling.get("truncate", True)),
+                   attention_factor=_yarn_attention_factor(scaling, factor))
     elif kind != "default":
         raise hf.unsupported(field, kind, "tfm maps 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
     fraction = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -278,8 +324,8 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
         if not partial:
             raise hf.unsupported("partial_rotary_factor", fraction, f"{hf.architecture} rotates the whole head")
         head_dim = hf.get("head_dim") or hf.require("hidden_size") // hf.require("num_attention_heads")
-        out["rotary_dim"] = int(head_dim * fraction)
-    return out
+        out["dim"] = int(head_dim * fraction)
+    return RopeConfig(**out)
 
 
 def _yarn_attention_factor(scaling: dict, factor: float) -> Optional[float]:
@@ -305,3 +351,32 @@ def split_qkv(weight: np.ndarray, bias: Optional[np.ndarray], num_heads: int, pe
         return [(w[:, i].reshape(-1, D), None if b is None else b[:, i].reshape(-1)) for i in range(3)]
     biases = [None] * 3 if bias is None else np.split(bias, 3)
     return list(zip(np.split(weight, 3, axis=0), biases))
+
+
+# ---- helpers for config writers -----------------------------------------------------------
+
+def hf_activation(activation: str, gated: bool = False) -> str:
+    """tfm activation -> the HF `hidden_act` name that imports back to it (gated: the gate's)."""
+    for hf_name, tfm_name in ACTIVATIONS.items():
+        if (GATED_ACTIVATIONS.get(tfm_name) if gated else tfm_name) == activation:
+            return hf_name
+    kinds = sorted(GATED_ACTIVATIONS.values()) if gated else sorted(set(ACTIVATIONS.values()))
+    raise ConversionError(f"activation={activation!r} has no Hugging Face name here; it writes {kinds}")
+
+
+def hf_rope(cfg: ModelConfig) -> dict:
+    """RoPE fields as transformers 5 `rope_parameters` (default, linear, dynamic, llama3, yarn)."""
+    params = {"rope_type": cfg.rope.scaling or "default", "rope_theta": float(cfg.rope.theta)}
+    if cfg.rope.scaling is not None:
+        params["factor"] = float(cfg.rope.factor)
+    if cfg.rope.scaling in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = cfg.rope.original_max_len
+    if cfg.rope.scaling == "llama3":
+        params.update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor)
+    elif cfg.rope.scaling == "yarn":
+        params.update(beta_fast=cfg.rope.beta_fast, beta_slow=cfg.rope.beta_slow, truncate=cfg.rope.truncate)
+        if cfg.rope.attention_factor is not None:
+            params["attention_factor"] = cfg.rope.attention_factor
+    elif cfg.rope.scaling not in (None, "linear", "dynamic"):
+        raise ConversionError(f"rope.scaling={cfg.rope.scaling!r} has no Hugging Face rope_type")
+    return {"rope_parameters": params}

@@ -7,8 +7,9 @@ the word embeddings, with a bias).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.export import hf_activation
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.convert import bert
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, linear, linear_pair,
+                                model_params, norm)
 from tfm.models import EncoderModel
 
 
@@ -27,30 +28,21 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.attention.{n}_lin", True) for n in ("q", "k", "v", "out")]
-    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+    return {"self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "attn_norm": norm(w, f"{p}.sa_layer_norm", cfg.norm),
             "ffn": {"wi": linear(w, f"{p}.ffn.lin1"), "wo": linear(w, f"{p}.ffn.lin2")},
             "ffn_norm": norm(w, f"{p}.output_layer_norm", cfg.norm)}
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("distilbert.embeddings.word_embeddings.weight", (V, D))
-    out = {
-        "embed": {"embedding": embedding},
-        "input": {"position": {"embedding": w("distilbert.embeddings.position_embeddings.weight", (cfg.max_len, D))},
-                  "norm": norm(w, "distilbert.embeddings.LayerNorm", cfg.norm)},
-        "encoder": stack_layers([_layer(w, f"distilbert.transformer.layer.{i}", cfg) for i in range(cfg.num_layers)],
-                                cfg.scan_layers),
-        "mlm_transform": linear(w, "vocab_transform"),
-        "mlm_norm": norm(w, "vocab_layer_norm", cfg.norm),
-        "mlm_output": {"bias": w("vocab_projector.bias", (V,))},
-    }
-    if cfg.tie_embeddings:
-        w.tied("vocab_projector.weight", embedding, "tie_word_embeddings")
-    else:
-        out["mlm_output"]["lm_head"] = {"kernel": w("vocab_projector.weight", (V, D)).T}
-    return out
+    position = w("distilbert.embeddings.position_embeddings.weight", (cfg.max_len, cfg.d_model))
+    inputs = {"position": {"embedding": position},
+              "norm": norm(w, "distilbert.embeddings.LayerNorm", cfg.norm)}
+    encoder = Stack(lambda i: _layer(w, f"distilbert.transformer.layer.{i}", cfg), cfg.num_layers)
+    out = model_params(w, cfg, embedding="distilbert.embeddings.word_embeddings.weight", stacks={"encoder": encoder},
+                       head=None, input=inputs)
+    return bert.mlm_head(out, w, cfg, "vocab_transform", "vocab_layer_norm", "vocab_projector.bias",
+                         "vocab_projector.weight")
 
 
 def hf_config(cfg: ModelConfig) -> dict:

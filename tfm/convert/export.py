@@ -23,7 +23,7 @@ family's tensor names (which could drift from the importer):
    importer that did arithmetic instead of a layout change would fail here, never silently.
 
 Adding a family: give its `Converter` an `hf_config(tfm_config) -> dict` holding `model_type`
-and the fields the family's `config` reads (helpers below: `hf_activation`, `hf_rope`); write
+and the fields the family's `config` reads (helpers in `common`: `hf_activation`, `hf_rope`); write
 only what HF has a field for, and let the round-trip check refuse the rest. An HF tensor the
 importer does not read is an error naming it: nothing is written as a placeholder. Importers must not look at tensor values (other than through `w.tied`): under
 export they see indices; tensors HF recomputes and leaves out of its files (`_keys_to_ignore_on_save`,
@@ -34,50 +34,26 @@ of the params, plus the verifying import.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Dict, Optional
 
+import flax.linen as nn
+import jax
 import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import ACTIVATIONS, GATED_ACTIVATIONS, ConversionError, Converter, HFConfig, Weights
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
+from tfm.convert.importer import from_hf
+from tfm.convert.registry import CONVERTERS
 
-__all__ = ["to_hf", "hf_activation", "hf_rope"]
+__all__ = ["to_hf"]
 
 # ModelConfig fields that do not change the function a checkpoint computes; HF configs need not
 # carry them, and `from_hf(..., **overrides)` sets them again.
 _NOT_COMPARED = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
                  "attention_block_sizes", "dropout_rate", "attention_dropout")
-
-
-# ---- helpers for config writers -----------------------------------------------------------
-
-def hf_activation(activation: str, gated: bool = False) -> str:
-    """tfm activation -> the HF `hidden_act` name that imports back to it (gated: the gate's)."""
-    for hf_name, tfm_name in ACTIVATIONS.items():
-        if (GATED_ACTIVATIONS.get(tfm_name) if gated else tfm_name) == activation:
-            return hf_name
-    kinds = sorted(GATED_ACTIVATIONS.values()) if gated else sorted(set(ACTIVATIONS.values()))
-    raise ConversionError(f"activation={activation!r} has no Hugging Face name here; it writes {kinds}")
-
-
-def hf_rope(cfg: ModelConfig) -> dict:
-    """RoPE fields as transformers 5 `rope_parameters` (default, linear, dynamic, llama3, yarn)."""
-    params = {"rope_type": cfg.rope_scaling or "default", "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling is not None:
-        params["factor"] = float(cfg.rope_scaling_factor)
-    if cfg.rope_scaling in ("llama3", "yarn"):
-        params["original_max_position_embeddings"] = cfg.rope_original_max_len
-    if cfg.rope_scaling == "llama3":
-        params.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
-    elif cfg.rope_scaling == "yarn":
-        params.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
-        if cfg.rope_attention_factor is not None:
-            params["attention_factor"] = cfg.rope_attention_factor
-    elif cfg.rope_scaling not in (None, "linear", "dynamic"):
-        raise ConversionError(f"rope_scaling={cfg.rope_scaling!r} has no Hugging Face rope_type")
-    return {"rope_parameters": params}
 
 
 # ---- export -------------------------------------------------------------------------------
@@ -95,14 +71,11 @@ def to_hf(config: ModelConfig, params, directory, *, architecture: Optional[str]
     verify: import the written directory again and require the same config and bit-identical params.
     Returns the directory.
     """
-    import flax.linen as nn
-    import jax
-
     params = jax.tree.map(np.asarray, nn.meta.unbox(params))
     arch, converter, hf_cfg = _resolve(config, architecture)
     model = _meta_model(arch, hf_cfg)
     tensors = _hf_tensors(arch, converter, config, params, model)
-    import torch
+    import torch  # torch and transformers are optional (the "test" extra): imported when exporting
     state = {k: torch.from_numpy(v) for k, v in tensors.items()}
     for alias, owner in _tied_groups(model).items():  # one tensor object, so save_pretrained drops copies
         if alias not in tensors or owner not in tensors:
@@ -120,7 +93,6 @@ def to_hf(config: ModelConfig, params, directory, *, architecture: Optional[str]
 
 def _resolve(config: ModelConfig, architecture: Optional[str]):
     """(architecture, Converter, transformers config) whose import reproduces `config`."""
-    from tfm.convert import CONVERTERS
     writable = {a: c for a, c in CONVERTERS.items() if c.hf_config is not None}
     if architecture is not None:
         if architecture not in writable:
@@ -161,19 +133,22 @@ def _check_round_trip(arch: str, converter: Converter, config: ModelConfig, fiel
         back = converter.config(HFConfig(fields, arch))
     except ConversionError as e:
         raise ConversionError(f"{arch} cannot express this tfm config: {e}") from None
-    want, got = _canonical(config), _canonical(back)
-    diff = [f"{name}={getattr(want, name)!r} (a {arch} config gives {getattr(got, name)!r})"
-            for name in ModelConfig.__dataclass_fields__ if getattr(want, name) != getattr(got, name)]
+    want, got = _flat_fields(_canonical(config)), _flat_fields(_canonical(back))
+    diff = [f"{name}={want[name]!r} (a {arch} config gives {got[name]!r})" for name in want if want[name] != got[name]]
     if diff:
         raise ConversionError(f"{arch} cannot express this tfm config: " + ", ".join(diff))
 
 
+def _flat_fields(cfg: ModelConfig) -> dict:
+    """{field: value} of a ModelConfig, RoPE's as rope.theta, rope.scaling, ... (so a refusal names one)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "rope"}
+    out.update({f"rope.{f.name}": getattr(cfg.rope, f.name) for f in dataclasses.fields(cfg.rope)})
+    return out
+
+
 def _canonical(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with derived defaults spelled out and fields that do not change the function reset."""
-    defaults = {f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED
-                if f in ModelConfig.__dataclass_fields__}
-    return cfg.replace(num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size, num_decoder_layers=cfg.decoder_layers,
-                       **defaults)
+    """`cfg` with the fields that do not change the function reset (derived ones are always set)."""
+    return cfg.replace(**{f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED})
 
 
 def _meta_model(arch: str, hf_cfg):
@@ -259,7 +234,6 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
 
 def _verify(directory: str, arch: str, config: ModelConfig, params):
     """Importing `directory` again must give `config` (up to _NOT_COMPARED) and identical params."""
-    from tfm.convert import from_hf
     back_config, back_params, _ = from_hf(directory, architecture=arch, scan_layers=config.scan_layers)
     if _canonical(back_config) != _canonical(config):
         raise ConversionError(f"to_hf: {directory} imports as a different config: {back_config}")
@@ -271,5 +245,4 @@ def _verify(directory: str, arch: str, config: ModelConfig, params):
 
 def _flat(tree) -> Dict[str, np.ndarray]:
     """{key path: leaf as numpy} of a param tree."""
-    import jax
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}

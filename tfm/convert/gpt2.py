@@ -5,11 +5,9 @@ Pre-norm, learned positions, tanh-GELU, tied output. GPT-2's `Conv1D` weights ar
 """
 from __future__ import annotations
 
-import numpy as np
-
 from tfm.config import ModelConfig
-from tfm.convert.common import Converter, HFConfig, Weights, attention, norm, add_output_head, stack_layers
-from tfm.convert.export import hf_activation
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, conv1d, dense, hf_activation,
+                                model_params, norm, split_qkv)
 from tfm.models import DecoderLM
 
 
@@ -29,32 +27,22 @@ def config(hf: HFConfig) -> ModelConfig:
         dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
 
 
-def _conv1d(w: Weights, prefix: str):
-    """Conv1D (weight [in, out], bias) -> torch Linear layout (weight [out, in], bias)."""
-    return w(f"{prefix}.weight").T, w(f"{prefix}.bias")
-
-
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    weight, bias = _conv1d(w, f"{p}.attn.c_attn")  # [3D, D], [3D]
-    q, k, v = zip(np.split(weight, 3, axis=0), np.split(bias, 3))
-    o = _conv1d(w, f"{p}.attn.c_proj")
-    dense = lambda name: dict(zip(("kernel", "bias"), (w(f"{p}.mlp.{name}.weight"), w(f"{p}.mlp.{name}.bias"))))
+def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    """One block of Conv1D layers (GPT-2's, and GPT-1's under the same names)."""
+    q, k, v = split_qkv(*conv1d(w, f"{p}.attn.c_attn"), cfg.num_heads, per_head=False)  # c_attn [3D, D], [3D]
+    o = conv1d(w, f"{p}.attn.c_proj")
+    dense = lambda name: {"kernel": w(f"{p}.mlp.{name}.weight"), "bias": w(f"{p}.mlp.{name}.bias")}
     return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.ln_2", cfg.norm),
             "ffn": {"wi": dense("c_fc"), "wo": dense("c_proj")}}  # Conv1D is already [in, out]
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("transformer.wte.weight", (V, D))
-    out = {"embed": {"embedding": embedding},
-           "input": {"position": {"embedding": w("transformer.wpe.weight", (cfg.max_len, D))}},
-           "decoder": {**stack_layers([_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)],
-                                      cfg.scan_layers),
-                       "final_norm": norm(w, "transformer.ln_f", cfg.norm)}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: layer(w, f"transformer.h.{i}", cfg), cfg.num_layers, final_norm="transformer.ln_f")
+    position = w("transformer.wpe.weight", (cfg.max_len, cfg.d_model))
+    return model_params(w, cfg, embedding="transformer.wte.weight", stacks={"decoder": decoder},
+                        input={"position": {"embedding": position}})
 
 
 def hf_config(cfg: ModelConfig) -> dict:

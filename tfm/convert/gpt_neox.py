@@ -8,9 +8,8 @@ output layer `embed_out` without bias.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, rope, split_qkv,
-                                stack_layers)
-from tfm.convert.export import hf_activation, hf_rope
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, hf_activation,
+                                hf_rope, linear, linear_pair, model_params, norm, rope, split_qkv)
 from tfm.models import DecoderLM
 
 
@@ -25,38 +24,33 @@ def config(hf: HFConfig) -> ModelConfig:
         parallel_block=parallel, parallel_norms=2 if parallel else 1, attention_bias=bool(hf.get("attention_bias", True)),
         activation=hf.activation("hidden_act", "gelu"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         pad_id=hf.pad_id(vocab), dropout_rate=hf.get("hidden_dropout", 0.0),
-        attention_dropout=hf.get("attention_dropout", 0.0), **rope(hf, 10_000.0, partial=True))
+        attention_dropout=hf.get("attention_dropout", 0.0), rope=rope(hf, 10_000.0, partial=True))
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+def layer(w: Weights, p: str, cfg: ModelConfig, attn: str = "attention") -> dict:
+    """One block with the fused per-head query_key_value under `attn` (BLOOM's too: "self_attention")."""
     b = cfg.attention_bias
-    q, k, v = split_qkv(*linear_pair(w, f"{p}.attention.query_key_value", b), cfg.num_heads, per_head=True)
-    o = linear_pair(w, f"{p}.attention.dense", b)
+    q, k, v = split_qkv(*linear_pair(w, f"{p}.{attn}.query_key_value", b), cfg.num_heads, per_head=True)
+    o = linear_pair(w, f"{p}.{attn}.dense", b)
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn": {"wi": linear(w, f"{p}.mlp.dense_h_to_4h"), "wo": linear(w, f"{p}.mlp.dense_4h_to_h")}}
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("gpt_neox.embed_in.weight", (V, D))
-    layers = [_layer(w, f"gpt_neox.layers.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
-                       "final_norm": norm(w, "gpt_neox.final_layer_norm", cfg.norm)}}
+    decoder = Stack(lambda i: layer(w, f"gpt_neox.layers.{i}", cfg), cfg.num_layers,
+                    final_norm="gpt_neox.final_layer_norm")
     head = "embed_out.weight" if w.has("embed_out.weight") else "lm_head.weight"  # older / newer name
-    if cfg.tie_embeddings:
-        w.tied(head, embedding, "tie_word_embeddings")
-    else:
-        out["output"] = {"lm_head": {"kernel": w(head, (V, D)).T}}
-    return out
+    return model_params(w, cfg, embedding="gpt_neox.embed_in.weight", stacks={"decoder": decoder}, head=head)
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export); the rotated fraction goes in rope_parameters."""
+    if cfg.position != "rope":
+        raise ConversionError(f"position={cfg.position!r}: GPT-NeoX has rotary positions")
     rope = hf_rope(cfg)
-    rope["rope_parameters"]["partial_rotary_factor"] = cfg.rope_dim / cfg.head_size
+    rope["rope_parameters"]["partial_rotary_factor"] = cfg.rope.dim / cfg.head_dim
     return dict(model_type="gpt_neox", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_attention_heads=cfg.num_heads, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff,
                 max_position_embeddings=cfg.max_len, layer_norm_eps=cfg.norm_eps,

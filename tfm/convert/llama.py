@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                rope, stack_layers)
-from tfm.convert.export import hf_activation, hf_rope
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, hf_rope, linear,
+                                linear_pair, model_params, norm, rope)
 from tfm.models import DecoderLM
 
 
@@ -27,7 +26,7 @@ def config(hf: HFConfig, default_theta: float = 10_000.0, **extra) -> ModelConfi
         activation=hf.activation("hidden_act", "silu", gated=True),
         attention_bias=bool(hf.get("attention_bias", False)), ffn_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab),
-        attention_dropout=hf.get("attention_dropout", 0.0), **rope(hf, default_theta))
+        attention_dropout=hf.get("attention_dropout", 0.0), rope=rope(hf, default_theta))
     return ModelConfig(**{**kw, **extra})
 
 
@@ -43,29 +42,28 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:
     qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v")]
     qkvo.append(linear_pair(w, f"{p}.self_attn.o_proj", out_bias))
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
-            "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
             "ffn": ffn(w, p, cfg)}
 
 
 def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("model.embed_tokens.weight", (V, D))
-    layers = [layer(w, f"model.layers.{i}", cfg, ffn) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), "final_norm": norm(w, "model.norm", cfg.norm)}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffn), cfg.num_layers, final_norm="model.norm")
+    return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 
-def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
-    """The inverse of `config` (export); variants drop or add their own fields."""
-    return dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size,
+def hf_config(cfg: ModelConfig, model_type: str = "llama", bias_fields: bool = True) -> dict:
+    """The inverse of `config` (export); variants add their own fields (bias_fields=False: the
+    variant has no attention_bias / mlp_bias field, its biases are fixed)."""
+    out = dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_len,
                 rms_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation, gated=True),
                 attention_bias=cfg.attention_bias, mlp_bias=cfg.ffn_bias, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_id, attention_dropout=cfg.attention_dropout, **hf_rope(cfg))
+    if not bias_fields:
+        del out["attention_bias"], out["mlp_bias"]
+    return out
 
 
 IGNORE = ("*rotary_emb.inv_freq",)

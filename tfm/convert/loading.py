@@ -10,6 +10,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 import numpy as np
+from safetensors import safe_open
 
 from tfm.convert.common import ConversionError
 
@@ -82,7 +83,7 @@ def _read_file(file: str) -> Dict[str, np.ndarray]:
     try:
         if file.endswith(".safetensors"):
             return _read_safetensors(file)
-        import torch
+        import torch  # optional (the "test" extra): only pytorch_model.bin files need it
         state = torch.load(file, map_location="cpu", weights_only=True)
         return {k: _to_numpy(v) for k, v in state.items()}
     except (FileNotFoundError, ImportError):
@@ -92,7 +93,6 @@ def _read_file(file: str) -> Dict[str, np.ndarray]:
 
 
 def _read_safetensors(file: str) -> Dict[str, np.ndarray]:
-    from safetensors import safe_open
     try:
         import torch  # noqa: F401  (reads bf16, which numpy cannot)
         framework, convert = "pt", _to_numpy

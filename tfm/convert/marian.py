@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, linear_pair, norm,
-                                add_output_head, stack_layers)
-from tfm.convert.export import hf_activation
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, add_output_head, attention,
+                                hf_activation, linear, linear_pair, norm, stack_params)
 from tfm.layers.embeddings import sinusoidal_table
 from tfm.models import EncoderDecoder
 
@@ -39,10 +38,11 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [linear_pair(w, f"{p}.{n}_proj", True) for n in ("q", "k", "v", "out")]
-    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+    return attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
-def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+def layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
+    """One post-norm block (self-attention, cross-attention if `cross`, feed-forward); BART's too."""
     out = {"self_attn": _attention(w, f"{p}.self_attn", cfg),
            "attn_norm": norm(w, f"{p}.self_attn_layer_norm", cfg.norm),
            "ffn": {"wi": linear(w, f"{p}.fc1"), "wo": linear(w, f"{p}.fc2")},
@@ -62,6 +62,12 @@ def _check_positions(w: Weights, side: str, cfg: ModelConfig):
             raise ConversionError(f"{w.source}: {key} is not the sin-then-cos sinusoidal table tfm computes")
 
 
+def stacks(w: Weights, cfg: ModelConfig) -> dict:
+    """The encoder and decoder of Marian's layout (BART's too)."""
+    return {"encoder": Stack(lambda i: layer(w, f"model.encoder.layers.{i}", cfg, False), cfg.num_layers),
+            "decoder": Stack(lambda i: layer(w, f"model.decoder.layers.{i}", cfg, True), cfg.num_decoder_layers)}
+
+
 def params(w: Weights, cfg: ModelConfig) -> dict:
     V, D = cfg.vocab_size, cfg.d_model
     if cfg.share_source_target_embeddings:
@@ -76,10 +82,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
         out = {"source_embed": {"embedding": source}, "target_embed": {"embedding": target}}
     for side in ("encoder", "decoder"):
         _check_positions(w, side, cfg)
-    out["encoder"] = stack_layers([_layer(w, f"model.encoder.layers.{i}", cfg, False)
-                                   for i in range(cfg.num_layers)], cfg.scan_layers)
-    out["decoder"] = stack_layers([_layer(w, f"model.decoder.layers.{i}", cfg, True)
-                                   for i in range(cfg.decoder_layers)], cfg.scan_layers)
+    out.update(stack_params(w, cfg, stacks(w, cfg)))
     out["output"] = {"bias": w("final_logits_bias", (1, V))[0]}
     add_output_head(out, w, target, cfg)
     return out
@@ -89,7 +92,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export); decoding starts from the pad token, as in Marian."""
     return dict(model_type="marian", vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size, d_model=cfg.d_model,
                 encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-                encoder_layers=cfg.num_layers, decoder_layers=cfg.decoder_layers, encoder_ffn_dim=cfg.d_ff,
+                encoder_layers=cfg.num_layers, decoder_layers=cfg.num_decoder_layers, encoder_ffn_dim=cfg.d_ff,
                 decoder_ffn_dim=cfg.d_ff, max_position_embeddings=cfg.max_len,
                 activation_function=hf_activation(cfg.activation), scale_embedding=cfg.scale_embeddings,
                 tie_word_embeddings=cfg.tie_embeddings, share_encoder_decoder_embeddings=cfg.share_source_target_embeddings,

@@ -14,8 +14,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export): Llama's fields less the biases Mistral has no field for."""
-    out = llama.hf_config(cfg, model_type="mistral")
-    del out["attention_bias"], out["mlp_bias"]
+    out = llama.hf_config(cfg, model_type="mistral", bias_fields=False)
     return dict(out, sliding_window=cfg.sliding_window)
 
 

@@ -47,8 +47,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export): Llama's fields less the biases Mixtral has no field for."""
     if cfg.num_experts < 1:
         raise ConversionError(f"num_experts={cfg.num_experts}: Mixtral's feed-forward is a mixture of experts")
-    out = llama.hf_config(cfg, model_type="mixtral")
-    del out["attention_bias"], out["mlp_bias"]
+    out = llama.hf_config(cfg, model_type="mixtral", bias_fields=False)
     return dict(out, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                 router_aux_loss_coef=cfg.router_aux_loss_coef, sliding_window=cfg.sliding_window)
 

@@ -7,8 +7,8 @@ with q, k, v one after another, tied output.
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Weights, attention, linear, linear_pair, norm, add_output_head,
-                                split_qkv, stack_layers)
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, linear, linear_pair, model_params,
+                                norm, split_qkv)
 from tfm.models import DecoderLM
 
 # attn_config fields whose non-default values change the math tfm reproduces.
@@ -44,20 +44,15 @@ def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
     q, k, v = split_qkv(*linear_pair(w, f"{p}.attn.Wqkv", False), cfg.num_heads, per_head=False)
     o = linear_pair(w, f"{p}.attn.out_proj", False)
     return {"attn_norm": norm(w, f"{p}.norm_1", "rmsnorm"),  # scale only
-            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(q, k, v, o, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.norm_2", "rmsnorm"),
             "ffn": {"wi": linear(w, f"{p}.ffn.up_proj", False), "wo": linear(w, f"{p}.ffn.down_proj", False)}}
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("transformer.wte.weight", (V, D))
-    layers = [_layer(w, f"transformer.blocks.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "decoder": {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period),
-                       "final_norm": norm(w, "transformer.norm_f", "rmsnorm")}}
-    add_output_head(out, w, embedding, cfg)
-    return out
+    decoder = Stack(lambda i: _layer(w, f"transformer.blocks.{i}", cfg), cfg.num_layers,
+                    final_norm="transformer.norm_f", norm_kind="rmsnorm")  # scale only
+    return model_params(w, cfg, embedding="transformer.wte.weight", stacks={"decoder": decoder})
 
 
 def hf_config(cfg: ModelConfig) -> dict:

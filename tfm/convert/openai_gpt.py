@@ -8,7 +8,8 @@ is tfm's "classification" head: the final hidden state at cls_positions, dropout
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, attention, norm, split_qkv, stack_layers
+from tfm.convert import gpt2
+from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params
 from tfm.models import DecoderLM
 
 
@@ -38,35 +39,19 @@ def config(hf: HFConfig, heads=()) -> ModelConfig:
         dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
 
 
-def _conv1d(w: Weights, prefix: str):
-    """Conv1D (weight [in, out], bias) -> torch Linear layout (weight [out, in], bias)."""
-    return w(f"{prefix}.weight").T, w(f"{prefix}.bias")
-
-
-def _layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    q, k, v = split_qkv(*_conv1d(w, f"{p}.attn.c_attn"), cfg.num_heads, per_head=False)
-    dense = lambda name: {"kernel": w(f"{p}.mlp.{name}.weight"), "bias": w(f"{p}.mlp.{name}.bias")}
-    return {"attn_norm": norm(w, f"{p}.ln_1", cfg.norm),
-            "self_attn": attention(q, k, v, _conv1d(w, f"{p}.attn.c_proj"), cfg.num_heads, cfg.kv_heads, cfg.head_size),
-            "ffn_norm": norm(w, f"{p}.ln_2", cfg.norm),
-            "ffn": {"wi": dense("c_fc"), "wo": dense("c_proj")}}  # Conv1D is already [in, out]
-
-
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    if w.has("transformer.tokens_embed.weight"):
-        embedding = w("transformer.tokens_embed.weight", (V, D))
-        w.tied("lm_head.weight", embedding, "tie_word_embeddings")
-    else:  # save_pretrained keeps the tied pair under the head's name
-        embedding = w("lm_head.weight", (V, D))
-    layers = [_layer(w, f"transformer.h.{i}", cfg) for i in range(cfg.num_layers)]
-    out = {"embed": {"embedding": embedding},
-           "input": {"position": {"embedding": w("transformer.positions_embed.weight", (cfg.max_len, D))}},
-           "decoder": stack_layers(layers, cfg.scan_layers, cfg.pattern_period)}
+    D = cfg.d_model
+    # save_pretrained keeps the tied pair under the head's name, the Hub's files under the embedding's
+    embedding = "transformer.tokens_embed.weight" if w.has("transformer.tokens_embed.weight") else "lm_head.weight"
+    extra = {}
     if "classification" in cfg.heads:
         summary = w("multiple_choice_head.summary.weight", (cfg.num_labels, D))
-        out["classifier"] = {"dense": {"kernel": summary.T, "bias": w("multiple_choice_head.summary.bias")}}
-    return out
+        extra["classifier"] = {"dense": {"kernel": summary.T, "bias": w("multiple_choice_head.summary.bias")}}
+    decoder = Stack(lambda i: gpt2.layer(w, f"transformer.h.{i}", cfg), cfg.num_layers)
+    return model_params(w, cfg, embedding=embedding, stacks={"decoder": decoder},
+                        head=None if embedding == "lm_head.weight" else "lm_head.weight",
+                        input={"position": {"embedding": w("transformer.positions_embed.weight", (cfg.max_len, D))}},
+                        **extra)
 
 
 def hf_config(cfg: ModelConfig) -> dict:

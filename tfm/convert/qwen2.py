@@ -39,8 +39,7 @@ def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ..
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export): the attention pattern as HF's per-layer layer_types."""
-    out = llama.hf_config(cfg, model_type="qwen2")
-    del out["attention_bias"], out["mlp_bias"]
+    out = llama.hf_config(cfg, model_type="qwen2", bias_fields=False)
     names = {kind: name for name, kind in KINDS.items()}
     layer_types = [names["global" if cfg.layer_window(i) is None else "local"] for i in range(cfg.num_layers)]
     return dict(out, use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import bert
-from tfm.convert.common import Converter, HFConfig, Weights, linear, norm, stack_layers
+from tfm.convert.common import Converter, HFConfig, Weights
 from tfm.models import EncoderModel
 
 
@@ -18,26 +18,8 @@ def config(hf: HFConfig) -> ModelConfig:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    embedding = w("roberta.embeddings.word_embeddings.weight", (V, D))
-    bias = w("lm_head.bias", (V,))
-    w.tied("lm_head.decoder.bias", bias, "the MLM decoder bias")
-    out = {
-        "embed": {"embedding": embedding},
-        "input": {"position": {"embedding": w("roberta.embeddings.position_embeddings.weight", (cfg.max_len, D))},
-                  "token_type": {"embedding": w("roberta.embeddings.token_type_embeddings.weight")},
-                  "norm": norm(w, "roberta.embeddings.LayerNorm", cfg.norm)},
-        "encoder": stack_layers([bert._layer(w, f"roberta.encoder.layer.{i}", cfg) for i in range(cfg.num_layers)],
-                                cfg.scan_layers),
-        "mlm_transform": linear(w, "lm_head.dense"),
-        "mlm_norm": norm(w, "lm_head.layer_norm", cfg.norm),
-        "mlm_output": {"bias": bias},
-    }
-    if cfg.tie_embeddings:
-        w.tied("lm_head.decoder.weight", embedding, "tie_word_embeddings")
-    else:
-        out["mlm_output"]["lm_head"] = {"kernel": w("lm_head.decoder.weight", (V, D)).T}
-    return out
+    return bert.mlm_head(bert.encoder_params(w, cfg, "roberta."), w, cfg, "lm_head.dense", "lm_head.layer_norm",
+                         "lm_head.bias", "lm_head.decoder.weight", tied_bias="lm_head.decoder.bias")
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -10,8 +10,8 @@ so (legacy `tie_word_embeddings: false` configs; transformers 5 always ties).
 from __future__ import annotations
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Weights, attention, linear, norm, add_output_head,
-                                stack_layers)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, linear, model_params,
+                                norm)
 from tfm.models import EncoderDecoder
 
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}  # plain feed-forward
@@ -53,7 +53,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def _attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     qkvo = [(w(f"{p}.{n}.weight"), None) for n in ("q", "k", "v", "o")]
-    return attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size)
+    return attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
@@ -74,24 +74,18 @@ def _layer(w: Weights, p: str, cfg: ModelConfig, cross: bool) -> dict:
     return out
 
 
-def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> dict:
-    cross = side == "decoder"
+def _stack(w: Weights, side: str, cfg: ModelConfig, num_layers: int) -> Stack:
     bias = w(f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
              (cfg.relative_buckets, cfg.num_heads))
-    layers = [_layer(w, f"{side}.block.{i}", cfg, cross) for i in range(num_layers)]
-    return {**stack_layers(layers, cfg.scan_layers), "relative_bias": {"embedding": bias},
-            "final_norm": norm(w, f"{side}.final_layer_norm", cfg.norm)}
+    return Stack(lambda i: _layer(w, f"{side}.block.{i}", cfg, side == "decoder"), num_layers,
+                 final_norm=f"{side}.final_layer_norm", extra={"relative_bias": {"embedding": bias}})
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    V, D = cfg.vocab_size, cfg.d_model
-    shared = w("shared.weight", (V, D))
-    for side in ("encoder", "decoder"):
-        w.tied(f"{side}.embed_tokens.weight", shared, "the shared embedding")
-    out = {"embed": {"embedding": shared}, "encoder": _stack(w, "encoder", cfg, cfg.num_layers),
-           "decoder": _stack(w, "decoder", cfg, cfg.decoder_layers)}
-    add_output_head(out, w, shared, cfg)
-    return out
+    stacks = {"encoder": _stack(w, "encoder", cfg, cfg.num_layers),
+              "decoder": _stack(w, "decoder", cfg, cfg.num_decoder_layers)}
+    return model_params(w, cfg, embedding="shared.weight", stacks=stacks,
+                        tied=[f"{side}.embed_tokens.weight" for side in ("encoder", "decoder")])
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -101,8 +95,8 @@ def hf_config(cfg: ModelConfig) -> dict:
             "swiglu": "gated-silu"}.get(cfg.activation)
     if proj is None:
         raise ConversionError(f"activation={cfg.activation!r} has no T5 feed_forward_proj")
-    return dict(model_type="t5", vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_size, d_ff=cfg.d_ff,
-                num_layers=cfg.num_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.num_heads,
+    return dict(model_type="t5", vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
+                num_layers=cfg.num_layers, num_decoder_layers=cfg.num_decoder_layers, num_heads=cfg.num_heads,
                 relative_attention_num_buckets=cfg.relative_buckets,
                 relative_attention_max_distance=cfg.relative_max_distance, layer_norm_epsilon=cfg.norm_eps,
                 feed_forward_proj=proj, tie_word_embeddings=cfg.rescale_tied_output,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 
 from tfm.config import ModelConfig
-from tfm.convert.export import hf_activation
-from tfm.convert.common import Converter, HFConfig, Weights, attention, linear, linear_pair, norm, stack_layers
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, linear, linear_pair,
+                                norm, stack_params)
 from tfm.models.vision import VisionEncoder, num_patches
 
 
@@ -45,7 +45,7 @@ def _layer(w: Weights, p: str, names, cfg: ModelConfig) -> dict:
     b = cfg.attention_bias
     qkvo = [linear_pair(w, q, b), linear_pair(w, k, b), linear_pair(w, v, b), linear_pair(w, o, True)]
     return {"attn_norm": norm(w, f"{p}.layernorm_before", cfg.norm),
-            "self_attn": attention(*qkvo, cfg.num_heads, cfg.kv_heads, cfg.head_size),
+            "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             "ffn_norm": norm(w, f"{p}.layernorm_after", cfg.norm),
             "ffn": {"wi": linear(w, fc1), "wo": linear(w, fc2)}}
 
@@ -63,9 +63,8 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
                            "bias": w(f"{p}embeddings.patch_embeddings.projection.bias", (D,))},
            "cls": w(f"{p}embeddings.cls_token", (1, 1, D))[0, 0],
            "position": w(f"{p}embeddings.position_embeddings", (1, 1 + P, D))[0],
-           "encoder": {**stack_layers([_layer(w, f"{p}{stack}.{i}", _NAMES[stack], cfg)
-                                       for i in range(cfg.num_layers)], cfg.scan_layers),
-                       "final_norm": norm(w, f"{p}layernorm", cfg.norm)}}
+           **stack_params(w, cfg, {"encoder": Stack(lambda i: _layer(w, f"{p}{stack}.{i}", _NAMES[stack], cfg),
+                                                    cfg.num_layers, final_norm=f"{p}layernorm")})}
     if "pooler" in cfg.heads:
         out["pooler"] = linear(w, "pooler.dense")
     if classifier:

@@ -47,7 +47,7 @@ class Attention(nn.Module):
         """positions [B, T] are the query positions (RoPE, causal, window, ALiBi, relative bias).
         relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention)."""
         cfg = self.config
-        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
+        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = dict(use_bias=cfg.attention_bias, dtype=compute_dtype(cfg))
         query = Einsum("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "head_dim"),
                             ("heads", "head_dim"), name="query", **proj)

@@ -81,13 +81,13 @@ class PositionEmbedding(nn.Module):
 
 
 def rope_frequencies(config: ModelConfig, max_position=None):
-    """Inverse frequencies [R / 2] of the rotated dims R = config.rope_dim under config.rope_scaling,
+    """Inverse frequencies [R / 2] of the rotated dims R = config.rope.dim under config.rope.scaling,
     as Hugging Face's rope init functions compute them. max_position (may be traced): the largest
     position of the call, which "dynamic" NTK scaling stretches the base for. That makes "dynamic"
-    a function of each call (as HF's is of each forward): past rope_original_max_len, a cached
+    a function of each call (as HF's is of each forward): past rope.original_max_len, a cached
     decoding step rotates its query and key with its own stretch, the full forward with the last's."""
-    R, factor, theta = config.rope_dim, config.rope_scaling_factor, config.rope_theta
-    kind, original = config.rope_scaling, config.rope_original_max_len
+    R, factor, theta = config.rope.dim, config.rope.factor, config.rope.theta
+    kind, original = config.rope.scaling, config.rope.original_max_len
     if kind == "ntk":  # NTK-aware: stretch the base, keep positions
         theta = theta * factor ** (R / (R - 2))
     if kind == "dynamic":  # NTK with the stretch growing past the original length
@@ -106,8 +106,8 @@ def rope_frequencies(config: ModelConfig, max_position=None):
 def _llama3_frequencies(inv_freq, config: ModelConfig):
     """Llama 3.1: wavelengths beyond original / low_freq_factor are interpolated (/ factor), those
     below original / high_freq_factor kept, the band between blended linearly in original / wavelength."""
-    factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
-    original = config.rope_original_max_len
+    factor, low, high = config.rope.factor, config.rope.low_freq_factor, config.rope.high_freq_factor
+    original = config.rope.original_max_len
     wavelength = 2 * np.pi / inv_freq
     scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelength - low) / (high - low)
@@ -119,45 +119,45 @@ def _llama3_frequencies(inv_freq, config: ModelConfig):
 def _yarn_frequencies(inv_freq, config: ModelConfig):
     """YaRN (Peng et al. 2023): interpolated frequencies (/ factor) below the dims that turn
     beta_slow times over the original length, original ones above beta_fast turns, a linear ramp between."""
-    R, base, original = config.rope_dim, config.rope_theta, config.rope_original_max_len
+    R, base, original = config.rope.dim, config.rope.theta, config.rope.original_max_len
 
     def dim_of(turns):  # the dim whose frequency turns `turns` times over the original length
         return R * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = dim_of(config.rope_beta_fast), dim_of(config.rope_beta_slow)
-    if config.rope_truncate:
+    low, high = dim_of(config.rope.beta_fast), dim_of(config.rope.beta_slow)
+    if config.rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, R - 1)
     if low == high:
         high += 0.001
     ramp = jnp.clip((jnp.arange(R // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-    return inv_freq / config.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq / config.rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """What cos and sin are multiplied by: yarn's rope_attention_factor (None = 0.1 ln(factor) + 1), else 1."""
-    if config.rope_scaling != "yarn":
+    """What cos and sin are multiplied by: yarn's rope.attention_factor (None = 0.1 ln(factor) + 1), else 1."""
+    if config.rope.scaling != "yarn":
         return 1.0
-    if config.rope_attention_factor is not None:
-        return config.rope_attention_factor
-    factor = config.rope_scaling_factor
+    if config.rope.attention_factor is not None:
+        return config.rope.attention_factor
+    factor = config.rope.factor
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x, positions, config: ModelConfig):
-    """Rotary positions on the first config.rope_dim dims of each head (the rest pass through):
-    halves rotated together (Llama / GPT-NeoX) or adjacent pairs (GPT-J, rope_interleaved).
+    """Rotary positions on the first config.rope.dim dims of each head (the rest pass through):
+    halves rotated together (Llama / GPT-NeoX) or adjacent pairs (GPT-J, rope.interleaved).
     x [B, T, heads, H], positions [B, T]."""
-    R = config.rope_dim
+    R = config.rope.dim
     pos = positions.astype(jnp.float32)
-    inv_freq = rope_frequencies(config, jnp.max(positions) if config.rope_scaling == "dynamic" else None)
+    inv_freq = rope_frequencies(config, jnp.max(positions) if config.rope.scaling == "dynamic" else None)
     angles = pos[..., None] * inv_freq  # [B, T, R/2]
     factor = rope_attention_factor(config)
     cos = (jnp.cos(angles) * factor)[:, :, None, :]
     sin = (jnp.sin(angles) * factor)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     rot, rest = x32[..., :R], x32[..., R:]
-    if config.rope_interleaved:
+    if config.rope.interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
     else:

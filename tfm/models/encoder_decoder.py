@@ -29,7 +29,7 @@ class EncoderDecoder(nn.Module):
         self.source_input = InputEmbedding(cfg, source_embed)
         self.target_input = InputEmbedding(cfg, target_embed)
         self.encoder = Stack(cfg, cfg.num_layers)
-        self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross=True)
+        self.decoder = Stack(cfg, cfg.num_decoder_layers, causal=True, cross=True)
         self.output = OutputLogits(cfg, target_embed)
         self.decode_position = DecodePosition()
 

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 from typing import Optional
 
-from tfm.config import ModelConfig
+from tfm.config import LEGACY_ROPE_FIELDS, ModelConfig
 
 
 def transformer_base(vocab_size: int = 37_000, **overrides) -> ModelConfig:
@@ -54,7 +54,7 @@ def llama(vocab_size: int = 32_000, d_model: int = 4096, num_layers: int = 32, n
     """Llama-style: RMSNorm pre-norm, RoPE, SwiGLU, no biases, untied output, GQA."""
     cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads,
                       num_layers=num_layers, d_ff=d_ff, max_len=8192, norm="rmsnorm", norm_eps=1e-5,
-                      norm_position="pre", final_norm=True, position="rope", rope_theta=500_000.0,
+                      norm_position="pre", final_norm=True, position="rope", rope=dict(theta=500_000.0),
                       activation="swiglu", attention_bias=False, ffn_bias=False, tie_embeddings=False)
     return cfg.replace(**overrides)
 
@@ -98,7 +98,9 @@ def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> Mod
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"model.overrides {unknown} are not ModelConfig fields; valid: {sorted(fields)}")
+        moved = [f"rope.{LEGACY_ROPE_FIELDS[k]}" for k in unknown if k in LEGACY_ROPE_FIELDS]
+        hint = f" (RoPE's settings are nested now: {moved})" if moved else ""
+        raise ValueError(f"model.overrides {unknown} are not ModelConfig fields{hint}; valid: {sorted(fields)}")
     if "vocab_size" in overrides:
         raise ValueError("model.overrides.vocab_size: the vocabulary size comes from the tokenizer "
                          "(set the experiment's vocab_size instead)")

@@ -34,7 +34,7 @@ def get_config(arg: str = "7b"):
         raise ValueError(f"llama2.py:{arg}: choose 7b or 70b (optionally ,runlocal)")
     c = gpt2_small.get_config()
     c.model.preset = "llama"
-    c.model.overrides = dict(SHAPES[size], max_len=4096, rope_theta=10_000.0, dtype="bfloat16",
+    c.model.overrides = dict(SHAPES[size], max_len=4096, rope=dict(theta=10_000.0), dtype="bfloat16",
                              attention_impl="auto", scan_layers=True)
     c.seq_len = 4096
     c.batch_size = 256 if size == "7b" else 1024  # 1M / 4M tokens per step (Llama-2: 4M)

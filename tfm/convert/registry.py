@@ -1,0 +1,18 @@
+"""Every Hugging Face architecture tfm converts: {HF class name: `Converter`}.
+
+Import (`importer.from_hf`) and export (`export.to_hf`) both read this table; the family modules
+know nothing of it, so imports run one way: common <- families <- registry <- importer <- export.
+"""
+from __future__ import annotations
+
+from tfm.convert import (bart, bert, bloom, distilbert, gpt2, gpt_neox, gptj, llama, marian, mistral, mixtral, mpt,
+                         openai_gpt, qwen2, roberta, t5, vit)
+
+# Order matters for export: with no architecture named, `to_hf` writes the first class here whose
+# config reproduces the tfm config (a Llama config may also be a Mistral one).
+CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES, **mixtral.ARCHITECTURES,
+              **marian.ARCHITECTURES, **openai_gpt.ARCHITECTURES, **mistral.ARCHITECTURES, **qwen2.ARCHITECTURES,
+              **gptj.ARCHITECTURES, **gpt_neox.ARCHITECTURES, **bloom.ARCHITECTURES, **mpt.ARCHITECTURES,
+              **roberta.ARCHITECTURES, **distilbert.ARCHITECTURES, **vit.ARCHITECTURES, **t5.ARCHITECTURES,
+              **bart.ARCHITECTURES}
+SUPPORTED = tuple(sorted(CONVERTERS))
