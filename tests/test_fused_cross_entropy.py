@@ -58,11 +58,11 @@ def _value_and_grads(loss_fn, args, **kw):
 
 def _assert_match(got, ref):
     (sums, grads), (ref_sums, ref_grads) = got, ref
-    errors = {k: float(jnp.max(jnp.abs(sums[k] - ref_sums[k]))) for k in ("ce", "z")}
+    errors = {k: float(jnp.max(jnp.abs(getattr(sums, k) - getattr(ref_sums, k)))) for k in ("ce", "z")}
     errors.update({f"d{n}": float(jnp.max(jnp.abs(g - r))) for n, g, r in zip(("hidden", "kernel", "bias"), grads, ref_grads)})
     print("fused vs plain max |diff|:", {k: f"{v:.1e}" for k, v in errors.items()})
     for k in ("ce", "z", "correct", "weight"):
-        np.testing.assert_allclose(sums[k], ref_sums[k], atol=TOL, rtol=TOL, err_msg=k)
+        np.testing.assert_allclose(getattr(sums, k), getattr(ref_sums, k), atol=TOL, rtol=TOL, err_msg=k)
     for name, g, r in zip(("hidden", "kernel", "bias"), grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=TOL, rtol=0, err_msg=f"d loss / d {name}")
 
