@@ -9,7 +9,7 @@ import pytest
 from tfm import decode
 from tfm.layers.embeddings import apply_rope
 from tfm.layers.feedforward import route
-from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
+from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, EncoderOutput, LMOutput, Unembedding, presets
 
 RNG = jax.random.PRNGKey(0)
 
@@ -203,6 +203,32 @@ def test_bert_heads_shapes_and_mlm_positions():
     full = model.apply({"params": params}, x).mlm_logits
     np.testing.assert_allclose(out.mlm_logits[1, 1], full[1, 9], atol=1e-5)
 
+
+
+def test_each_model_returns_one_output_type_whatever_its_flags():
+    """A flag (heads, logits=False, decode) fills or empties fields of one output type; it never
+    changes the type (DESIGN principle 13)."""
+    x = tokens((2, 6))
+    gpt1 = DecoderLM(presets.tiny("decoder", heads=("classification",), num_labels=3))
+    params = init(gpt1, x)
+    plain, fused = gpt1.apply({"params": params}, x), gpt1.apply({"params": params}, x, logits=False)
+    assert type(plain) is type(fused) is LMOutput
+    assert plain.logits.shape == (2, 6, 64) and plain.unembedding is None and plain.cls_logits.shape == (2, 3)
+    assert fused.logits is None and isinstance(fused.unembedding, Unembedding) and fused.cls_logits.shape == (2, 3)
+    cache = decode.init_cache(gpt1, params, 2, 8)
+    stepped, _ = gpt1.apply({"params": params, "cache": cache}, x[:, :1], decode=True, mutable=["cache"])
+    assert type(stepped) is LMOutput and stepped.cls_logits is None
+    for heads in [(), ("mlm",), ("pooler", "mean_pool"), ("regression", "span")]:
+        bert = EncoderModel(presets.tiny("encoder", heads=heads))
+        p = init(bert, x)
+        for kw in ({}, {"logits": False}):
+            out = bert.apply({"params": p}, x, **kw)
+            assert type(out) is EncoderOutput and out.hidden.shape == (2, 6, 32)
+            assert (out.mlm_logits is not None) == ("mlm" in heads and not kw)
+            assert (out.mlm_unembedding is not None) == ("mlm" in heads and bool(kw))
+    encdec = EncoderDecoder(presets.tiny("encdec"))
+    p = init(encdec, x, x)
+    assert type(encdec.apply({"params": p}, x, x)) is type(encdec.apply({"params": p}, x, x, logits=False)) is LMOutput
 
 LOGICAL_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "layers", "length", None}
 

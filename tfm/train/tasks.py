@@ -17,8 +17,10 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   ContrastiveTask             query_ids, query_mask, doc_ids, doc_mask [B, T]: InfoNCE over
   (EncoderModel + mean_pool)  in-batch negatives (E5-style sentence embeddings).
 
-`loss` returns the objective of one (micro)batch with every sum already divided by the
-full batch's totals, so summing microbatch results gives exactly the full-batch value.
+Models hand a task their typed output (`tfm.models.outputs`); `loss_terms` turns it into one
+`LossTerm` (ce, z, weight, correct) per named term. `loss` returns the objective of one
+(micro)batch with every sum already divided by the full batch's totals, so summing
+microbatch results gives exactly the full-batch value.
 
 With `vocab_chunk` set, the LM, MLM and seq2seq tasks ask the model for its `Unembedding` and
 score it with `fused_cross_entropy` (chunks of at most vocab_chunk vocabulary columns), so
