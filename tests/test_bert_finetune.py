@@ -297,9 +297,9 @@ def test_span_and_regression_heads_on_an_hf_checkpoint_equal_transformers(hf_dir
     with torch.no_grad():
         q = qa(t(ids), attention_mask=t(mask), token_type_ids=t(types))
         r = reg(t(ids), attention_mask=t(mask), token_type_ids=t(types))
-    diffs = [np.abs(np.asarray(out["start_logits"]) - q.start_logits.numpy())[mask == 1].max(),
-             np.abs(np.asarray(out["end_logits"]) - q.end_logits.numpy())[mask == 1].max(),
-             np.abs(np.asarray(out["score"]) - r.logits.numpy()[:, 0]).max()]
+    diffs = [np.abs(np.asarray(out.start_logits) - q.start_logits.numpy())[mask == 1].max(),
+             np.abs(np.asarray(out.end_logits) - q.end_logits.numpy())[mask == 1].max(),
+             np.abs(np.asarray(out.score) - r.logits.numpy()[:, 0]).max()]
     print(f"span start/end, regression max-abs vs transformers: {diffs}")
     assert max(diffs) < 1e-4
 
@@ -320,7 +320,7 @@ def _forward(params, init, heads, feats, keys, num_labels=2):
     batch = {k: jnp.asarray(np.stack([f[k] for f in feats])) for k in ("input_ids", "token_type_ids", "attention_mask")}
     out = jax.jit(model.apply)({"params": params}, batch["input_ids"], token_type_ids=batch["token_type_ids"],
                                segment_ids=batch["attention_mask"])
-    return {k: np.asarray(out[k]) for k in keys}
+    return {k: np.asarray(getattr(out, k)) for k in keys}
 
 
 REFERENCE = {"matthews_corr": lambda p, y: sklearn.metrics.matthews_corrcoef(y, p),

@@ -405,7 +405,7 @@ def test_mlm_only_task_without_nsp():
     def run():
         params = nn.unbox(task.init_variables(model, jax.random.PRNGKey(0), batch)["params"])
         logits = model.apply({"params": params}, batch["input_ids"], batch["token_type_ids"],
-                             segment_ids=batch["attention_mask"], mlm_positions=batch["mlm_positions"])["mlm_logits"]
+                             segment_ids=batch["attention_mask"], mlm_positions=batch["mlm_positions"]).mlm_logits
         totals = task.weight_totals(batch)
         return logits, task.loss(model, params, batch, jax.random.PRNGKey(1), totals, deterministic=True)
 

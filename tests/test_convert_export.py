@@ -89,22 +89,22 @@ def logit_diffs(arch, hf, model, params):
             types = tokens(2) % 2
             ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types))
             out = run(tokens=jnp.asarray(ids), token_type_ids=jnp.asarray(types), segment_ids=jnp.asarray(mask))
-            return {"mlm": max_abs(out["mlm_logits"], ref.prediction_logits, mask),
-                    "nsp": max_abs(out["nsp_logits"], ref.seq_relationship_logits)}
+            return {"mlm": max_abs(out.mlm_logits, ref.prediction_logits, mask),
+                    "nsp": max_abs(out.nsp_logits, ref.seq_relationship_logits)}
         if arch == "BertModel":
             ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask))
             out = run(tokens=jnp.asarray(ids), segment_ids=jnp.asarray(mask))
-            return {"hidden": max_abs(out["hidden"], ref.last_hidden_state, mask),
-                    "pooled": max_abs(out["pooled"], ref.pooler_output)}
+            return {"hidden": max_abs(out.hidden, ref.last_hidden_state, mask),
+                    "pooled": max_abs(out.pooled, ref.pooler_output)}
         if arch == "MarianMTModel":
             tgt, tgt_mask = tokens(3, (B, 7)), padding_mask([7, 4], 7)
             ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                      decoder_input_ids=torch.tensor(tgt), decoder_attention_mask=torch.tensor(tgt_mask)).logits
             out = run(inputs=jnp.asarray(ids), targets_in=jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(mask),
                       targets_segment_ids=jnp.asarray(tgt_mask))
-            return {"logits": max_abs(out, ref, tgt_mask)}
+            return {"logits": max_abs(out.logits, ref, tgt_mask)}
         ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-        return {"logits": max_abs(run(tokens=jnp.asarray(ids), segment_ids=jnp.asarray(mask)), ref, mask)}
+        return {"logits": max_abs(run(tokens=jnp.asarray(ids), segment_ids=jnp.asarray(mask)).logits, ref, mask)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -160,7 +160,7 @@ def test_minilm_round_trip_keeps_its_pooler(tmp_path):
     out = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask))
     diffs = {"hidden": max_abs(got.last_hidden_state, want.last_hidden_state, mask),
              "pooled": max_abs(got.pooler_output, want.pooler_output),
-             "tfm_pooled": max_abs(out["pooled"], want.pooler_output)}
+             "tfm_pooled": max_abs(out.pooled, want.pooler_output)}
     print(f"MiniLM export vs original max-abs {diffs}")
     assert max(diffs.values()) < 1e-5, diffs
     back_cfg, back_params, _ = from_hf(tmp_path / "minilm")

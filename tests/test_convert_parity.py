@@ -58,7 +58,7 @@ def seq2seq_max_abs(hf, model, params, src, tgt, src_mask, tgt_mask) -> float:
         ref = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src_mask),
                  decoder_input_ids=torch.tensor(tgt), decoder_attention_mask=torch.tensor(tgt_mask)).logits
     out = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
-                      targets_segment_ids=jnp.asarray(tgt_mask))
+                      targets_segment_ids=jnp.asarray(tgt_mask)).logits
     return max_abs(out, ref, tgt_mask)
 
 
@@ -100,9 +100,9 @@ def test_bert_pretraining(bert_pretraining, source):
                  output_hidden_states=True)
     out = model.apply({"params": params}, jnp.asarray(ids), token_type_ids=jnp.asarray(types),
                       segment_ids=jnp.asarray(mask))
-    diffs = {"hidden": max_abs(out["hidden"], ref.hidden_states[-1], mask),
-             "mlm": max_abs(out["mlm_logits"], ref.prediction_logits, mask),
-             "nsp": max_abs(out["nsp_logits"], ref.seq_relationship_logits)}
+    diffs = {"hidden": max_abs(out.hidden, ref.hidden_states[-1], mask),
+             "mlm": max_abs(out.mlm_logits, ref.prediction_logits, mask),
+             "nsp": max_abs(out.nsp_logits, ref.seq_relationship_logits)}
     print(f"BertForPreTraining[{source}] max-abs {diffs}")
     assert max(diffs.values()) < TOL, diffs
 
@@ -117,7 +117,7 @@ def test_bert_model(saved, source):
     with torch.no_grad():
         ref = hf(torch.tensor(ids))
     out = model.apply({"params": params}, jnp.asarray(ids))
-    diffs = {"hidden": max_abs(out["hidden"], ref.last_hidden_state), "pooled": max_abs(out["pooled"], ref.pooler_output)}
+    diffs = {"hidden": max_abs(out.hidden, ref.last_hidden_state), "pooled": max_abs(out.pooled, ref.pooler_output)}
     print(f"BertModel[{source}] max-abs {diffs}")
     assert max(diffs.values()) < TOL, diffs
 
@@ -154,7 +154,7 @@ def test_decoder_logits(decoder, source):
     ids, mask = tokens(4), padding_mask([T, 5])  # right padding: segment id 0 <-> attention_mask 0
     with torch.no_grad():
         ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
-    out = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask))
+    out = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask)).logits
     diff = max_abs(out, ref, mask)
     print(f"{type(hf).__name__}[{source}] max-abs {diff:.2e}")
     assert diff < TOL
@@ -171,8 +171,8 @@ def test_runtime_overrides(decoder):
     _, params, model = from_hf(hf)
     cfg, scanned, scanned_model = from_hf(hf, scan_layers=True)
     assert "layers" in scanned["decoder"] and cfg.scan_layers
-    a = model.apply({"params": params}, jnp.asarray(ids))
-    b = scanned_model.apply({"params": scanned}, jnp.asarray(ids))
+    a = model.apply({"params": params}, jnp.asarray(ids)).logits
+    b = scanned_model.apply({"params": scanned}, jnp.asarray(ids)).logits
     assert max_abs(a, b) < 1e-5
     assert from_hf(hf, dtype="bfloat16")[0].dtype == "bfloat16"
 
@@ -205,7 +205,7 @@ def test_gpt2_reorder_and_upcast_attn_is_accepted():
     ids = tokens(10)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits
-    assert max_abs(model.apply({"params": params}, jnp.asarray(ids)), ref) < TOL
+    assert max_abs(model.apply({"params": params}, jnp.asarray(ids)).logits, ref) < TOL
 
 
 # ---- Marian ---------------------------------------------------------------------------------
@@ -251,4 +251,4 @@ def test_marian_unshared_untied(saved):
         src, tgt = tokens(8), tokens(9, (B, 5))
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(tgt)).logits
-        assert max_abs(model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt)), ref) < TOL
+        assert max_abs(model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt)).logits, ref) < TOL

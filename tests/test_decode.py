@@ -93,7 +93,7 @@ def test_encoder_decoder_beam_scores_match_full_forward_rescoring():
             seq = list(np.asarray(tokens[b, w]))
             n = seq.index(eos) + 1 if eos in seq else L
             target_in = jnp.array([[bos] + seq[:L - 1]])
-            logits = model.apply({"params": params}, src[b:b + 1], target_in, inputs_segment_ids=seg[b:b + 1])
+            logits = model.apply({"params": params}, src[b:b + 1], target_in, inputs_segment_ids=seg[b:b + 1]).logits
             logp = jax.nn.log_softmax(logits[0])[jnp.arange(n), jnp.array(seq[:n])].sum()
             np.testing.assert_allclose(scores[b, w], logp / decode.length_penalty(n, 0.6), atol=1e-4)
     greedy = decode.translate(model, params, src, L, bos_id=bos, eos_id=eos)

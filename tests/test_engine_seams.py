@@ -237,7 +237,7 @@ def test_evaluation_runs_on_schedule_and_equals_a_hand_forward_pass(tmp_path):
     params = jax.device_get(result.state.params)
     nll, count, correct = 0.0, 0.0, 0.0
     for b in _eval_batches():
-        logits = np.asarray(model.apply({"params": params}, jnp.asarray(b["inputs"]), deterministic=True),
+        logits = np.asarray(model.apply({"params": params}, jnp.asarray(b["inputs"]), deterministic=True).logits,
                             np.float64)
         logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - logits.max(-1, keepdims=True)

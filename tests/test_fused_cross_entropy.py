@@ -36,7 +36,7 @@ def _inputs(bias: bool, seed: int = 0):
 def _objective(loss_fn, hidden, kernel, bias, targets, weights, **kw):
     """(ce + z, all sums) as a Task would weigh them; differentiable in hidden, kernel, bias."""
     out = loss_fn(hidden, kernel, bias, targets, weights, **kw)
-    return out["ce"] + out["z"], out
+    return out.ce + out.z, out
 
 
 def _plain(hidden, kernel, bias, targets, weights, **kw):
@@ -58,11 +58,11 @@ def _value_and_grads(loss_fn, args, **kw):
 
 def _assert_match(got, ref):
     (sums, grads), (ref_sums, ref_grads) = got, ref
-    errors = {k: float(jnp.max(jnp.abs(sums[k] - ref_sums[k]))) for k in ("ce", "z")}
+    errors = {k: float(jnp.max(jnp.abs(getattr(sums, k) - getattr(ref_sums, k)))) for k in ("ce", "z")}
     errors.update({f"d{n}": float(jnp.max(jnp.abs(g - r))) for n, g, r in zip(("hidden", "kernel", "bias"), grads, ref_grads)})
     print("fused vs plain max |diff|:", {k: f"{v:.1e}" for k, v in errors.items()})
     for k in ("ce", "z", "correct", "weight"):
-        np.testing.assert_allclose(sums[k], ref_sums[k], atol=TOL, rtol=TOL, err_msg=k)
+        np.testing.assert_allclose(getattr(sums, k), getattr(ref_sums, k), atol=TOL, rtol=TOL, err_msg=k)
     for name, g, r in zip(("hidden", "kernel", "bias"), grads, ref_grads):
         np.testing.assert_allclose(g, r, atol=TOL, rtol=0, err_msg=f"d loss / d {name}")
 
@@ -82,14 +82,14 @@ def test_ties_count_the_first_argmax_like_the_plain_path():
     targets = targets.at[0, :].set(0)
     got = _fused(hidden, kernel, None, targets, weights, vocab_chunk=8)
     ref = _plain(hidden, kernel, None, targets, weights)
-    assert float(got["correct"]) == float(ref["correct"]) == float(jnp.sum(weights * (targets == 0)))
+    assert float(got.correct) == float(ref.correct) == float(jnp.sum(weights * (targets == 0)))
 
 
 def test_bfloat16_matmul_stays_close_to_plain():
     hidden, kernel, bias, targets, weights = _inputs(True)
     ref = cross_entropy(Unembedding(hidden, kernel, bias, jnp.bfloat16).logits(), targets, weights)
     got = fused_cross_entropy(hidden, kernel, targets, weights, bias=bias, dtype=jnp.bfloat16, vocab_chunk=8)
-    np.testing.assert_allclose(got["ce"], ref["ce"], rtol=1e-5)
+    np.testing.assert_allclose(got.ce, ref.ce, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=2, tensor=4), MeshConfig(data=1, fsdp=4, tensor=2)],
@@ -174,9 +174,11 @@ def test_model_unembedding_gives_the_models_logits():
     for cfg in (tiny("decoder", num_layers=1), tiny("llama", num_layers=1)):
         model, tokens = DecoderLM(cfg), jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
         params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
-        head = jax.jit(functools.partial(model.apply, logits=False))(params, tokens)
+        out = jax.jit(functools.partial(model.apply, logits=False))(params, tokens)
+        assert type(out) is type(model.apply(params, tokens)) and out.logits is None  # one output type
+        head = out.unembedding
         assert head.kernel.shape == (cfg.vocab_size, cfg.d_model)
-        np.testing.assert_allclose(head.logits(), jax.jit(model.apply)(params, tokens), atol=1e-6)
+        np.testing.assert_allclose(head.logits(), jax.jit(model.apply)(params, tokens).logits, atol=1e-6)
 
 
 def test_vocab_chunk_must_be_positive():

@@ -9,7 +9,7 @@ import pytest
 from tfm import decode
 from tfm.layers.embeddings import apply_rope
 from tfm.layers.feedforward import route
-from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
+from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, EncoderOutput, LMOutput, Unembedding, presets
 
 RNG = jax.random.PRNGKey(0)
 
@@ -37,7 +37,7 @@ def test_decoder_kv_cache_matches_full_forward(name):
     model = DecoderLM(DECODER_CONFIGS[name])
     x = tokens((2, 11))
     params = init(model, x)
-    full = model.apply({"params": params}, x)
+    full = model.apply({"params": params}, x).logits
     cache = decode.init_cache(model, params, 2, 16)
     step = jax.jit(decode.step_fn(model, params))
     logits, cache = step(cache, x[:, :4])  # prefill 4, then one token at a time
@@ -54,7 +54,7 @@ def test_encoder_decoder_kv_cache_matches_full_forward(overrides):
     src, tgt = tokens((2, 9), seed=2), tokens((2, 7), seed=3)
     src_seg = jnp.array([[1] * 9, [1] * 6 + [0] * 3])
     params = init(model, src, tgt)
-    full = model.apply({"params": params}, src, tgt, inputs_segment_ids=src_seg)
+    full = model.apply({"params": params}, src, tgt, inputs_segment_ids=src_seg).logits
     encoded = model.apply({"params": params}, src, src_seg, method=EncoderDecoder.encode)
     cache = decode.init_cache(model, params, 2, 8, encoded, src_seg)
     step = jax.jit(decode.step_fn(model, params))
@@ -71,7 +71,7 @@ def test_future_tokens_do_not_change_earlier_logits(name):
     x = tokens((2, 12))
     params = init(model, x)
     y = x.at[:, 7:].set(tokens((2, 5), seed=9))
-    a, b = model.apply({"params": params}, x), model.apply({"params": params}, y)
+    a, b = model.apply({"params": params}, x).logits, model.apply({"params": params}, y).logits
     np.testing.assert_allclose(a[:, :7], b[:, :7], atol=1e-6)
     assert float(jnp.max(jnp.abs(a[:, 7:] - b[:, 7:]))) > 1e-3
 
@@ -81,7 +81,7 @@ def test_encoder_decoder_target_causality_and_source_padding():
     src, tgt = tokens((1, 9), seed=2), tokens((1, 8), seed=3)
     seg = jnp.array([[1] * 6 + [0] * 3])
     params = init(model, src, tgt)
-    f = lambda s, t: model.apply({"params": params}, s, t, inputs_segment_ids=seg)
+    f = lambda s, t: model.apply({"params": params}, s, t, inputs_segment_ids=seg).logits
     base = f(src, tgt)
     np.testing.assert_allclose(f(src, tgt.at[:, 5:].set(1))[:, :5], base[:, :5], atol=1e-6)
     np.testing.assert_allclose(f(src.at[:, 6:].set(1), tgt), base, atol=1e-6)  # padded source ignored
@@ -95,9 +95,9 @@ def test_packed_rows_equal_separate_sequences():
     packed = jnp.concatenate([a, b, jnp.zeros((1, 3), jnp.int32)], 1)
     seg = jnp.array([[1] * 5 + [2] * 6 + [0] * 3])
     pos = jnp.array([list(range(5)) + list(range(6)) + [0] * 3])
-    out = model.apply({"params": params}, packed, segment_ids=seg, positions=pos)
-    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a), atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:11], model.apply({"params": params}, b), atol=1e-5)
+    out = model.apply({"params": params}, packed, segment_ids=seg, positions=pos).logits
+    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a).logits, atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:11], model.apply({"params": params}, b).logits, atol=1e-5)
 
 
 def test_post_norm_block_matches_hand_computation():
@@ -106,7 +106,7 @@ def test_post_norm_block_matches_hand_computation():
     model = EncoderModel(cfg)
     x = tokens((1, 6))
     params = init(model, x)
-    hidden = model.apply({"params": params}, x)["hidden"]
+    hidden = model.apply({"params": params}, x).hidden
     p = params["encoder"]["layer_0"]
     h = params["embed"]["embedding"][x] + params["input"]["position"]["embedding"][:6]
 
@@ -174,8 +174,8 @@ def test_bfloat16_computation_keeps_float32_params_and_logits():
     x = tokens((2, 8))
     params = init(model, x)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-    out = model.apply({"params": params}, x)
-    ref = DecoderLM(presets.tiny("llama")).apply({"params": params}, x)
+    out = model.apply({"params": params}, x).logits
+    ref = DecoderLM(presets.tiny("llama")).apply({"params": params}, x).logits
     assert out.dtype == jnp.float32
     assert 0 < float(jnp.max(jnp.abs(out - ref))) < 0.1
 
@@ -184,7 +184,7 @@ def test_remat_and_scan_give_identical_loss_and_gradients():
     x = tokens((2, 8))
     base = DecoderLM(presets.tiny("llama", scan_layers=True))
     params = init(base, x)
-    loss = lambda m: jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, x) ** 2))(params)
+    loss = lambda m: jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, x).logits ** 2))(params)
     l0, g0 = loss(base)
     l1, g1 = loss(DecoderLM(presets.tiny("llama", scan_layers=True, remat_policy="dots_saveable")))
     assert abs(float(l0 - l1)) < 1e-6
@@ -197,11 +197,38 @@ def test_bert_heads_shapes_and_mlm_positions():
     x = tokens((2, 10))
     params = init(model, x)
     out = model.apply({"params": params}, x, token_type_ids=jnp.zeros_like(x), mlm_positions=jnp.array([[1, 4], [0, 9]]))
-    assert out["mlm_logits"].shape == (2, 2, 64) and out["nsp_logits"].shape == (2, 2)
-    assert out["logits"].shape == (2, 3) and out["hidden"].shape == (2, 10, 32)
-    full = model.apply({"params": params}, x)["mlm_logits"]
-    np.testing.assert_allclose(out["mlm_logits"][1, 1], full[1, 9], atol=1e-5)
+    assert out.mlm_logits.shape == (2, 2, 64) and out.nsp_logits.shape == (2, 2)
+    assert out.logits.shape == (2, 3) and out.hidden.shape == (2, 10, 32)
+    assert out.score is None and out.embedding is None and out.mlm_unembedding is None  # heads not configured
+    full = model.apply({"params": params}, x).mlm_logits
+    np.testing.assert_allclose(out.mlm_logits[1, 1], full[1, 9], atol=1e-5)
 
+
+
+def test_each_model_returns_one_output_type_whatever_its_flags():
+    """A flag (heads, logits=False, decode) fills or empties fields of one output type; it never
+    changes the type (DESIGN principle 13)."""
+    x = tokens((2, 6))
+    gpt1 = DecoderLM(presets.tiny("decoder", heads=("classification",), num_labels=3))
+    params = init(gpt1, x)
+    plain, fused = gpt1.apply({"params": params}, x), gpt1.apply({"params": params}, x, logits=False)
+    assert type(plain) is type(fused) is LMOutput
+    assert plain.logits.shape == (2, 6, 64) and plain.unembedding is None and plain.cls_logits.shape == (2, 3)
+    assert fused.logits is None and isinstance(fused.unembedding, Unembedding) and fused.cls_logits.shape == (2, 3)
+    cache = decode.init_cache(gpt1, params, 2, 8)
+    stepped, _ = gpt1.apply({"params": params, "cache": cache}, x[:, :1], decode=True, mutable=["cache"])
+    assert type(stepped) is LMOutput and stepped.cls_logits is None
+    for heads in [(), ("mlm",), ("pooler", "mean_pool"), ("regression", "span")]:
+        bert = EncoderModel(presets.tiny("encoder", heads=heads))
+        p = init(bert, x)
+        for kw in ({}, {"logits": False}):
+            out = bert.apply({"params": p}, x, **kw)
+            assert type(out) is EncoderOutput and out.hidden.shape == (2, 6, 32)
+            assert (out.mlm_logits is not None) == ("mlm" in heads and not kw)
+            assert (out.mlm_unembedding is not None) == ("mlm" in heads and bool(kw))
+    encdec = EncoderDecoder(presets.tiny("encdec"))
+    p = init(encdec, x, x)
+    assert type(encdec.apply({"params": p}, x, x)) is type(encdec.apply({"params": p}, x, x, logits=False)) is LMOutput
 
 LOGICAL_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "layers", "length", None}
 

@@ -21,21 +21,21 @@ def _tokens(shape, seed):
 def _decoder(cfg):
     x = _tokens((2, 12), 1)
     model = DecoderLM(cfg)
-    apply = lambda p, x: model.apply({"params": p}, x, segment_ids=SEGMENTS)
+    apply = lambda p, x: model.apply({"params": p}, x, segment_ids=SEGMENTS).logits
     return model, (x,), apply, x
 
 
 def _encoder(cfg):
     x = _tokens((2, 12), 2)
     model = EncoderModel(cfg)
-    apply = lambda p, x: model.apply({"params": p}, x, segment_ids=SEGMENTS)["mlm_logits"]
+    apply = lambda p, x: model.apply({"params": p}, x, segment_ids=SEGMENTS).mlm_logits
     return model, (x,), apply, x
 
 
 def _encoder_decoder(cfg):
     src, tgt = _tokens((2, 12), 3), _tokens((2, 9), 4)
     model = EncoderDecoder(cfg)
-    apply = lambda p, src, tgt: model.apply({"params": p}, src, tgt, inputs_segment_ids=SEGMENTS)
+    apply = lambda p, src, tgt: model.apply({"params": p}, src, tgt, inputs_segment_ids=SEGMENTS).logits
     return model, (src, tgt), apply, tgt
 
 

@@ -239,7 +239,7 @@ def _kernel_grids(cfg: ModelConfig):
     """Grids of the pallas_calls in one decoder forward + backward (loop driver on CPU)."""
     model, x = DecoderLM(cfg), jnp.ones((2, 32), jnp.int32)
     params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), x)["params"])
-    loss = lambda p: model.apply({"params": p}, x).astype(jnp.float32).sum()
+    loss = lambda p: model.apply({"params": p}, x).logits.astype(jnp.float32).sum()
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
     return sorted(eqn.params["grid_mapping"].grid for eqn, _ in _pallas_calls(jaxpr))
 

@@ -16,12 +16,12 @@ def test_cross_entropy_smoothing_weights_and_z_loss():
     logits = jnp.log(jnp.asarray([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
     targets, weights = jnp.asarray([0, 1]), jnp.asarray([1.0, 0.0])  # second token is padding
     out = cross_entropy(logits, targets, weights)
-    np.testing.assert_allclose(out["ce"], -np.log(0.7), rtol=1e-6)
-    assert out["weight"] == 1 and out["correct"] == 1
+    np.testing.assert_allclose(out.ce, -np.log(0.7), rtol=1e-6)
+    assert out.weight == 1 and out.correct == 1
     perfect = cross_entropy(jnp.log(jnp.asarray([[0.9, 0.05, 0.05]])), jnp.asarray([0]),
                             label_smoothing=0.1)
-    np.testing.assert_allclose(perfect["ce"], 0.0, atol=1e-6)  # smoothed target itself scores 0
-    z = cross_entropy(logits + 2.0, targets, weights, z_loss=1e-2)["z"]
+    np.testing.assert_allclose(perfect.ce, 0.0, atol=1e-6)  # smoothed target itself scores 0
+    z = cross_entropy(logits + 2.0, targets, weights, z_loss=1e-2).z
     np.testing.assert_allclose(z, 1e-2 * 2.0 ** 2, rtol=1e-5)  # log Z = 2 after the shift
 
 

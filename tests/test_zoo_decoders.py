@@ -121,10 +121,6 @@ def hf_logits(name, hf, ids, mask):
         return hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy(), None
 
 
-def lm_logits(out):
-    return out["logits"] if isinstance(out, dict) else out
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_logits_match_hf(family):
     name, hf, path = family
@@ -137,9 +133,9 @@ def test_logits_match_hf(family):
             model.apply, segment_ids=jnp.asarray(MASK),
             **({"cls_positions": jnp.array([T - 1, 5])} if name == "gpt1" else {})))
         out = forward({"params": params}, jnp.asarray(ids))
-        diff = max_abs(lm_logits(out), ref, MASK)
+        diff = max_abs(out.logits, ref, MASK)
         if name == "gpt1":
-            diff = max(diff, max_abs(out["cls_logits"], ref_mc))
+            diff = max(diff, max_abs(out.cls_logits, ref_mc))
         print(f"{name} [{'model' if source is hf else 'dir'}] max-abs {diff:.2e}")
         assert diff < TOL, (name, diff)
     expected = {"gpt1": dict(norm_position="post", heads=("classification",), num_labels=1),
@@ -164,7 +160,7 @@ def test_kv_cache_decoding_equals_full_forward(family):
     name, hf, _ = family
     cfg, params, model = from_hf(hf)
     ids = jnp.asarray(tokens(2, (B, 8 if name == "dynamic" else T)))
-    full = lm_logits(jax.jit(model.apply)({"params": params}, ids))
+    full = jax.jit(model.apply)({"params": params}, ids).logits
     step = jax.jit(decode.step_fn(model, params))
     cache = decode.init_cache(model, params, B, ids.shape[1])
     steps = []
@@ -182,8 +178,8 @@ def test_pallas_equals_xla(family):
     _, params, model = from_hf(hf)
     _, _, pallas = from_hf(hf, attention_impl="pallas", attention_dropout=0.0)  # dropout: xla only
     ids, seg = jnp.asarray(tokens(3)), jnp.asarray(MASK)
-    a = lm_logits(jax.jit(model.apply)({"params": params}, ids, segment_ids=seg))
-    b = lm_logits(jax.jit(pallas.apply)({"params": params}, ids, segment_ids=seg))
+    a = jax.jit(model.apply)({"params": params}, ids, segment_ids=seg).logits
+    b = jax.jit(pallas.apply)({"params": params}, ids, segment_ids=seg).logits
     diff = max_abs(a, b, MASK)
     assert diff < 1e-5, (name, diff)
 
@@ -379,13 +375,13 @@ def test_attention_pattern_layers_equal_single_kind_models_and_scan(pattern):
     scanned stack (a scan over groups of P layers) gives the looped logits; cached decoding of
     the scanned GPT-3 stack equals its full forward."""
     from tfm.convert.common import stack_layers
-    from tfm.layers.block import Block
+    from tfm.layers.block import Block, BlockInputs
     cfg = ModelConfig(**PATTERN, attention_pattern=PATTERNS[pattern])
     ids = jnp.asarray(tokens(6, (B, 8)))
     model = DecoderLM(cfg)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
     x = jax.random.normal(jax.random.PRNGKey(1), (B, 8, 32))
-    inputs = {"positions": jnp.broadcast_to(jnp.arange(8), (B, 8))}
+    inputs = BlockInputs(positions=jnp.broadcast_to(jnp.arange(8), (B, 8)))
     for i in range(cfg.num_layers):
         kind = PATTERNS[pattern][i % len(PATTERNS[pattern])]
         single = cfg.replace(attention_pattern=(kind,))
@@ -393,13 +389,13 @@ def test_attention_pattern_layers_equal_single_kind_models_and_scan(pattern):
         a, _ = jax.jit(Block(cfg, causal=True, layer_index=i).apply)(layer, x, inputs)
         b, _ = jax.jit(Block(single, causal=True).apply)(layer, x, inputs)
         np.testing.assert_array_equal(a, b)
-    looped = jax.jit(model.apply)({"params": params}, ids)
+    looped = jax.jit(model.apply)({"params": params}, ids).logits
     scan_cfg = cfg.replace(scan_layers=True)
     layers = [params["decoder"][f"layer_{i}"] for i in range(cfg.num_layers)]
     scanned_params = {**params, "decoder": {**stack_layers(layers, True, cfg.pattern_period),
                                             "final_norm": params["decoder"]["final_norm"]}}
     scanned = DecoderLM(scan_cfg)
-    np.testing.assert_allclose(jax.jit(scanned.apply)({"params": scanned_params}, ids), looped, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(scanned.apply)({"params": scanned_params}, ids).logits, looped, atol=1e-5)
     if pattern != "gpt3":
         return  # cached decoding through the scanned groups: once
     step = jax.jit(decode.step_fn(scanned, scanned_params))
@@ -416,7 +412,7 @@ def test_attention_pattern_changes_the_output():
     cfg = ModelConfig(**PATTERN, attention_pattern=("global", "local"))
     ids = jnp.asarray(tokens(7, (B, 8)))
     params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.PRNGKey(0), ids)["params"])
-    out = {kinds: DecoderLM(cfg.replace(attention_pattern=kinds)).apply({"params": params}, ids)
+    out = {kinds: DecoderLM(cfg.replace(attention_pattern=kinds)).apply({"params": params}, ids).logits
            for kinds in [("global", "local"), ("global",), ("local",)]}
     assert max_abs(out[("global", "local")], out[("global",)]) > 1e-3
     assert max_abs(out[("global", "local")], out[("local",)]) > 1e-3

@@ -104,8 +104,8 @@ def _encoder_outputs(name, hf, model, params):
     if name == "e5":
         real = torch.tensor(mask)[..., None].float()
         pooled = (ref.last_hidden_state * real).sum(1) / real.sum(1)
-        return out["embedding"], torch.nn.functional.normalize(pooled, dim=-1), None
-    return out["mlm_logits"], ref.logits, mask
+        return out.embedding, torch.nn.functional.normalize(pooled, dim=-1), None
+    return out.mlm_logits, ref.logits, mask
 
 
 @pytest.mark.parametrize("source", ["model", "dir"])
@@ -134,7 +134,7 @@ def test_roberta_left_padding_positions(hf_models):
     x = np.where(mask == 1, ids(2, (B, T)), hf.config.pad_token_id)
     with torch.no_grad():
         ref = hf(torch.tensor(x), attention_mask=torch.tensor(mask)).logits
-    out = model.apply({"params": params}, jnp.asarray(x), segment_ids=jnp.asarray(mask))["mlm_logits"]
+    out = model.apply({"params": params}, jnp.asarray(x), segment_ids=jnp.asarray(mask)).mlm_logits
     assert max_abs(out, ref, mask) < TOL
 
 
@@ -166,10 +166,10 @@ def test_vit_parity(hf_models, name, source):
         ref = hf(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2)))
     out = model.apply({"params": params}, jnp.asarray(images))
     if name == "vit":
-        diffs = {"hidden": max_abs(out["hidden"], ref.last_hidden_state),
-                 "pooled": max_abs(out["pooled"], ref.pooler_output)}
+        diffs = {"hidden": max_abs(out.hidden, ref.last_hidden_state),
+                 "pooled": max_abs(out.pooled, ref.pooler_output)}
     else:
-        diffs = {"logits": max_abs(out["logits"], ref.logits)}
+        diffs = {"logits": max_abs(out.logits, ref.logits)}
     print(f"{name}[{source}] max-abs {diffs}")
     assert max(diffs.values()) < TOL
 
@@ -184,7 +184,7 @@ def test_cached_decoding_equals_full_forward(hf_models, name):
     _, params, model = converted(hf_models, name)
     src, tgt, src_mask, _ = _seq2seq_inputs()
     src, src_mask, tgt = jnp.asarray(src), jnp.asarray(src_mask), jnp.asarray(tgt)
-    full = model.apply({"params": params}, src, tgt, inputs_segment_ids=src_mask)
+    full = model.apply({"params": params}, src, tgt, inputs_segment_ids=src_mask).logits
     encoded = model.apply({"params": params}, src, src_mask, method=EncoderDecoder.encode)
     cache = decode.init_cache(model, params, B, TT + 2, encoded, src_mask)
     step = jax.jit(decode.step_fn(model, params))
@@ -252,14 +252,14 @@ def test_pallas_equals_xla(hf_models, name):
     elif name == "bart":
         src, tgt, src_mask, tgt_mask = _seq2seq_inputs()
         args = (jnp.asarray(src), jnp.asarray(tgt))
-        kw, key = dict(inputs_segment_ids=jnp.asarray(src_mask), targets_segment_ids=jnp.asarray(tgt_mask)), None
+        kw, key = dict(inputs_segment_ids=jnp.asarray(src_mask), targets_segment_ids=jnp.asarray(tgt_mask)), "logits"
     else:
         mask = padding_mask([T, 6])
         args, kw, key = (jnp.asarray(np.where(mask == 1, ids(7, (B, T)), 1)),), dict(segment_ids=jnp.asarray(mask)), \
             "mlm_logits"
     ref = model.apply({"params": params}, *args, **kw)
     got = pallas.apply({"params": params}, *args, **kw)
-    ref, got = (ref, got) if key is None else (ref[key], got[key])
+    ref, got = getattr(ref, key), getattr(got, key)
     assert max_abs(got, ref) < 1e-5
 
 
@@ -437,7 +437,7 @@ def test_t5_legacy_untied_head(hf_models, tmp_path):
                  decoder_attention_mask=torch.tensor(tgt_mask), output_hidden_states=True)
         ref = out.decoder_hidden_states[-1] @ head.T
     got = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt), inputs_segment_ids=jnp.asarray(src_mask),
-                      targets_segment_ids=jnp.asarray(tgt_mask))
+                      targets_segment_ids=jnp.asarray(tgt_mask)).logits
     assert max_abs(got, ref, tgt_mask) < TOL
 
 
@@ -450,6 +450,6 @@ def test_t5_scanned_layers_share_one_relative_bias(hf_models):
     assert "layers" in scanned["encoder"] and scanned["encoder"]["relative_bias"]["embedding"].shape == (8, 4)
     src, tgt, src_mask, _ = _seq2seq_inputs()
     args = (jnp.asarray(src), jnp.asarray(tgt))
-    a = model.apply({"params": params}, *args, inputs_segment_ids=jnp.asarray(src_mask))
-    b = scanned_model.apply({"params": scanned}, *args, inputs_segment_ids=jnp.asarray(src_mask))
+    a = model.apply({"params": params}, *args, inputs_segment_ids=jnp.asarray(src_mask)).logits
+    b = scanned_model.apply({"params": scanned}, *args, inputs_segment_ids=jnp.asarray(src_mask)).logits
     assert max_abs(a, b) < 1e-5

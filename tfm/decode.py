@@ -44,11 +44,11 @@ def step_fn(model: nn.Module, params) -> StepFn:
     def step(cache, tokens):
         variables = {"params": params, "cache": cache}
         if isinstance(model, EncoderDecoder):
-            logits, state = model.apply(variables, tokens, None, decode=True, mutable=["cache"],
-                                        method=EncoderDecoder.decode)
+            out, state = model.apply(variables, tokens, None, decode=True, mutable=["cache"],
+                                     method=EncoderDecoder.decode)
         else:
-            logits, state = model.apply(variables, tokens, decode=True, mutable=["cache"])
-        return logits, state["cache"]
+            out, state = model.apply(variables, tokens, decode=True, mutable=["cache"])
+        return out.logits, state["cache"]
     return step
 
 

@@ -179,14 +179,14 @@ def eval_batches(features: list[dict], batch_size: int):
 
 def predictor(trainer, batch_size: int):
     """predict(params, features, keys) -> {key: numpy [len(features), ...]} of the model's
-    deterministic outputs, jitted with the trainer's shardings."""
+    deterministic outputs (keys name `EncoderOutput` fields), jitted with the trainer's shardings."""
     compiled = {}
 
     def predict(params, features, keys):
         if keys not in compiled:
             def fn(p, batch):
                 out = trainer.model.apply({"params": p}, **trainer.task.model_kwargs(batch), deterministic=True)
-                return {k: out[k] for k in keys}
+                return {k: getattr(out, k) for k in keys}
             compiled[keys] = jax.jit(fn, in_shardings=(trainer.param_shardings, trainer.batch_sharding),
                                      out_shardings=trainer.replicated)
         parts = {k: [] for k in keys}

@@ -2,7 +2,7 @@
 (tfm ModelConfig, params, tfm model), and back (`to_hf`, see `export`).
 
     config, params, model = tfm.convert.from_hf("path/to/checkpoint")   # or a live HF model
-    logits = model.apply({"params": params}, tokens)
+    logits = model.apply({"params": params}, tokens).logits   # model outputs: tfm.models.outputs
     tfm.convert.to_hf(config, params, "out/")   # config.json + model.safetensors for transformers
 
 One mapping module per architecture (bert, gpt2, llama, mixtral, marian, openai_gpt, mistral,

@@ -1,7 +1,11 @@
 """The one transformer block every family is built from."""
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
+from flax import struct
+import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
@@ -10,14 +14,28 @@ from tfm.layers.feedforward import Mlp, MoeMlp
 from tfm.layers.norms import Norm
 
 
+@struct.dataclass
+class BlockInputs:
+    """What a Block reads besides x, each optional: segment_ids [B, T] and positions [B, T] of the
+    queries; memory [B, S, D] and memory_segment_ids [B, S] for cross-attention; relative_table
+    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers). A pytree, so a scan
+    broadcasts it to every layer."""
+
+    segment_ids: Optional[jnp.ndarray] = None
+    positions: Optional[jnp.ndarray] = None
+    memory: Optional[jnp.ndarray] = None
+    memory_segment_ids: Optional[jnp.ndarray] = None
+    relative_table: Optional[jnp.ndarray] = None
+
+
 class Block(nn.Module):
     """Self-attention, optional cross-attention, feed-forward; pre- or post-norm; sequential or
     parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
     kind under config.attention_pattern.
 
-    `inputs` is a dict with optional entries: segment_ids, positions (queries), memory [B, S, D],
-    memory_segment_ids [B, S], relative_table [buckets, N] (T5's bias, shared by the stack). Returns (x, None) so it can be scanned over layers.
+    `inputs` is a `BlockInputs` (segment ids, positions, cross-attention memory, relative table).
+    Returns (x, None) so it can be scanned over layers.
     """
 
     config: ModelConfig
@@ -28,11 +46,11 @@ class Block(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, inputs: dict):
+    def __call__(self, x, inputs: BlockInputs):
         cfg, deterministic, decode = self.config, self.deterministic, self.decode
         drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
         pre = cfg.norm_position == "pre"
-        seg, pos = inputs.get("segment_ids"), inputs.get("positions")
+        seg, pos = inputs.segment_ids, inputs.positions
 
         def sublayer(x, name, fn):
             """Residual around fn, with the norm before (pre) or after (post) it."""
@@ -42,7 +60,7 @@ class Block(nn.Module):
 
         self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                     relative_table=inputs.get("relative_table"), deterministic=deterministic,
+                                     relative_table=inputs.relative_table, deterministic=deterministic,
                                      decode=decode)
         ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
         if cfg.parallel_block:
@@ -54,7 +72,7 @@ class Block(nn.Module):
             if self.cross:
                 cross_attn = Attention(cfg, cross=True, name="cross_attn")
                 x = sublayer(x, "cross", lambda h: cross_attn(
-                    h, inputs.get("memory"), q_segment_ids=seg, kv_segment_ids=inputs.get("memory_segment_ids"),
+                    h, inputs.memory, q_segment_ids=seg, kv_segment_ids=inputs.memory_segment_ids,
                     deterministic=deterministic, decode=decode))
             x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
         return constrain(x, ("batch", "length", "embed")), None

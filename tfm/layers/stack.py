@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 
 from tfm.config import ModelConfig
-from tfm.layers.block import Block
+from tfm.layers.block import Block, BlockInputs
 from tfm.layers.embeddings import RelativePositionBias
 from tfm.layers.norms import Norm
 
@@ -32,7 +32,7 @@ class Stack(nn.Module):
     cross: bool = False
 
     @nn.compact
-    def __call__(self, x, inputs: dict, deterministic: bool = True, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
         cfg = self.config
         block = Block
         if cfg.remat_policy != "none":
@@ -41,7 +41,7 @@ class Stack(nn.Module):
         period = cfg.pattern_period
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
-            inputs = {**inputs, "relative_table": table}
+            inputs = inputs.replace(relative_table=table)
         if cfg.scan_layers:
             unit = block if period == 1 else functools.partial(BlockGroup, block=block)
             scanned = nn.scan(
@@ -68,7 +68,7 @@ class BlockGroup(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, inputs: dict):
+    def __call__(self, x, inputs: BlockInputs):
         kw = dict(causal=self.causal, cross=self.cross, deterministic=self.deterministic, decode=self.decode)
         for j in range(self.config.pattern_period):
             x, _ = self.block(self.config, layer_index=j, name=f"layer_{j}", **kw)(x, inputs)

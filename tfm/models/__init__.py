@@ -3,6 +3,8 @@
 from tfm.models.decoder import DecoderLM
 from tfm.models.encoder import EncoderModel
 from tfm.models.encoder_decoder import EncoderDecoder
+from tfm.models.outputs import EncoderOutput, LMOutput, Unembedding, VisionOutput
 from tfm.models.vision import VisionEncoder
 
-__all__ = ["DecoderLM", "EncoderModel", "EncoderDecoder", "VisionEncoder"]
+__all__ = ["DecoderLM", "EncoderModel", "EncoderDecoder", "VisionEncoder", "LMOutput", "EncoderOutput",
+           "VisionOutput", "Unembedding"]

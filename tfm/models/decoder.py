@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
+from tfm.layers.block import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.stack import Stack
 from tfm.models.embedding import (DecodePosition, InputEmbedding, OutputLogits, check_inputs,
@@ -12,16 +13,16 @@ from tfm.models.embedding import (DecodePosition, InputEmbedding, OutputLogits, 
 
 
 class DecoderLM(nn.Module):
-    """tokens [B, T] -> logits [B, T, V] (fp32), causal.
+    """tokens [B, T] -> `LMOutput` with logits [B, T, V] (fp32), causal.
 
     segment_ids [B, T] pack several sequences per row (0 = padding); positions [B, T] default
     to arange (per-segment positions come from the data pipeline). decode=True runs on the KV
-    cache (see `tfm.decode`). logits=False returns the `Unembedding` (final hidden states
-    [B, T, D] and the output projection) instead, for `fused_cross_entropy`.
+    cache (see `tfm.decode`). logits=False sets the output's `unembedding` (final hidden states
+    [B, T, D] and the output projection) instead of its logits, for `fused_cross_entropy`.
 
-    With "classification" in config.heads (GPT-1's supervised head W_y) it returns
-    {"logits": LM logits, "cls_logits": [B, num_labels] fp32} read from the final hidden state at
-    cls_positions [B] (default: the last position, T - 1); decode mode returns the LM logits only.
+    With "classification" in config.heads (GPT-1's supervised head W_y) the output's cls_logits
+    [B, num_labels] fp32 are read from the final hidden state at cls_positions [B] (default: the
+    last position, T - 1); in decode mode they stay None.
     """
 
     config: ModelConfig
@@ -36,11 +37,11 @@ class DecoderLM(nn.Module):
         embed = token_embed(cfg, "embed")
         x = InputEmbedding(cfg, embed, name="input")(tokens, positions, deterministic=deterministic)
         x = Stack(cfg, cfg.num_layers, causal=True, name="decoder")(
-            x, {"segment_ids": segment_ids, "positions": positions}, deterministic, decode)
-        lm = OutputLogits(cfg, embed, name="output")(x, logits)
+            x, BlockInputs(segment_ids=segment_ids, positions=positions), deterministic, decode)
+        out = OutputLogits(cfg, embed, name="output")(x, logits)  # LMOutput
         if "classification" not in cfg.heads or decode:
-            return lm
-        return {"logits": lm, "cls_logits": ClassificationHead(cfg, name="classifier")(x, cls_positions, deterministic)}
+            return out
+        return out.replace(cls_logits=ClassificationHead(cfg, name="classifier")(x, cls_positions, deterministic))
 
 
 class ClassificationHead(nn.Module):

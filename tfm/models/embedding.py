@@ -1,16 +1,16 @@
 """Input embedding shared by the families: tokens (+ types) (+ absolute positions) -> [B, T, D]."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
-from flax import struct
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import compute_dtype, constrain, param_init
 from tfm.layers.embeddings import Embed, PositionEmbedding, check_token_ids
 from tfm.layers.norms import Norm
+from tfm.models.outputs import LMOutput, Unembedding  # noqa: F401  (Unembedding: re-exported)
 
 
 def token_embed(config: ModelConfig, name: str) -> Embed:
@@ -76,28 +76,6 @@ class InputEmbedding(nn.Module):
         return constrain(x, ("batch", "length", "embed"))
 
 
-@struct.dataclass
-class Unembedding:
-    """The output layer before its matmul: logits [B, T, V] = fp32(hidden · kernelᵀ in
-    `dtype`) + bias. Losses that never hold the whole logits take this instead
-    (`tfm.train.losses.fused_cross_entropy`).
-
-    hidden [B, T, D], kernel [V, D] (the tied embedding, or the transposed `lm_head`),
-    bias [V] or None.
-    """
-
-    hidden: jnp.ndarray
-    kernel: jnp.ndarray
-    bias: Optional[jnp.ndarray]
-    dtype: Any = struct.field(pytree_node=False)
-
-    def logits(self):
-        """fp32 logits [B, T, V]."""
-        logits = jnp.einsum("BTD,VD->BTV", self.hidden.astype(self.dtype), self.kernel.astype(self.dtype))
-        logits = logits.astype(jnp.float32)
-        return logits if self.bias is None else logits + self.bias
-
-
 class _OutputKernel(nn.Module):
     """The untied output projection's weight [D, V] (`lm_head/kernel`)."""
 
@@ -111,9 +89,11 @@ class _OutputKernel(nn.Module):
 
 
 class OutputLogits(nn.Module):
-    """[B, T, D] -> fp32 logits [B, T, V]: tied to `embed` or its own projection, optional bias.
+    """[B, T, D] -> `LMOutput` with fp32 logits [B, T, V]: tied to `embed` or its own
+    projection, optional bias.
 
-    With logits=False returns the `Unembedding` (hidden states and projection) instead.
+    With logits=False the output holds the `Unembedding` (hidden states and projection) instead
+    of the logits.
     """
 
     config: ModelConfig
@@ -131,8 +111,8 @@ class OutputLogits(nn.Module):
                               (cfg.vocab_size,), jnp.float32)
         head = Unembedding(x, kernel, bias, compute_dtype(cfg))
         if not logits:
-            return head
-        return constrain(head.logits(), ("batch", "length", "vocab"))
+            return LMOutput(unembedding=head)
+        return LMOutput(logits=constrain(head.logits(), ("batch", "length", "vocab")))
 
 
 def default_positions(tokens, positions, decode_start=None):

@@ -5,12 +5,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
+from tfm.layers.block import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.feedforward import activation_fn
 from tfm.layers.embeddings import padding_positions
 from tfm.layers.norms import Norm
 from tfm.layers.stack import Stack
 from tfm.models.embedding import InputEmbedding, OutputLogits, check_inputs, default_positions, token_embed
+from tfm.models.outputs import EncoderOutput
 
 
 def _dense(features_in: int, features_out: int, name: str, dtype):
@@ -37,14 +39,13 @@ def mean_pool(hidden, segment_ids=None):
 
 
 class EncoderModel(nn.Module):
-    """tokens [B, T] -> {"hidden" [B, T, D], and per config.heads: "pooled" [B, D],
-    "mlm_logits" [B, P, V] (at mlm_positions [B, P], else [B, T, V]), "nsp_logits" [B, 2],
-    "logits" [B, num_labels] (classification), "score" [B] (regression), "start_logits" and
-    "end_logits" [B, T] (span: extractive question answering), "embedding" [B, D] (mean_pool:
-    the L2-normalised mean of the hidden states over non-padding tokens, E5 / sentence
-    embeddings)}; "pooler" alone adds "pooled". logits=False puts the MLM
-    head's `Unembedding` (transformed hidden states [B, P, D] and projection) under
-    "mlm_logits" instead, for `fused_cross_entropy`."""
+    """tokens [B, T] -> `EncoderOutput`: hidden [B, T, D], and per config.heads (else None):
+    pooled [B, D], mlm_logits [B, P, V] (at mlm_positions [B, P], else [B, T, V]), nsp_logits
+    [B, 2], logits [B, num_labels] (classification), score [B] (regression), start_logits and
+    end_logits [B, T] (span: extractive question answering), embedding [B, D] (mean_pool: the
+    L2-normalised mean of the hidden states over non-padding tokens, E5 / sentence embeddings);
+    "pooler" alone sets pooled. logits=False sets mlm_unembedding (the MLM head's transformed
+    hidden states [B, P, D] and projection) instead of mlm_logits, for `fused_cross_entropy`."""
 
     config: ModelConfig
 
@@ -61,29 +62,30 @@ class EncoderModel(nn.Module):
         embed = token_embed(cfg, "embed")
         x = InputEmbedding(cfg, embed, name="input")(tokens, positions, token_type_ids, deterministic)
         hidden = Stack(cfg, cfg.num_layers, name="encoder")(
-            x, {"segment_ids": segment_ids, "positions": positions}, deterministic)
-        out = {"hidden": hidden}
+            x, BlockInputs(segment_ids=segment_ids, positions=positions), deterministic)
+        out = EncoderOutput(hidden=hidden)
         dt = compute_dtype(cfg)
         if {"nsp", "classification", "regression", "pooler"} & set(cfg.heads):
-            out["pooled"] = jnp.tanh(_dense(cfg.d_model, cfg.d_model, "pooler", dt)(hidden[:, 0]))
+            out = out.replace(pooled=jnp.tanh(_dense(cfg.d_model, cfg.d_model, "pooler", dt)(hidden[:, 0])))
         if "mean_pool" in cfg.heads:
-            out["embedding"] = mean_pool(hidden, segment_ids)
+            out = out.replace(embedding=mean_pool(hidden, segment_ids))
         if "nsp" in cfg.heads:
-            out["nsp_logits"] = _dense(cfg.d_model, 2, "nsp", dt)(out["pooled"]).astype(jnp.float32)
+            out = out.replace(nsp_logits=_dense(cfg.d_model, 2, "nsp", dt)(out.pooled).astype(jnp.float32))
         if "classification" in cfg.heads:
-            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
-            out["logits"] = _dense(cfg.d_model, cfg.num_labels, "classifier", dt)(pooled).astype(jnp.float32)
+            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out.pooled)
+            out = out.replace(logits=_dense(cfg.d_model, cfg.num_labels, "classifier", dt)(pooled).astype(jnp.float32))
         if "regression" in cfg.heads:
-            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out["pooled"])
-            out["score"] = _dense(cfg.d_model, 1, "regressor", dt)(pooled)[:, 0].astype(jnp.float32)
+            pooled = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(out.pooled)
+            out = out.replace(score=_dense(cfg.d_model, 1, "regressor", dt)(pooled)[:, 0].astype(jnp.float32))
         if "span" in cfg.heads:
             span = Einsum("BTD,DO->BTO", (cfg.d_model, 2), ("embed", None), (None,), use_bias=True,
                           dtype=dt, name="span")(hidden).astype(jnp.float32)  # [B, T, 2]
-            out["start_logits"], out["end_logits"] = span[..., 0], span[..., 1]
+            out = out.replace(start_logits=span[..., 0], end_logits=span[..., 1])
         if "mlm" in cfg.heads:
             h = hidden if mlm_positions is None else _gather(hidden, mlm_positions)
             h = Einsum("BTD,DO->BTO", (cfg.d_model, cfg.d_model), ("embed", None), (None,), use_bias=True,
                        dtype=dt, name="mlm_transform")(h)
             h = Norm(cfg, name="mlm_norm")(activation_fn(cfg.head_activation or cfg.activation)(h))
-            out["mlm_logits"] = OutputLogits(cfg, embed, name="mlm_output")(h, logits)
+            mlm = OutputLogits(cfg, embed, name="mlm_output")(h, logits)  # LMOutput
+            out = out.replace(mlm_logits=mlm.logits, mlm_unembedding=mlm.unembedding)
         return out

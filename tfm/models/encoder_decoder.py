@@ -4,13 +4,15 @@ from __future__ import annotations
 import flax.linen as nn
 
 from tfm.config import ModelConfig
+from tfm.layers.block import BlockInputs
 from tfm.layers.stack import Stack
 from tfm.models.embedding import (DecodePosition, InputEmbedding, OutputLogits, check_inputs,
                                   default_positions, token_embed)
 
 
 class EncoderDecoder(nn.Module):
-    """inputs [B, S], targets_in [B, T] (decoder input, shifted right) -> logits [B, T, V] (fp32).
+    """inputs [B, S], targets_in [B, T] (decoder input, shifted right) -> `LMOutput` with logits
+    [B, T, V] (fp32).
 
     With share_source_target_embeddings one matrix embeds source and target tokens (and, when
     tied, produces the logits), as in Vaswani et al. 2017.
@@ -40,13 +42,13 @@ class EncoderDecoder(nn.Module):
                      inputs_positions=inputs_positions)
         positions = default_positions(inputs, inputs_positions)
         x = self.source_input(inputs, positions, deterministic=deterministic)
-        return self.encoder(x, {"segment_ids": inputs_segment_ids, "positions": positions}, deterministic)
+        return self.encoder(x, BlockInputs(segment_ids=inputs_segment_ids, positions=positions), deterministic)
 
     def decode(self, targets_in, encoded, inputs_segment_ids=None, targets_segment_ids=None,
                targets_positions=None, deterministic: bool = True, decode: bool = False,
                logits: bool = True):
-        """targets_in [B, T], encoded [B, S, D] -> logits [B, T, V] (logits=False: the
-        `Unembedding`, for `fused_cross_entropy`)."""
+        """targets_in [B, T], encoded [B, S, D] -> `LMOutput` with logits [B, T, V] (logits=False:
+        its `unembedding` instead, for `fused_cross_entropy`)."""
         cfg = self.config
         check_inputs(cfg, targets_in, "targets_in", targets_segment_ids=targets_segment_ids,
                      targets_positions=targets_positions)
@@ -55,8 +57,8 @@ class EncoderDecoder(nn.Module):
         start = self.decode_position(targets_in.shape[1]) if decode else None
         positions = default_positions(targets_in, targets_positions, start)
         y = self.target_input(targets_in, positions, deterministic=deterministic)
-        y = self.decoder(y, {"segment_ids": targets_segment_ids, "positions": positions, "memory": encoded,
-                             "memory_segment_ids": inputs_segment_ids}, deterministic, decode)
+        y = self.decoder(y, BlockInputs(segment_ids=targets_segment_ids, positions=positions, memory=encoded,
+                                        memory_segment_ids=inputs_segment_ids), deterministic, decode)
         return self.output(y, logits)
 
     def __call__(self, inputs, targets_in, inputs_segment_ids=None, targets_segment_ids=None,

@@ -11,8 +11,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
+from tfm.layers.block import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.stack import Stack
+from tfm.models.outputs import VisionOutput
 
 
 def num_patches(config: ModelConfig) -> int:
@@ -27,9 +29,9 @@ def patchify(images, patch: int):
 
 
 class VisionEncoder(nn.Module):
-    """images [B, H, W, C] -> {"hidden" [B, 1 + P, D], and per config.heads: "pooled" [B, D]
-    ("pooler": tanh(dense(hidden[:, 0])), ViTModel), "logits" [B, num_labels] ("classification":
-    a dense layer on the final-normed [CLS] state, ViTForImageClassification)}."""
+    """images [B, H, W, C] -> `VisionOutput`: hidden [B, 1 + P, D], and per config.heads (else
+    None): pooled [B, D] ("pooler": tanh(dense(hidden[:, 0])), ViTModel), logits [B, num_labels]
+    ("classification": a dense layer on the final-normed [CLS] state, ViTForImageClassification)."""
 
     config: ModelConfig
 
@@ -50,12 +52,12 @@ class VisionEncoder(nn.Module):
                            (1 + num_patches(cfg), D), jnp.float32)
         x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(x + table.astype(dt))
         x = constrain(x, ("batch", "length", "embed"))
-        hidden = Stack(cfg, cfg.num_layers, name="encoder")(x, {}, deterministic)
-        out = {"hidden": hidden}
+        hidden = Stack(cfg, cfg.num_layers, name="encoder")(x, BlockInputs(), deterministic)
         dense = lambda n, name: Einsum("BD,DO->BO", (D, n), ("embed", None), (None,), use_bias=True, dtype=dt,
                                        name=name)
+        pooled = logits = None
         if "pooler" in cfg.heads:
-            out["pooled"] = jnp.tanh(dense(D, "pooler")(hidden[:, 0]))
+            pooled = jnp.tanh(dense(D, "pooler")(hidden[:, 0]))
         if "classification" in cfg.heads:
-            out["logits"] = dense(cfg.num_labels, "classifier")(hidden[:, 0]).astype(jnp.float32)
-        return out
+            logits = dense(cfg.num_labels, "classifier")(hidden[:, 0]).astype(jnp.float32)
+        return VisionOutput(hidden=hidden, pooled=pooled, logits=logits)

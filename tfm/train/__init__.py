@@ -1,7 +1,7 @@
 """Train state, optimizers and schedules, losses, tasks, the loop, checkpoints, metrics."""
 from tfm.train.checkpoint import Checkpointer, CheckpointError, average_checkpoints
 from tfm.train.config import OptimizerConfig, TrainConfig
-from tfm.train.losses import cross_entropy
+from tfm.train.losses import LossTerm, cross_entropy
 from tfm.train.metrics import MetricLogger, flops_per_token
 from tfm.train.optim import make_optimizer, make_schedule
 from tfm.train.state import TrainState

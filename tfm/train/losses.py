@@ -8,9 +8,24 @@ never held whole.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+from flax import struct
 import jax
 import jax.numpy as jnp
+
+
+@struct.dataclass
+class LossTerm:
+    """One loss term's weighted sums over a (micro)batch, all fp32 scalars: ce (the loss: cross-
+    entropy, or squared error for regression), z (z_loss * sum of logsumexp^2; 0 without one),
+    weight (sum of the weights: what the sums are divided by), correct (weighted count of right
+    predictions; None where a prediction cannot be right or wrong, e.g. regression)."""
+
+    ce: jnp.ndarray
+    z: jnp.ndarray
+    weight: jnp.ndarray
+    correct: Optional[jnp.ndarray] = None
 
 
 def _smoothing(vocab: int, label_smoothing: float):
@@ -23,9 +38,9 @@ def _smoothing(vocab: int, label_smoothing: float):
 
 
 def _sums(ce, log_z, correct, weights, z_loss):
-    """Per-token ce, log Z, correct [...] -> the dict of weighted sums both losses return."""
-    return {"ce": jnp.sum(ce * weights), "z": z_loss * jnp.sum(log_z ** 2 * weights),
-            "correct": jnp.sum(correct * weights), "weight": jnp.sum(weights)}
+    """Per-token ce, log Z, correct [...] -> the `LossTerm` of weighted sums both losses return."""
+    return LossTerm(ce=jnp.sum(ce * weights), z=z_loss * jnp.sum(log_z ** 2 * weights),
+                    correct=jnp.sum(correct * weights), weight=jnp.sum(weights))
 
 
 def _weights(targets, weights):
@@ -37,9 +52,9 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
     """Summed losses over tokens.
 
     logits [..., V] (any float dtype; computed in fp32), targets int [...], weights [...]
-    (0 for padding; default 1). Returns dict of scalars: "ce" (sum of weighted smoothed
-    cross-entropy, shifted so a perfect prediction scores 0), "z" (sum of z_loss *
-    logsumexp^2), "correct" (weighted count of argmax hits), "weight" (sum of weights).
+    (0 for padding; default 1). Returns a `LossTerm` of scalars: ce (sum of weighted smoothed
+    cross-entropy, shifted so a perfect prediction scores 0), z (sum of z_loss *
+    logsumexp^2), correct (weighted count of argmax hits), weight (sum of weights).
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]

@@ -17,8 +17,10 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   ContrastiveTask             query_ids, query_mask, doc_ids, doc_mask [B, T]: InfoNCE over
   (EncoderModel + mean_pool)  in-batch negatives (E5-style sentence embeddings).
 
-`loss` returns the objective of one (micro)batch with every sum already divided by the
-full batch's totals, so summing microbatch results gives exactly the full-batch value.
+Models hand a task their typed output (`tfm.models.outputs`); `loss_terms` turns it into one
+`LossTerm` (ce, z, weight, correct) per named term. `loss` returns the objective of one
+(micro)batch with every sum already divided by the full batch's totals, so summing
+microbatch results gives exactly the full-batch value.
 
 With `vocab_chunk` set, the LM, MLM and seq2seq tasks ask the model for its `Unembedding` and
 score it with `fused_cross_entropy` (chunks of at most vocab_chunk vocabulary columns), so
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.train.config import refuse_unread
-from tfm.train.losses import cross_entropy, fused_cross_entropy
+from tfm.train.losses import LossTerm, cross_entropy, fused_cross_entropy
 
 
 class IdField(NamedTuple):
@@ -76,9 +78,9 @@ class Task:
     def model_kwargs(self, batch: dict) -> dict:
         raise NotImplementedError
 
-    def loss_terms(self, outputs, batch: dict) -> dict[str, dict]:
-        """name -> cross_entropy()-style sums ("ce", "z", and "correct" where predictions can
-        be right or wrong); the first term's "correct" gives "accuracy"."""
+    def loss_terms(self, outputs, batch: dict) -> dict[str, LossTerm]:
+        """term name -> its `LossTerm` (the names key `weights` and the per-term metrics);
+        the first term's `correct` gives "accuracy"."""
         raise NotImplementedError
 
     def num_tokens(self, batch: dict) -> int:
@@ -112,14 +114,15 @@ class Task:
         metrics = {"loss": 0.0, "z_loss": 0.0, "moe_aux_loss": aux / num_micro}
         for i, (name, t) in enumerate(terms.items()):
             norm, scale = totals[name], self.term_weight(name)
-            objective += scale * (t["ce"] + t["z"]) / norm
-            metrics["loss"] += scale * t["ce"] / norm
-            metrics["z_loss"] += scale * t["z"] / norm
-            if i == 0 and "correct" in t:
-                metrics["accuracy"] = t["correct"] / norm
+            objective += scale * (t.ce + t.z) / norm
+            metrics["loss"] += scale * t.ce / norm
+            metrics["z_loss"] += scale * t.z / norm
+            if i == 0 and t.correct is not None:
+                metrics["accuracy"] = t.correct / norm
             if len(terms) > 1:
-                metrics[f"{name}_loss"] = t["ce"] / norm
-                metrics[f"{name}_accuracy"] = t["correct"] / norm
+                metrics[f"{name}_loss"] = t.ce / norm
+                if t.correct is not None:
+                    metrics[f"{name}_accuracy"] = t.correct / norm
         return objective, metrics
 
     def term_weight(self, name: str) -> float:
@@ -134,14 +137,16 @@ class Task:
     def weights(self, batch: dict) -> dict:
         raise NotImplementedError
 
-    def _ce(self, outputs, targets, weights):
-        """outputs: logits [B, T, V], or the model's `Unembedding` when vocab_chunk is set."""
+    def _ce(self, logits, unembedding, targets, weights) -> LossTerm:
+        """Token cross-entropy of logits [B, T, V], or, when vocab_chunk is set, of the model's
+        `Unembedding` (the model was asked for it by `_logits_kwarg`)."""
         kw = dict(label_smoothing=self.label_smoothing, z_loss=self.z_loss)
         if self.vocab_chunk is None:
-            return cross_entropy(outputs, *_scored(targets, weights, outputs.shape[-1]), **kw)
-        targets, weights = _scored(targets, weights, outputs.kernel.shape[0])
-        return fused_cross_entropy(outputs.hidden, outputs.kernel, targets, weights, bias=outputs.bias,
-                                   dtype=outputs.dtype, vocab_chunk=self.vocab_chunk, **kw)
+            return cross_entropy(logits, *_scored(targets, weights, logits.shape[-1]), **kw)
+        head = unembedding
+        targets, weights = _scored(targets, weights, head.kernel.shape[0])
+        return fused_cross_entropy(head.hidden, head.kernel, targets, weights, bias=head.bias,
+                                   dtype=head.dtype, vocab_chunk=self.vocab_chunk, **kw)
 
     def _logits_kwarg(self) -> dict:
         """Asks the model for its `Unembedding` instead of logits when the loss is fused."""
@@ -160,6 +165,22 @@ def _weights_or_ones(batch, key, like):
     return batch[key] if key in batch else jnp.ones(batch[like].shape, jnp.float32)
 
 
+class _LabelLoss:
+    """Cross-entropy of a classifier's logits [B, num_labels] (the model output's `logits`)
+    against label [B], rows weighted by the optional "weights" [B]: the one loss of sentence
+    (pair) and image classification. Mixed in before a `Task`."""
+    term = "label"
+    reads = ("label_smoothing", "z_loss")
+
+    def weights(self, batch):
+        return {self.term: _weights_or_ones(batch, "weights", "label")}
+
+    def loss_terms(self, out, batch):
+        w = self.weights(batch)[self.term]
+        return {self.term: cross_entropy(out.logits, *_scored(batch["label"], w, out.logits.shape[-1]),
+                                         label_smoothing=self.label_smoothing, z_loss=self.z_loss)}
+
+
 class LMTask(Task):
     def model_kwargs(self, batch):
         return {"tokens": batch["inputs"], "segment_ids": batch.get("segment_ids"),
@@ -168,8 +189,8 @@ class LMTask(Task):
     def weights(self, batch):
         return {"lm": _weights_or_ones(batch, "weights", "targets")}
 
-    def loss_terms(self, outputs, batch):
-        return {"lm": self._ce(outputs, batch["targets"], self.weights(batch)["lm"])}
+    def loss_terms(self, out, batch):
+        return {"lm": self._ce(out.logits, out.unembedding, batch["targets"], self.weights(batch)["lm"])}
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size)
@@ -195,9 +216,9 @@ class MLMTask(Task):
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)
-        terms = {"mlm": self._ce(out["mlm_logits"], batch["mlm_ids"], w["mlm"])}
+        terms = {"mlm": self._ce(out.mlm_logits, out.mlm_unembedding, batch["mlm_ids"], w["mlm"])}
         if "nsp" in w:
-            terms["nsp"] = cross_entropy(out["nsp_logits"], *_scored(batch["nsp_label"], w["nsp"], 2))
+            terms["nsp"] = cross_entropy(out.nsp_logits, *_scored(batch["nsp_label"], w["nsp"], 2))
         return terms
 
     def num_tokens(self, batch):
@@ -225,8 +246,8 @@ class Seq2SeqTask(Task):
     def weights(self, batch):
         return {"lm": _weights_or_ones(batch, "weights", "targets")}
 
-    def loss_terms(self, outputs, batch):
-        return {"lm": self._ce(outputs, batch["targets"], self.weights(batch)["lm"])}
+    def loss_terms(self, out, batch):
+        return {"lm": self._ce(out.logits, out.unembedding, batch["targets"], self.weights(batch)["lm"])}
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size + batch["targets"].size)
@@ -259,15 +280,8 @@ class _FineTuneTask(Task):
         return fields
 
 
-class ClassificationTask(_FineTuneTask):
+class ClassificationTask(_LabelLoss, _FineTuneTask):
     """Sentence (pair) classification from the pooled [CLS] state: GLUE."""
-    term = "label"
-    reads = ("label_smoothing", "z_loss")
-
-    def loss_terms(self, out, batch):
-        w = self.weights(batch)[self.term]
-        return {self.term: cross_entropy(out["logits"], *_scored(batch["label"], w, out["logits"].shape[-1]),
-                                         label_smoothing=self.label_smoothing, z_loss=self.z_loss)}
 
     def id_fields(self, config, batch):
         return super().id_fields(config, batch) + [IdField("label", config.num_labels, "weights")]
@@ -280,8 +294,8 @@ class RegressionTask(_FineTuneTask):
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)[self.term].astype(jnp.float32)
-        err = out["score"] - batch["label"].astype(jnp.float32)
-        return {self.term: {"ce": jnp.sum(w * err ** 2), "z": jnp.zeros((), jnp.float32), "weight": jnp.sum(w)}}
+        err = out.score - batch["label"].astype(jnp.float32)
+        return {self.term: LossTerm(ce=jnp.sum(w * err ** 2), z=jnp.zeros((), jnp.float32), weight=jnp.sum(w))}
 
 
 class SpanTask(_FineTuneTask):
@@ -292,14 +306,14 @@ class SpanTask(_FineTuneTask):
 
     def loss_terms(self, out, batch):
         w = self.weights(batch)[self.term]
-        T = out["start_logits"].shape[-1]
+        T = out.start_logits.shape[-1]
         kw = dict(label_smoothing=self.label_smoothing, z_loss=self.z_loss)
-        start = cross_entropy(out["start_logits"], *_scored(batch["start_positions"], w, T), **kw)
-        end = cross_entropy(out["end_logits"], *_scored(batch["end_positions"], w, T), **kw)
-        hit = ((jnp.argmax(out["start_logits"], -1) == batch["start_positions"])
-               & (jnp.argmax(out["end_logits"], -1) == batch["end_positions"]))
-        return {self.term: {"ce": (start["ce"] + end["ce"]) / 2, "z": (start["z"] + end["z"]) / 2,
-                            "correct": jnp.sum(hit * w.astype(jnp.float32)), "weight": start["weight"]}}
+        start = cross_entropy(out.start_logits, *_scored(batch["start_positions"], w, T), **kw)
+        end = cross_entropy(out.end_logits, *_scored(batch["end_positions"], w, T), **kw)
+        hit = ((jnp.argmax(out.start_logits, -1) == batch["start_positions"])
+               & (jnp.argmax(out.end_logits, -1) == batch["end_positions"]))
+        return {self.term: LossTerm(ce=(start.ce + end.ce) / 2, z=(start.z + end.z) / 2,
+                                    correct=jnp.sum(hit * w.astype(jnp.float32)), weight=start.weight)}
 
     def id_fields(self, config, batch):
         T = batch["input_ids"].shape[1]
@@ -338,14 +352,14 @@ class LMClassificationTask(Task):
     def term_weight(self, name):
         return self.lm_weight if name == "lm" else 1.0
 
-    def loss_terms(self, outputs, batch):
+    def loss_terms(self, out, batch):
         w = self.weights(batch)
-        scores = outputs["cls_logits"]  # [B * C, 1] for multiple choice, else [B, num_labels]
+        scores = out.cls_logits  # [B * C, 1] for multiple choice, else [B, num_labels]
         if batch["inputs"].ndim == 3:
             scores = scores.reshape(batch["inputs"].shape[:2])  # [B, C]
         targets = batch["targets"].reshape(-1, batch["targets"].shape[-1])
         return {"task": cross_entropy(scores, *_scored(batch["label"], w["task"], scores.shape[-1])),
-                "lm": self._ce(outputs["logits"], targets, w["lm"])}
+                "lm": self._ce(out.logits, out.unembedding, targets, w["lm"])}
 
     def num_tokens(self, batch):
         return int(batch["inputs"].size)
@@ -359,25 +373,14 @@ class LMClassificationTask(Task):
         return fields
 
 
-class ImageClassificationTask(Task):
+class ImageClassificationTask(_LabelLoss, Task):
     """Image classification (`tfm.models.vision.VisionEncoder` with the "classification" head).
 
     Batch: images [B, H, W, C] float; label [B]; optional weights [B] (0 = a padding row).
     """
-    term = "label"
-    reads = ("label_smoothing", "z_loss")
 
     def model_kwargs(self, batch):
         return {"images": batch["images"]}
-
-    def weights(self, batch):
-        rows = batch["label"].shape
-        return {self.term: batch["weights"] if "weights" in batch else jnp.ones(rows, jnp.float32)}
-
-    def loss_terms(self, out, batch):
-        w = self.weights(batch)[self.term]
-        return {self.term: cross_entropy(out["logits"], *_scored(batch["label"], w, out["logits"].shape[-1]),
-                                         label_smoothing=self.label_smoothing, z_loss=self.z_loss)}
 
     def num_tokens(self, batch):
         return int(batch["images"].shape[0])  # images, not patches
@@ -421,7 +424,7 @@ class ContrastiveTask(Task):
 
     def loss_terms(self, out, batch):
         B = batch["query_ids"].shape[0]
-        queries, docs = out["embedding"][:B], out["embedding"][B:]  # [B, D] each
+        queries, docs = out.embedding[:B], out.embedding[B:]  # [B, D] each
         similarity = jnp.einsum("QD,KD->QK", queries, docs) / self.temperature
         return {self.term: cross_entropy(similarity, jnp.arange(B), self.weights(batch)[self.term],
                                          z_loss=self.z_loss)}
