@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tfm import decode
-from tfm.layers.embeddings import apply_rope
+from tfm.layers.positions import apply_rope
 from tfm.layers.feedforward import route
 from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, EncoderOutput, LMOutput, Unembedding, presets
 

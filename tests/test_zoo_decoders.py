@@ -26,7 +26,7 @@ from tfm import decode  # noqa: E402
 from tfm.config import ModelConfig  # noqa: E402
 from tfm.convert import CONVERTERS, from_hf, to_hf  # noqa: E402
 from tfm.convert.common import ConversionError, HFConfig  # noqa: E402
-from tfm.layers.embeddings import rope_attention_factor, rope_frequencies  # noqa: E402
+from tfm.layers.positions import rope_attention_factor, rope_frequencies  # noqa: E402
 from tfm.models import DecoderLM  # noqa: E402
 from tfm.ops.attention import alibi_slopes  # noqa: E402
 from tfm.parallel import MeshConfig, make_mesh  # noqa: E402

@@ -19,10 +19,10 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
-DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 
 
@@ -187,8 +187,8 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATIONS,
-                       attention_impl=ATTENTION_IMPLS, dtype=DTYPES, remat_policy=REMAT_POLICIES)
+        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
+                       attention_impl=ATTENTION_IMPLS, dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -240,8 +240,8 @@ class ModelConfig:
         unknown_heads = set(self.heads) - set(HEADS)
         if unknown_heads:
             raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")
-        if self.head_activation not in (None,) + ACTIVATIONS:
-            raise ValueError(f"ModelConfig.head_activation={self.head_activation!r} is not one of {ACTIVATIONS}")
+        if self.head_activation not in (None,) + ACTIVATION_NAMES:
+            raise ValueError(f"ModelConfig.head_activation={self.head_activation!r} is not one of {ACTIVATION_NAMES}")
         if self.position_offset < 0 or (self.position_offset and self.position != "learned"):
             raise ValueError(f"ModelConfig.position_offset={self.position_offset} needs position='learned' "
                              f"and must be >= 0")

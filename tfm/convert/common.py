@@ -39,7 +39,7 @@ class Converter:
 
 
 # HF activation names -> tfm activation names (tfm "gelu" is exact erf GELU, "gelu_tanh" the tanh one).
-ACTIVATIONS = {
+HF_ACTIVATIONS = {
     "gelu": "gelu",
     "relu": "relu",
     "gelu_new": "gelu_tanh",
@@ -88,11 +88,11 @@ class HFConfig:
 
     def activation(self, name: str, default: Optional[str] = None, gated: bool = False) -> str:
         value = self.fields.get(name, default)
-        act = ACTIVATIONS.get(value)
+        act = HF_ACTIVATIONS.get(value)
         if gated:
             act = GATED_ACTIVATIONS.get(act)
         if act is None:
-            allowed = [k for k, v in ACTIVATIONS.items() if not gated or v in GATED_ACTIVATIONS]
+            allowed = [k for k, v in HF_ACTIVATIONS.items() if not gated or v in GATED_ACTIVATIONS]
             raise self.unsupported(name, value, f"tfm maps {allowed}")
         return act
 
@@ -357,10 +357,10 @@ def split_qkv(weight: np.ndarray, bias: Optional[np.ndarray], num_heads: int, pe
 
 def hf_activation(activation: str, gated: bool = False) -> str:
     """tfm activation -> the HF `hidden_act` name that imports back to it (gated: the gate's)."""
-    for hf_name, tfm_name in ACTIVATIONS.items():
+    for hf_name, tfm_name in HF_ACTIVATIONS.items():
         if (GATED_ACTIVATIONS.get(tfm_name) if gated else tfm_name) == activation:
             return hf_name
-    kinds = sorted(GATED_ACTIVATIONS.values()) if gated else sorted(set(ACTIVATIONS.values()))
+    kinds = sorted(GATED_ACTIVATIONS.values()) if gated else sorted(set(HF_ACTIVATIONS.values()))
     raise ConversionError(f"activation={activation!r} has no Hugging Face name here; it writes {kinds}")
 
 

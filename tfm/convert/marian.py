@@ -11,7 +11,7 @@ import numpy as np
 from tfm.config import ModelConfig
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, add_output_head, attention,
                                 hf_activation, linear, linear_pair, norm, stack_params)
-from tfm.layers.embeddings import sinusoidal_table
+from tfm.layers.positions import sinusoidal_table
 from tfm.models import EncoderDecoder
 
 

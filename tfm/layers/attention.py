@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
-from tfm.layers.embeddings import apply_rope, relative_bias
+from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the

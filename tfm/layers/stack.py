@@ -9,7 +9,7 @@ import jax
 
 from tfm.config import ModelConfig
 from tfm.layers.block import Block, BlockInputs
-from tfm.layers.embeddings import RelativePositionBias
+from tfm.layers.positions import RelativePositionBias
 from tfm.layers.norms import Norm
 
 REMAT_POLICIES = {

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import compute_dtype, constrain, param_init
-from tfm.layers.embeddings import Embed, PositionEmbedding, check_token_ids
+from tfm.layers.embeddings import Embed, check_token_ids
+from tfm.layers.positions import PositionEmbedding
 from tfm.layers.norms import Norm
 from tfm.models.outputs import LMOutput, Unembedding  # noqa: F401  (Unembedding: re-exported)
 

@@ -8,7 +8,7 @@ from tfm.config import ModelConfig
 from tfm.layers.block import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.feedforward import activation_fn
-from tfm.layers.embeddings import padding_positions
+from tfm.layers.positions import padding_positions
 from tfm.layers.norms import Norm
 from tfm.layers.stack import Stack
 from tfm.models.embedding import InputEmbedding, OutputLogits, check_inputs, default_positions, token_embed

@@ -1,4 +1,6 @@
-"""Small things a newcomer hits (issue 8, item 7), each reproduced as it was met."""
+"""Edges of the public API and the command line: lazy `import tfm`, the local corpus generator's
+messages, progress lines in logs and size-less terminals, `sample_lm` arguments, `from_hf` on
+non-finite tensors."""
 import os
 import subprocess
 import sys
