@@ -120,15 +120,24 @@ def documents(n: int, seed: int = 0, min_sentences: int = 3,
     Each document draws its sentences from its own few nouns and verbs, so consecutive
     sentences share words and next-sentence prediction is learnable.
     """
+    def vocabulary(rng):
+        nouns, verbs = rng.sample(NOUNS, 4), rng.sample(VERBS, 3)
+        return lambda: _sentence(rng, nouns, verbs)[0]
+    return _documents(n, seed, min_sentences, max_sentences, vocabulary)
+
+
+def _documents(n: int, seed: int, min_sentences: int, max_sentences: int, vocabulary) -> list[list[str]]:
+    """`n` documents of `min_sentences..max_sentences` sentences; `vocabulary(rng)` draws one
+    document's words and returns the maker of its sentences."""
     if not 1 <= min_sentences <= max_sentences:
         raise ValueError(f"need 1 <= min_sentences <= max_sentences, got "
                          f"{min_sentences}, {max_sentences}")
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
-        nouns, verbs = rng.sample(NOUNS, 4), rng.sample(VERBS, 3)
+        sentence = vocabulary(rng)
         num = rng.randint(min_sentences, max_sentences)
-        docs.append([_sentence(rng, nouns, verbs)[0] for _ in range(num)])
+        docs.append([sentence() for _ in range(num)])
     return docs
 
 
@@ -141,16 +150,10 @@ def topical_documents(n: int, seed: int = 0, min_sentences: int = 3,
     (8 x 4 = 32 topics, disjoint vocabularies), used in every sentence. A random sentence of
     another document shares the topic with probability 1/32, so next-sentence prediction can
     reach ~98%, and a masked noun or verb is one of the topic's five."""
-    if not 1 <= min_sentences <= max_sentences:
-        raise ValueError(f"need 1 <= min_sentences <= max_sentences, got "
-                         f"{min_sentences}, {max_sentences}")
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
+    def vocabulary(rng):
         topic = rng.randrange(NOUN_TOPICS), rng.randrange(VERB_TOPICS)
-        num = rng.randint(min_sentences, max_sentences)
-        docs.append([_topical_sentence(rng, topic) for _ in range(num)])
-    return docs
+        return lambda: _topical_sentence(rng, topic)
+    return _documents(n, seed, min_sentences, max_sentences, vocabulary)
 
 
 def _topical_sentence(rng: random.Random, topic: tuple[int, int]) -> str:
@@ -196,8 +199,27 @@ def _split_sizes(train: int, validation: int, test: int) -> dict[str, int]:
 
 
 class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """A builder that generates its examples here: says so, where TFDS would announce a
-    download (its `_log_download_*` hooks print "Downloading and preparing dataset")."""
+    """A builder that generates its examples here, `sizes` per split (default DEFAULT_SIZES for
+    train, validation, test) from `seed`: each subclass names its items (`_items(count, seed)`)
+    and how one becomes an example (`_example(i, item, split)`). It says it generates where TFDS
+    would announce a download (its `_log_download_*` hooks print "Downloading and preparing
+    dataset")."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    DEFAULT_SIZES: tuple[int, int, int]
+
+    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
+        self._sizes, self._seed = sizes or _split_sizes(*self.DEFAULT_SIZES), seed
+        super().__init__(**kwargs)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        return {s: self._generate_examples(s) for s in self._sizes}
+
+    def _generate_examples(self, split):
+        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
+        for i, item in enumerate(self._items(self._sizes[split], seed)):
+            yield i, self._example(i, item, split)
 
     def _log_download_bytes(self):
         sizes = ", ".join(f"{split} {n}" for split, n in self._sizes.items())
@@ -211,11 +233,7 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 class TfmSyntheticTranslate(_LocalBuilder):
     """TFDS builder of `translation_pairs`; features match `wmt14_translate/de-en`."""
 
-    VERSION = tfds.core.Version("1.0.0")
-
-    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
-        self._sizes, self._seed = sizes or _split_sizes(2000, 200, 200), seed
-        super().__init__(**kwargs)
+    DEFAULT_SIZES = (2000, 200, 200)
 
     def _info(self):
         return self.dataset_info_from_configs(
@@ -223,56 +241,40 @@ class TfmSyntheticTranslate(_LocalBuilder):
                 {"en": tfds.features.Text(), "de": tfds.features.Text()}),
             supervised_keys=("en", "de"))
 
-    def _split_generators(self, dl_manager):
-        del dl_manager
-        return {s: self._generate_examples(s) for s in self._sizes}
+    def _items(self, count, seed):
+        return translation_pairs(count, seed)
 
-    def _generate_examples(self, split):
-        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
-        for i, (en, de) in enumerate(translation_pairs(self._sizes[split], seed)):
-            yield i, {"en": en, "de": de}
+    def _example(self, i, pair, split):
+        return {"en": pair[0], "de": pair[1]}
 
 
 class TfmSyntheticDocs(_LocalBuilder):
     """TFDS builder of `documents`; features match `wikipedia` (one sentence a line)."""
 
-    VERSION = tfds.core.Version("1.0.0")
-
-    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
-        self._sizes, self._seed = sizes or _split_sizes(500, 50, 50), seed
-        super().__init__(**kwargs)
+    DEFAULT_SIZES = (500, 50, 50)
 
     def _info(self):
         return self.dataset_info_from_configs(features=tfds.features.FeaturesDict(
             {"title": tfds.features.Text(), "text": tfds.features.Text()}))
 
-    def _split_generators(self, dl_manager):
-        del dl_manager
-        return {s: self._generate_examples(s) for s in self._sizes}
+    def _items(self, count, seed):
+        return documents(count, seed)
 
-    def _generate_examples(self, split):
-        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
-        for i, doc in enumerate(documents(self._sizes[split], seed)):
-            yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
+    def _example(self, i, doc, split):
+        return {"title": f"{split} document {i}", "text": "\n".join(doc)}
 
 
 class TfmSyntheticTopics(TfmSyntheticDocs):
     """TFDS builder of `topical_documents` (BERT pretraining); features match `wikipedia`."""
 
-    def _generate_examples(self, split):
-        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
-        for i, doc in enumerate(topical_documents(self._sizes[split], seed)):
-            yield i, {"title": f"{split} document {i}", "text": "\n".join(doc)}
+    def _items(self, count, seed):
+        return topical_documents(count, seed)
 
 
 class TfmSyntheticTopicPairs(_LocalBuilder):
     """TFDS builder of `topic_pairs` (BERT fine-tuning); features match `glue/rte`."""
 
-    VERSION = tfds.core.Version("1.0.0")
-
-    def __init__(self, *, sizes: dict[str, int] | None = None, seed: int = 0, **kwargs):
-        self._sizes, self._seed = sizes or _split_sizes(1000, 500, 500), seed
-        super().__init__(**kwargs)
+    DEFAULT_SIZES = (1000, 500, 500)
 
     def _info(self):
         return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
@@ -280,14 +282,12 @@ class TfmSyntheticTopicPairs(_LocalBuilder):
             "label": tfds.features.ClassLabel(names=["different_topics", "same_topic"]),
             "idx": tfds.features.Scalar(np.int32)}))
 
-    def _split_generators(self, dl_manager):
-        del dl_manager
-        return {s: self._generate_examples(s) for s in self._sizes}
+    def _items(self, count, seed):
+        return topic_pairs(count, seed)
 
-    def _generate_examples(self, split):
-        seed = self._seed * len(_SPLITS) + _SPLITS.index(split)
-        for i, (a, b, label) in enumerate(topic_pairs(self._sizes[split], seed)):
-            yield i, {"sentence1": a, "sentence2": b, "label": label, "idx": i}
+    def _example(self, i, pair, split):
+        a, b, label = pair
+        return {"sentence1": a, "sentence2": b, "label": label, "idx": i}
 
 
 def _prepare(cls, data_dir, sizes, seed) -> str:
