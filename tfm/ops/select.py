@@ -1,7 +1,7 @@
 """`impl="auto"`: the attention backend to use per device backend, shape and mask features.
 
 The rules follow benchmarks/RESULTS.md. GPU (measured on an H100 by `benchmarks.gpu_check`,
-2026-11-24): cuDNN's fused kernel ran forward+backward at 2.2-4.6x the Pallas (Triton) kernels
+2026-11-24): cuDNN's fused kernel ran forward+backward at 2.5-4.6x the Pallas (Triton) kernels
 on every measured shape (bf16, H 64/128, L 1k-16k, causal and not), so it is chosen wherever it
 computes the layer without a materialised operand: no soft-cap, no bidirectional window (it has
 neither), no ALiBi (a [1, N, T, S] bias) and no segment ids (a [B, 1, T, S] mask; its speed there
