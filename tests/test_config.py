@@ -87,6 +87,8 @@ def test_gpt2_small_and_llama_counts():
     (dict(position="rope", head_dim=7), "even head_dim"),
     (dict(dropout_rate=1.0), "dropout_rate must be in"),
     (dict(num_experts=4, experts_per_token=5), "experts_per_token=5"),
+    (dict(num_experts=4, moe_impl="sorted"), "moe_impl='sorted' is not one of"),
+    (dict(num_experts=4, capacity_factor=1.25), r"capacity_factor=1.25 needs moe_impl='einsum'"),
     (dict(attention_dropout=0.1, attention_impl="chunked"), "attention_dropout > 0 needs"),
     (dict(heads=("mlm", "qa")), "unknown"),
     (dict(pad_id=64), "pad_id=64 outside the vocabulary"),

@@ -192,7 +192,8 @@ def test_configs_hf_cannot_express_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"no Hugging Face class expresses this config"):
         to_hf(gpt2.replace(position="sinusoidal"), params, tmp_path / "b")
     with pytest.raises(ConversionError, match=r"MixtralForCausalLM cannot express .*capacity_factor=1.25"):
-        to_hf(CASES["mixtral"][1].replace(capacity_factor=1.25), {}, tmp_path / "c", architecture="MixtralForCausalLM")
+        to_hf(CASES["mixtral"][1].replace(moe_impl="einsum", capacity_factor=1.25), {}, tmp_path / "c",
+              architecture="MixtralForCausalLM")
     with pytest.raises(ConversionError, match=r"activation='geglu' has no Hugging Face name"):
         to_hf(gpt2.replace(activation="geglu"), params, tmp_path / "d", architecture="GPT2LMHeadModel")
     with pytest.raises(ConversionError, match=r"architecture 'Nope' has no config writer"):
