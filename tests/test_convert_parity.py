@@ -137,6 +137,11 @@ DECODERS = {
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         max_position_embeddings=64, **EAGER)),
+    # 4 experts top-2 with un-normalised gates, a shared expert wider than the experts, q/k/v biases.
+    "qwen2_moe": lambda: tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64, **EAGER)),
 }
 
 
@@ -160,6 +165,8 @@ def test_decoder_logits(decoder, source):
     assert diff < TOL
     if name == "mixtral":
         assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2 and cfg.moe_impl == "ragged"
+    if name == "qwen2_moe":
+        assert (cfg.num_experts, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_norm_topk) == (4, 24, 40, False)
     if name == "llama":
         assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.theta, cfg.head_dim) == ("linear", 2.0, 500.0, 16)
 

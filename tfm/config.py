@@ -155,6 +155,8 @@ class ModelConfig:
     moe_impl: str = "ragged"  # "ragged": sort by expert + grouped matmuls, dropless; "einsum": one-hot slots
     capacity_factor: Optional[float] = None  # moe_impl="einsum" slots per expert; None = dropless (C = T)
     router_aux_loss_coef: float = 0.01
+    router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
+    shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
 
     # Block
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
@@ -240,9 +242,13 @@ class ModelConfig:
                                  f"[1, num_experts={self.num_experts}]")
             if self.capacity_factor is not None and self.capacity_factor <= 0:
                 raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
+            if self.shared_expert_d_ff < 0:
+                raise ValueError(f"ModelConfig.shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
             if self.capacity_factor is not None and self.moe_impl != "einsum":
                 raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
                                  f"(moe_impl={self.moe_impl!r} is dropless)")
+        if self.shared_expert_d_ff and not self.num_experts:
+            raise ValueError(f"ModelConfig.shared_expert_d_ff={self.shared_expert_d_ff} needs num_experts > 0")
         unknown_heads = set(self.heads) - set(HEADS)
         if unknown_heads:
             raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")

@@ -56,13 +56,14 @@ def expert_capacity(tokens_per_group: int, config: ModelConfig) -> int:
 def top_k_gates(logits, config: ModelConfig):
     """logits [..., E] (fp32) -> gates [..., k], experts [..., k] (int32), aux_loss.
 
-    Gates are the softmax probabilities of the k best experts, renormalised to sum to 1 when k > 1.
+    Gates are the softmax probabilities of the k best experts, renormalised to sum to 1 when k > 1
+    and router_norm_topk.
     aux_loss is the Switch/Mixtral load-balancing loss E * sum_e fraction_routed_e * mean_prob_e.
     """
     E = config.num_experts
     probs = jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, config.experts_per_token)
-    if config.experts_per_token > 1:
+    if config.experts_per_token > 1 and config.router_norm_topk:
         gates = gates / gates.sum(-1, keepdims=True)
     lead = tuple(range(logits.ndim - 1))
     fraction = jax.nn.one_hot(experts, E, dtype=jnp.float32).mean(axis=lead)  # [k, E]
@@ -106,7 +107,8 @@ class MoeMlp(nn.Module):
     each expert runs on its own contiguous rows (`jax.lax.ragged_dot`, group sizes = tokens per
     expert); memory and FLOPs grow linearly in tokens. moe_impl="einsum": one-hot dispatch into
     [B, E, C, D] expert slots per batch row (Switch/GShard capacity_factor; None = C = T, dropless).
-    Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
+    shared_expert_d_ff > 0 adds an always-on Mlp of that width under a per-token sigmoid gate
+    (Qwen2-MoE). Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
     """
 
     config: ModelConfig
@@ -129,6 +131,10 @@ class MoeMlp(nn.Module):
         else:
             y, aux = self._einsum(x, logits, w_up, w_down)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
+        if cfg.shared_expert_d_ff:
+            shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
+            gate = Einsum("BTD,D->BT", (D,), ("embed",), name="shared_expert_gate", dtype=compute_dtype(cfg))(x)
+            y = y + jax.nn.sigmoid(gate)[..., None] * shared
         return y
 
     def _ragged(self, x, logits, w_up, w_down):
