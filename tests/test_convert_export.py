@@ -46,8 +46,8 @@ CASES = {
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
     # 4 experts top-2, renormalised gates, a shared expert; q/k/v biases.
     "qwen2_moe": ("Qwen2MoeForCausalLM", ModelConfig(
-        **LLAMA, rope=dict(theta=1e6), attention_bias=True, attention_out_bias=False, ffn_bias=False,
-        num_experts=4, experts_per_token=2, shared_expert_d_ff=40, router_aux_loss_coef=0.001,
+        **dict(LLAMA, num_layers=1), rope=dict(theta=1e6), attention_bias=True, attention_out_bias=False,
+        ffn_bias=False, num_experts=4, experts_per_token=2, shared_expert_d_ff=40, router_aux_loss_coef=0.001,
         tie_embeddings=False), "AutoModelForCausalLM"),
     "marian": ("MarianMTModel", ModelConfig(
         vocab_size=V, d_model=32, num_heads=4, num_layers=2, num_decoder_layers=1, d_ff=37, max_len=64,

@@ -140,7 +140,7 @@ DECODERS = {
     # 4 experts top-2 with un-normalised gates, a shared expert wider than the experts, q/k/v biases.
     "qwen2_moe": lambda: tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
-        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        shared_expert_intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64, **EAGER)),
 }
 

@@ -1,36 +1,51 @@
 """Dropless MoE by sorting (moe_impl="ragged") against the one-hot einsum dispatch with room for
-every token (moe_impl="einsum", capacity_factor=None: C = T, nothing drops), fp32."""
+every token (moe_impl="einsum", capacity_factor=None: C = T, nothing drops), and expert parallelism
+(all-to-all) against one device; fp32."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from tfm.layers.feedforward import MoeMlp, sort_by_expert, top_k_gates
+from tfm.layers.feedforward import MoeMlp, top_k_gates
 from tfm.models.presets import tiny
+from tfm.parallel import MeshConfig, batch_sharding, flax_rules, make_mesh, make_rules, param_shardings
+from tfm.parallel.experts import sort_by_expert
 
 TOL = 1e-5  # fp32, absolute (values are O(1))
+GRAD_RTOL = 1e-5  # fp32, relative, for weight gradients summed over many tokens
 B, T, E = 2, 12, 6
 
 
-def _skewed_case():
+def _skewed_case(num_experts=E, batch=B):
     """Params, inputs and cotangent whose routing is very unequal: expert 0 is nearly everyone's first
     choice, experts 4 and 5 are nobody's choice (their router columns point away from the inputs)."""
-    cfg = tiny("moe", num_experts=E, experts_per_token=2)
+    cfg = tiny("moe", num_experts=num_experts, experts_per_token=2)
     kx, kp, kc = jax.random.split(jax.random.PRNGKey(0), 3)
     d = jnp.zeros(cfg.d_model).at[0].set(1.0)
-    x = jax.random.normal(kx, (B, T, cfg.d_model)) + 3.0 * d
+    x = jax.random.normal(kx, (batch, T, cfg.d_model)) + 3.0 * d
     params = nn.meta.unbox(MoeMlp(cfg).init(kp, x)["params"])
-    router = params["router"]["kernel"].at[0, 0].set(2.0).at[0, 4:].set(-5.0)  # [D, E]
+    router = params["router"]["kernel"].at[0, 0].set(2.0).at[0, 4:6].set(-5.0)  # [D, E]
     params = dict(params, router={"kernel": router})
     return cfg, params, x, jax.random.normal(kc, x.shape)
 
 
-def _value_and_grads(cfg, params, x, cotangent):
-    def loss(params, x):
+def _loss_grad(cfg):
+    """(params, x, dy) -> (y, gradients of <y, dy> + aux loss with respect to params and x)."""
+    def loss(params, x, cotangent):
         y, sown = MoeMlp(cfg).apply({"params": params}, x, mutable=["losses"])
         return jnp.sum(y * cotangent) + sown["losses"]["moe_aux_loss"][0], y
-    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-    return y, grads
+
+    def step(params, x, cotangent):
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x, cotangent)
+        return y, grads
+    return step
+
+
+def _value_and_grads(cfg, params, x, cotangent):
+    return jax.jit(_loss_grad(cfg))(params, x, cotangent)
 
 
 def test_ragged_equals_einsum_dropless_values_and_grads_under_skewed_routing():
@@ -61,3 +76,34 @@ def test_sort_by_expert_groups_pairs_stably():
     np.testing.assert_array_equal(order, [1, 2, 0, 4, 3, 5])  # flat (token, choice) index, by expert
     np.testing.assert_array_equal(token, [0, 1, 0, 2, 1, 2])
     np.testing.assert_array_equal(sizes, [2, 0, 2, 2, 0])
+
+
+@pytest.mark.parametrize("mesh_cfg, parallelism", [(MeshConfig(expert=4), "expert"),
+                                                   (MeshConfig(data=2, expert=4), "data+expert")])
+def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
+    """Tokens travel to their experts' devices (E 8 over 4 devices, 2 each) under skewed routing:
+    values and gradients equal the one-device ragged layer; the compiled step moves tokens by
+    all-to-all and never gathers the expert weights."""
+    cfg, params, x, cotangent = _skewed_case(num_experts=8, batch=8)
+    y_ref, (g_params_ref, g_x_ref) = _one_device_reference()
+    mesh = make_mesh(mesh_cfg, jax.devices()[:8 if mesh_cfg.data == 2 else 4])
+    rules = make_rules(*parallelism.split("+"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(rules)):
+        boxed = jax.eval_shape(lambda: MoeMlp(cfg).init(jax.random.PRNGKey(0), x))
+        p_shardings = param_shardings(boxed, mesh, rules)["params"]
+        step = jax.jit(_loss_grad(cfg), in_shardings=(p_shardings, batch_sharding(mesh, rules), None))
+        compiled = step.lower(params, x, cotangent).compile()
+        y, (g_params, g_x) = compiled(params, x, cotangent)
+    hlo = compiled.as_text()
+    assert " all-to-all(" in hlo
+    assert not [line for line in hlo.splitlines() if " all-gather(" in line and ("[8,32,64]" in line or
+                                                                                 "[8,64,32]" in line)]
+    np.testing.assert_allclose(y, y_ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(g_x, g_x_ref, atol=TOL, rtol=0)
+    # Weight gradients sum over all 96 tokens in another order across devices: |g| up to ~100.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=TOL, rtol=GRAD_RTOL), g_params, g_params_ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_reference():
+    return _value_and_grads(*_skewed_case(num_experts=8, batch=8))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from tfm.config import GATED_ACTIVATIONS, ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.parallel.experts import grouped_experts
 
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -91,21 +92,14 @@ def route(logits, config: ModelConfig, capacity: int):
     return dispatch, combine, aux_loss
 
 
-def sort_by_expert(experts, num_experts: int):
-    """experts [N, k] -> (order [N*k]: (token, choice) pairs grouped by expert, stable; token [N*k]: the
-    token of each sorted pair; group_sizes [E]: pairs per expert, zeros included)."""
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, order // experts.shape[1], group_sizes
-
-
 class MoeMlp(nn.Module):
     """Mixture of gated/plain feed-forward experts: [B, T, D] -> [B, T, D].
 
     moe_impl="ragged" (default, dropless): the B*T*k (token, choice) pairs are sorted by expert and
     each expert runs on its own contiguous rows (`jax.lax.ragged_dot`, group sizes = tokens per
-    expert); memory and FLOPs grow linearly in tokens. moe_impl="einsum": one-hot dispatch into
+    expert); memory and FLOPs grow linearly in tokens; under rules that split "expert" over a mesh
+    axis, tokens travel to their experts' devices by all-to-all (`tfm.parallel.experts`).
+    moe_impl="einsum": one-hot dispatch into
     [B, E, C, D] expert slots per batch row (Switch/GShard capacity_factor; None = C = T, dropless).
     shared_expert_d_ff > 0 adds an always-on Mlp of that width under a per-token sigmoid gate
     (Qwen2-MoE). Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
@@ -124,12 +118,14 @@ class MoeMlp(nn.Module):
             init = nn.initializers.normal(stddev=shape[1] ** -0.5)
             return self.param(name, param_init(init, axes), shape, jnp.float32).astype(compute_dtype(cfg))
 
-        w_up = lambda name: weight(name, (E, D, F), ("expert", "embed", "mlp"))
-        w_down = weight("wo", (E, F, D), ("expert", "mlp", "embed"))
+        up_names = ("wi_gate", "wi_up") if cfg.activation in GATED_ACTIVATIONS else ("wi",)
+        weights = {name: weight(name, (E, D, F), ("expert", "embed", "mlp")) for name in up_names}
+        weights["wo"] = weight("wo", (E, F, D), ("expert", "mlp", "embed"))
         if cfg.moe_impl == "ragged":
-            y, aux = self._ragged(x, logits, w_up, w_down)
+            gates, experts, aux = top_k_gates(logits, cfg)  # [B, T, k]
+            y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E)
         else:
-            y, aux = self._einsum(x, logits, w_up, w_down)
+            y, aux = self._einsum(x, logits, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
         if cfg.shared_expert_d_ff:
             shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
@@ -137,26 +133,19 @@ class MoeMlp(nn.Module):
             y = y + jax.nn.sigmoid(gate)[..., None] * shared
         return y
 
-    def _ragged(self, x, logits, w_up, w_down):
-        cfg = self.config
-        B, T, D = x.shape
-        gates, experts, aux = top_k_gates(logits.reshape(B * T, -1), cfg)  # [N, k], N = B*T
-        order, token, group_sizes = sort_by_expert(experts, cfg.num_experts)
-        xs = x.reshape(B * T, D).astype(compute_dtype(cfg))[token]  # [N*k, D], grouped by expert
-        up = lambda name: jax.lax.ragged_dot(xs, w_up(name), group_sizes)  # [N*k, F]
-        ys = jax.lax.ragged_dot(hidden_activation(cfg, up), w_down, group_sizes)  # [N*k, D]
-        unsorted = jnp.zeros_like(ys).at[order].set(ys).reshape(B * T, -1, D)  # [N, k, D]
-        y = jnp.sum(unsorted * gates[..., None].astype(ys.dtype), axis=1)  # [N, D]
-        return y.reshape(B, T, D), aux
+    def _grouped_ffn(self, rows, group_sizes, weights):
+        """rows [R, D] sorted by expert -> [R, D]: each expert's feed-forward on its rows."""
+        up = lambda name: jax.lax.ragged_dot(rows, weights[name], group_sizes)  # [R, F]
+        return jax.lax.ragged_dot(hidden_activation(self.config, up), weights["wo"], group_sizes)
 
-    def _einsum(self, x, logits, w_up, w_down):
+    def _einsum(self, x, logits, weights):
         cfg = self.config
         dt = compute_dtype(cfg)
         dispatch, combine, aux = route(logits, cfg, expert_capacity(x.shape[1], cfg))
         xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
         xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
-        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, w_up(name))
+        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weights[name])
         h = hidden_activation(cfg, up)  # [B, E, C, F]
-        ye = jnp.einsum("BECF,EFD->BECD", h, w_down)
+        ye = jnp.einsum("BECF,EFD->BECD", h, weights["wo"])
         ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
         return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye), aux

@@ -9,9 +9,11 @@ name, e.g. `make_rules("fsdp", "tensor")`:
   tensor  Megatron: "heads"/"kv_heads"/"mlp" over `tensor` — the QKV and up projections are
           column-parallel (output dim split), the attention-out and down projections
           row-parallel (input dim split); the vocab table and logits split on "vocab".
-  expert  batch and the "expert" dim of MoE weights over `expert`. Inside the MoE layer the
-          dispatched activations [B, E, C, D] name their batch "expert_batch" (the batch axes
-          less `expert`), so E is split over `expert` and XLA moves tokens all-to-all.
+  expert  batch and the "expert" dim of MoE weights over `expert`. Inside the MoE layer
+          (moe_impl="einsum") the dispatched activations [B, E, C, D] name their batch
+          "expert_batch" (the batch axes less `expert`), so E is split over `expert` and XLA
+          moves tokens all-to-all. moe_impl="ragged" sends each token to its experts' devices
+          by all-to-all inside shard_map (`tfm.parallel.experts`).
 
 The KV cache of decoding is named "cache_batch" (cross-attention's: "cache_memory_batch"; both
 the batch axes, as "batch"), "cache_kv_heads"
