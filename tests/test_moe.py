@@ -2,6 +2,7 @@
 every token (moe_impl="einsum", capacity_factor=None: C = T, nothing drops), and expert parallelism
 (all-to-all) against one device; fp32."""
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -79,14 +80,16 @@ def test_sort_by_expert_groups_pairs_stably():
 
 
 @pytest.mark.parametrize("mesh_cfg, parallelism", [(MeshConfig(expert=4), "expert"),
-                                                   (MeshConfig(data=2, expert=4), "data+expert")])
+                                                   (MeshConfig(data=2, expert=4), "data+expert"),
+                                                   (MeshConfig(data=4), "data")])
 def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
     """Tokens travel to their experts' devices (E 8 over 4 devices, 2 each) under skewed routing:
     values and gradients equal the one-device ragged layer; the compiled step moves tokens by
-    all-to-all and never gathers the expert weights."""
+    all-to-all and never gathers the expert weights. Data parallel alone: no token leaves its device."""
     cfg, params, x, cotangent = _skewed_case(num_experts=8, batch=8)
     y_ref, (g_params_ref, g_x_ref) = _one_device_reference()
     mesh = make_mesh(mesh_cfg, jax.devices()[:8 if mesh_cfg.data == 2 else 4])
+    expert_parallel = "expert" in parallelism
     rules = make_rules(*parallelism.split("+"))
     with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(rules)):
         boxed = jax.eval_shape(lambda: MoeMlp(cfg).init(jax.random.PRNGKey(0), x))
@@ -95,9 +98,12 @@ def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
         compiled = step.lower(params, x, cotangent).compile()
         y, (g_params, g_x) = compiled(params, x, cotangent)
     hlo = compiled.as_text()
-    assert " all-to-all(" in hlo
+    assert (" all-to-all(" in hlo) == expert_parallel
     assert not [line for line in hlo.splitlines() if " all-gather(" in line and ("[8,32,64]" in line or
                                                                                  "[8,64,32]" in line)]
+    if not expert_parallel:  # tokens stay put: nothing of shape [N*k, D] or [N, D] is gathered or summed
+        assert not [line for line in hlo.splitlines() if re.search(r" (all-gather|all-reduce)\(", line)
+                    and re.search(r"\[(192|96|48|24),32\]", line)], hlo
     np.testing.assert_allclose(y, y_ref, atol=TOL, rtol=0)
     np.testing.assert_allclose(g_x, g_x_ref, atol=TOL, rtol=0)
     # Weight gradients sum over all 96 tokens in another order across devices: |g| up to ~100.

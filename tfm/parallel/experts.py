@@ -4,13 +4,16 @@
 as grouped matmuls over rows sorted by expert, e.g. `jax.lax.ragged_dot`) for every (token, choice)
 pair and sums each token's k results weighted by its gates.
 
-Without expert parallelism (no mesh, no active rule giving the "expert" dim of the weights a mesh
-axis) all B*T tokens are sorted as one list. When the active logical rules split "expert" over mesh
-axes of n > 1 devices, the work runs inside `shard_map` over the axes the rules give "batch": each
-device sorts its own pairs by expert, sends each to the device holding its expert by an all-to-all
-over the expert axes, runs its E/n experts on what it received, and sends the results back by a
-second all-to-all. Sizes are padded: each device reserves room for all of its N*k pairs on every
-destination ([n, N*k, D] buffers), so nothing is dropped whatever the routing.
+Without a mesh or active logical rules, all B*T tokens are sorted as one list. Under rules that
+split "batch" or "expert", the work runs inside `shard_map` over the axes the rules give "batch", so
+each device sorts only its own tokens (a global sort would replicate every token on every device).
+Where "expert" has no mesh axis each device then runs every expert on its own tokens. When the
+rules split "expert" over mesh axes of n > 1 devices, each device sorts its own pairs by expert,
+sends each to the device holding its expert by an all-to-all over the expert axes, runs its E/n
+experts on what it received, and sends the results back by a second all-to-all. Sizes are padded:
+each device reserves room for all of its N*k pairs on every destination ([n, N*k, D] buffers), so
+nothing is dropped whatever the routing. Other mesh axes (tensor, fsdp) are not split inside: the
+expert weights arrive whole along them.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Callable, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from tfm.parallel.rules import from_flax_rules
 from tfm.parallel.sharding import logical_to_spec
@@ -72,9 +75,9 @@ def exchanged_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_exp
     return _combine(to_experts(outputs)[dest, slot], order, gates)
 
 
-def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[jax.sharding.AbstractMesh, tuple, object, object]]:
-    """(mesh, free axes, batch spec entry, expert spec entry) when the active rules split the experts
-    over more than one device; None otherwise."""
+def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[AbstractMesh, tuple, object, object]]:
+    """(mesh, free axes, batch spec entry, expert spec entry) when the active rules split the batch or
+    the experts over more than one device; None otherwise."""
     mesh = jax.sharding.get_abstract_mesh()
     rules = from_flax_rules(nn.get_logical_axis_rules())
     if mesh.empty or not rules:
@@ -82,10 +85,10 @@ def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[jax.shardi
     free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     rules = tuple((name, tuple(a for a in axes if a in free)) for name, axes in rules)
     entry = lambda name, size: (tuple(logical_to_spec((name,), (size,), mesh, rules)) + (None,))[0]
-    expert = entry("expert", num_experts)
-    if expert is None:
+    batch, expert = entry("batch", batch_size), entry("expert", num_experts)
+    if batch is None and expert is None:
         return None
-    return mesh, free, entry("batch", batch_size), expert
+    return mesh, free, batch, expert
 
 
 def grouped_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_experts: int):
@@ -96,10 +99,13 @@ def grouped_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_exper
     if plan is None:
         return local_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts).reshape(B, T, D)
     mesh, free, batch, expert = plan
-    shards = math.prod(mesh.shape[a] for a in ((expert,) if isinstance(expert, str) else expert))
 
     def body(x, gates, experts, weights):
-        y = exchanged_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts, expert, shards)
+        if expert is None:  # every device holds every expert: its own tokens only, no exchange
+            y = local_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts)
+        else:
+            shards = math.prod(mesh.shape[a] for a in ((expert,) if isinstance(expert, str) else expert))
+            y = exchanged_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts, expert, shards)
         return y.reshape(x.shape)
 
     specs = (P(batch), P(batch), P(batch), {name: P(expert) for name in weights})
