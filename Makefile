@@ -37,10 +37,12 @@ bench: install
 	$(PY) -m benchmarks.attention --smoke --plot benchmarks/attention_smoke.png
 	$(PY) -m benchmarks.train_step --only transformer
 	$(PY) -m benchmarks.decode --smoke
+	$(PY) -m benchmarks.moe --tokens 1024,2048 --experts 8,16
 
 # adds the BERT-base and GPT-2-small train steps: give it 16 GB free and nothing else running
 bench-full: bench
 	$(PY) -m benchmarks.train_step --only bert,gpt2
+	$(PY) -m benchmarks.moe
 
 # The GPU machine reaches no registry and its own Python has jax with CUDA: no venv; tfm
 # without dependencies, plus the wheels carried into $(WHEELS) (benchmarks/gpu_check.py says which).
