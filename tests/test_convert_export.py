@@ -18,6 +18,7 @@ tr = pytest.importorskip("transformers")
 
 from tfm.config import ModelConfig  # noqa: E402
 from tfm.convert import CONVERTERS, ConversionError, from_hf, to_hf  # noqa: E402
+from tfm.convert.export import _hf_config  # noqa: E402
 
 TOL = 1e-4
 V, B, T = 100, 2, 9
@@ -227,3 +228,12 @@ def test_an_importer_that_is_not_a_layout_change_is_caught(tmp_path, monkeypatch
         monkeypatch.setitem(CONVERTERS, "GPT2LMHeadModel", dataclasses.replace(converter, params=bad))
         with pytest.raises(ConversionError, match=message):
             to_hf(cfg, params, tmp_path / bad.__name__, architecture="GPT2LMHeadModel")
+
+
+def test_dropless_moe_impl_does_not_block_export_but_capacity_does():
+    """moe_impl="einsum" with capacity_factor None computes the dropless function Mixtral's config
+    describes, so it exports; a capacity (tokens dropped) has no Mixtral field and is refused."""
+    arch, cfg, _ = CASES["mixtral"]
+    assert _hf_config(arch, CONVERTERS[arch], cfg.replace(moe_impl="einsum")).num_local_experts == 4
+    with pytest.raises(ConversionError, match=r"capacity_factor=2.0"):
+        _hf_config(arch, CONVERTERS[arch], cfg.replace(moe_impl="einsum", capacity_factor=2.0))
