@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 from tfm.kernels.flash_attention import BlockSizes
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
+from tfm.ops.context import STRATEGIES as CONTEXT_STRATEGIES
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
@@ -145,6 +146,9 @@ class ModelConfig:
     # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
     # block_kv_bwd]); stored as a BlockSizes. None = the kernel's per-backend default.
     attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
+    # The sequence split over the mesh's `context` axis (rule set "context"): "ring" passes K/V
+    # blocks around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
+    context_strategy: str = "ring"
 
     # Feed-forward
     activation: str = "relu"
@@ -188,7 +192,8 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       attention_impl=ATTENTION_IMPLS, dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES)
+                       attention_impl=ATTENTION_IMPLS, dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES,
+                       context_strategy=CONTEXT_STRATEGIES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")

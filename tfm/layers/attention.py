@@ -89,7 +89,7 @@ class Attention(nn.Module):
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
-            block_sizes=cfg.attention_block_sizes)
+            block_sizes=cfg.attention_block_sizes, context_strategy=cfg.context_strategy)
         return out(o)  # [B, T, D]
 
     def _cross_kv(self, key, value, memory, memory_segment_ids, decode):

@@ -35,8 +35,10 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
                "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
+    "context": {"length": ("context",)},
 }
 _PARAM_ONLY = ("embed",)
+_ACTIVATION_ONLY = ("length",)
 
 
 def make_rules(*styles: str, activations: bool = False) -> Rules:
@@ -56,9 +58,8 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     merged["expert_batch"] = merged["batch"] - {"expert"}
     merged["cache_batch"] = set(merged["batch"])
     merged["cache_memory_batch"] = set(merged["batch"])
-    if activations:
-        for name in _PARAM_ONLY:
-            merged.pop(name, None)
+    for name in _PARAM_ONLY if activations else _ACTIVATION_ONLY:
+        merged.pop(name, None)
     return tuple((name, tuple(a for a in AXES if a in axes)) for name, axes in merged.items())
 
 
