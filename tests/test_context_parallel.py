@@ -6,8 +6,9 @@ single-device impl="xla" reference in values and in the gradients of q, k, v and
 (atol 2e-5) for causal packed-segment GQA attention with a window and ALiBi, bidirectional
 attention over padding with a window and soft-cap, and cross-attention to a padded memory;
 the zig-zag layout gives device i chunks i and 2c-1-i (the tokens moved there, their global
-positions, and the same count of visible causal pairs on every device); and what context
-parallelism cannot do fails with one clear line. A one-layer decoder trained under (data=2,
+positions, and the same count of visible causal pairs on every device); a causal ring step
+off the diagonal computes half a block (dot FLOPs of its branches, forward and backward); and
+what context parallelism cannot do fails with one clear line. A one-layer decoder trained under (data=2,
 context=4) is in tests/test_parallel_decoder.py.
 """
 import flax.linen as nn
@@ -21,6 +22,7 @@ from tfm.config import ModelConfig
 from tfm.ops import context
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules, parse_parallelism
+from tfm.preflight.analysis import dot_flops
 
 B, T, S, N, K, H = 2, 16, 8, 4, 2, 8
 MESHES = {  # name -> (mesh config, rule sets)
@@ -106,6 +108,33 @@ def test_zigzag_layout_balances_causal_rows():
     assert len(set(pairs)) == 1, pairs
     contiguous = [(np.arange(i * L // c, (i + 1) * L // c) + 1).sum() for i in range(c)]
     assert len(set(contiguous)) == c  # as a contiguous split they would differ
+
+
+def _conds(jaxpr):
+    """Every cond equation in jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            yield eqn
+        for value in eqn.params.values():
+            for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _conds(inner)
+
+
+def test_causal_ring_steps_skip_the_invisible_half():
+    """Each causal ring step runs one of three branches: the device's own block whole, or half
+    of it (an earlier device's first chunk, or a later device's block for the second query
+    chunk only): forward and backward, half the dot FLOPs of the whole block."""
+    mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
+    x = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32, sharding=NamedSharding(mesh, P(None, "context")))
+    loss = lambda q, k, v: dot_product_attention(q, k, v, causal=True).sum()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("context", activations=True))):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x)
+    branch_flops = [tuple(dot_flops(b.jaxpr) for b in eqn.params["branches"]) for eqn in _conds(jaxpr.jaxpr)]
+    assert len(branch_flops) == 3  # the forward loop, its last step, the backward loop
+    for whole, first_keys, last_queries in branch_flops:
+        assert whole > 0 and first_keys == last_queries == whole / 2
 
 
 def test_context_parallelism_refuses_what_it_cannot_do():

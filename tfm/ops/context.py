@@ -15,11 +15,13 @@ too), one of two strategies (ModelConfig.context_strategy):
 Load balance (causal): each device's share is re-laid out zig-zag, two mirrored chunks of
 T/(2c): device i holds chunks i and 2c-1-i (`zigzag_chunks`), so every device has as many
 visible (query, key) pairs as every other; for causal self-attention each ring step skips the
-half of its block that no query of the device can see. The re-layout moves q, k, v there and
+half of its block that no query of the device can see, so a device computes (c + 1) / 2 blocks'
+worth instead of c, the same on every device. The re-layout moves q, k, v there and
 the output back (one `ppermute` per half); positions, windows, ALiBi and segment ids are those
 of each token's global position, wherever it sits. The per-block computation is the chunked
 backend's (`tfm.ops.chunked`): keys taken `chunk` at a time, probabilities recomputed in the
-backward from the saved log-sum-exp.
+backward from the saved log-sum-exp. (The Pallas kernels would need a log-sum-exp output with
+its VJP to serve as the block; until then impl pallas/cudnn are refused under `context`.)
 """
 from __future__ import annotations
 
