@@ -1,7 +1,7 @@
 """The chunked backend: blockwise online softmax over key chunks, pure JAX.
 
-Its pieces (init_carry, accumulate, finish, output_delta, block_grads) also compute each ring
-step of context parallelism (`tfm.ops.context`).
+Its pieces (grouped; init_carry, accumulate, finish, output_delta, block_grads) also serve
+context parallelism (`tfm.ops.context`): the all-gather strategy and each ring step.
 
 O(T + S) memory in both passes (the backward recomputes each chunk's probabilities from the
 saved log-sum-exp), and it runs on every backend: the fallback for long sequences on CPU.
@@ -83,11 +83,13 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+def grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    """o [B, T, K, G, H] for query groups qg [B, T, K, G, H] and k, v [B, S, K, H] (S a multiple
+    of chunk), positions and segment ids [B, T] / [B, S]; cfg = (causal, window, softcap, scale)."""
     return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)[0]
 
 
-def _core_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+def _grouped_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
     o, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
     return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
 
@@ -125,14 +127,14 @@ def block_grads(dq, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, 
     return dq, unchunk(dk), unchunk(dv)
 
 
-def _core_bwd(cfg, chunk, residuals, do):
+def _grouped_bwd(cfg, chunk, residuals, do):
     qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
     dq, dk, dv = block_grads(jnp.zeros(qg.shape, jnp.float32), qg, k, v, q_pos, kv_pos, q_seg, kv_seg,
                              slopes, cfg, chunk, lse, output_delta(do, o), do)
     return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
@@ -151,5 +153,5 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     q_pos = jnp.broadcast_to(q_pos, (B, T))
     cfg = (causal, window, softcap, scale)
     qg = q.reshape(B, T, K, N // K, H)
-    o = _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    o = grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
     return o.reshape(B, T, N, H)

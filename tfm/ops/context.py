@@ -182,7 +182,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _gathered(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip):
     """The local queries against the whole K and V, gathered from every device."""
     k, v, kv_pos, kv_seg = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v, kv_pos, kv_seg))
-    return chunked._core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    return chunked.grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
 
 
 def _chunk_for(length, chunk_size):
