@@ -18,8 +18,9 @@ the batch axes, as "batch"), "cache_kv_heads"
 (as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
 a decode under a mesh keeps the cache sharded like the activations it came from.
 
-Parameter rules and activation rules differ in one place: "embed" is FSDP-sharded in
-parameters only (activations keep the model dim whole; their batch already uses `fsdp`).
+Parameter rules and activation rules differ in two places: "embed" is FSDP-sharded in
+parameters only (activations keep the model dim whole; their batch already uses `fsdp`), and
+"length" is split over `context` in activations only.
 """
 from __future__ import annotations
 
