@@ -97,6 +97,11 @@ def test_gpt2_small_and_llama_counts():
     (dict(position="rope", rope=dict(dim=3)), r"rope.dim=3 must be even"),
     (dict(position="rope", rope=dict(dim=16)), r"rope.dim=16 must be at most head_dim=8"),
     (dict(rope=dict(thta=1.0)), r"rope has no field\(s\) \['thta'\]"),
+    (dict(mla=dict(kv_rank=16)), r"mla needs position='rope'"),
+    (dict(position="rope", mla=dict(rope_dim=8)), r"mla.rope_dim=8 must be below head_dim=8"),
+    (dict(position="rope", num_kv_heads=2, mla=dict(rope_dim=4)), r"num_kv_heads=2 must equal num_heads=4"),
+    (dict(position="rope", mla=dict(rope_dim=3)), r"mla.rope_dim must be even"),
+    (dict(position="rope", mla=dict(rope_dim=4, kv_rnk=2)), r"mla has no field\(s\) \['kv_rnk'\]"),
 ])
 def test_bad_configs_raise_clear_errors(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -44,6 +44,11 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", ModelConfig(
         **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
+    # Multi-head latent attention with a full-rank query, value heads narrower than query/key heads.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", ModelConfig(
+        **{**LLAMA, "num_kv_heads": 4, "norm_eps": 1e-6}, head_dim=12, ffn_bias=False, tie_embeddings=False,
+        rope=dict(theta=100.0, interleaved=True), mla=dict(kv_rank=16, rope_dim=4, value_dim=6)),
+        "AutoModelForCausalLM"),
     "marian": ("MarianMTModel", ModelConfig(
         vocab_size=V, d_model=32, num_heads=4, num_layers=2, num_decoder_layers=1, d_ff=37, max_len=64,
         norm="layernorm", norm_eps=1e-5, norm_position="post", final_norm=False, position="sinusoidal",

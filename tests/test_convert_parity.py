@@ -137,6 +137,14 @@ DECODERS = {
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         max_position_embeddings=64, **EAGER)),
+    # Multi-head latent attention: query and kv latents, value head 6 != query/key head 8 + 4,
+    # interleaved RoPE on the 4-dim part, YaRN with mscale_all_dim (the softmax factor), biases on.
+    "deepseek_v3": lambda: tr.DeepseekV3ForCausalLM(tr.DeepseekV3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        first_k_dense_replace=2, attention_bias=True, max_position_embeddings=64, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 100.0}, **EAGER)),
 }
 
 
@@ -160,6 +168,8 @@ def test_decoder_logits(decoder, source):
     assert diff < TOL
     if name == "mixtral":
         assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2
+    if name == "deepseek_v3":
+        assert cfg.mla.softmax_scale_factor > 1 and (cfg.head_dim, cfg.rope.dim, cfg.mla.value_dim) == (12, 4, 6)
     if name == "llama":
         assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.theta, cfg.head_dim) == ("linear", 2.0, 500.0, 16)
 

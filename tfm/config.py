@@ -26,8 +26,29 @@ REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 
 
+class _FieldGroup:
+    """A frozen group of ModelConfig fields (ModelConfig.<FIELD>), given as itself or a dict of its fields."""
+
+    FIELD = ""
+
+    @classmethod
+    def coerce(cls, value, base=None):
+        """An instance from itself, or from a mapping of its fields laid over `base` (default: the defaults)."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return base or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"ModelConfig.{cls.FIELD} must be a {cls.__name__} or a dict of its fields, got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"ModelConfig.{cls.FIELD} has no field(s) {unknown}; its fields are {names}")
+        return dataclasses.replace(base or cls(), **value)
+
+
 @dataclasses.dataclass(frozen=True)
-class RopeConfig:
+class RopeConfig(_FieldGroup):
     """Rotary position embeddings (ModelConfig.rope, used with position="rope"): the base, the
     long-context scaling as Hugging Face's rope init functions define it, and which dims rotate.
 
@@ -69,21 +90,38 @@ class RopeConfig:
         if self.dim is not None and (self.dim < 1 or self.dim % 2):
             raise ValueError(f"ModelConfig.rope.dim={self.dim} must be even and >= 2 (or None: the whole head)")
 
-    @classmethod
-    def coerce(cls, value: Union["RopeConfig", Mapping[str, Any], None], base: Optional["RopeConfig"] = None
-               ) -> "RopeConfig":
-        """A RopeConfig from itself, or from a mapping of its fields laid over `base` (default: the defaults)."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            return base or cls()
-        if not isinstance(value, Mapping):
-            raise ValueError(f"ModelConfig.rope must be a RopeConfig or a dict of its fields, got {value!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"ModelConfig.rope has no field(s) {unknown}; its fields are {names}")
-        return dataclasses.replace(base or cls(), **value)
+    FIELD = "rope"
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig(_FieldGroup):
+    """Multi-head latent attention (DeepSeek-V2/V3; ModelConfig.mla): every head's key and value
+    are projected up from one latent of kv_rank per token, which (with the RoPE key of rope_dim,
+    shared by the heads) is all a decode cache holds. A query/key head of head_dim is a rope_dim
+    part rotated by RoPE followed by head_dim - rope_dim without positions; values have value_dim.
+
+    q_rank: queries through a latent of this rank too (None: one full-rank projection).
+    value_dim: None = head_dim.
+    softmax_scale_factor: multiplies the logits' head_dim**-0.5 (DeepSeek's YaRN mscale squared).
+    """
+
+    kv_rank: int = 512
+    rope_dim: int = 64
+    q_rank: Optional[int] = None
+    value_dim: Optional[int] = None
+    softmax_scale_factor: float = 1.0
+
+    FIELD = "mla"
+
+    def __post_init__(self):
+        for name in ("kv_rank", "rope_dim", "q_rank", "value_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ModelConfig.mla.{name} must be >= 1, got {value}")
+        if self.rope_dim % 2:
+            raise ValueError(f"ModelConfig.mla.rope_dim must be even, got {self.rope_dim}")
+        if self.softmax_scale_factor <= 0:
+            raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
 
 
 # ModelConfig's flat RoPE fields before `rope` grouped them (configs recorded then still load).
@@ -140,6 +178,8 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
+    # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
+    mla: Union[MlaConfig, dict, None] = None
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
     # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
@@ -211,6 +251,7 @@ class ModelConfig:
                 object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=self.head_dim))
             if self.rope.dim > self.head_dim:
                 raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} must be at most head_dim={self.head_dim}")
+        self._check_mla()
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
         self._check_pattern()
@@ -267,6 +308,24 @@ class ModelConfig:
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
 
+    def _check_mla(self):
+        if self.mla is None:
+            return
+        mla = MlaConfig.coerce(self.mla)
+        if self.position != "rope":
+            raise ValueError(f"ModelConfig.mla needs position='rope' (its decoupled RoPE key), got {self.position!r}")
+        if mla.rope_dim >= self.head_dim:
+            raise ValueError(f"ModelConfig.mla.rope_dim={mla.rope_dim} must be below head_dim={self.head_dim} "
+                             f"(a head is the RoPE part and the part without positions)")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"ModelConfig.mla projects a key and value per query head: num_kv_heads="
+                             f"{self.num_kv_heads} must equal num_heads={self.num_heads}")
+        if self.rope.dim not in (mla.rope_dim, self.head_dim):
+            raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} disagrees with mla.rope_dim={mla.rope_dim}; "
+                             f"set only mla.rope_dim")
+        object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=mla.rope_dim))
+        object.__setattr__(self, "mla", dataclasses.replace(mla, value_dim=mla.value_dim or self.head_dim))
+
     def _derive(self, **defaults):
         """Sets each None field of `defaults` to its derived value."""
         for name, value in defaults.items():
@@ -317,7 +376,12 @@ class ModelConfig:
         rope = self.rope
         if rope.dim == self.head_dim:  # the whole head, whatever head_dim becomes
             rope = dataclasses.replace(rope, dim=None)
+        if self.mla is not None and rope.dim == self.mla.rope_dim:  # follows mla.rope_dim
+            rope = dataclasses.replace(rope, dim=None)
         changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
+        if self.mla is not None and changes.get("mla", self.mla) is not None:
+            mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
+            changes["mla"] = MlaConfig.coerce(changes.get("mla"), mla)
         return dataclasses.replace(self, **changes)
 
     @classmethod
