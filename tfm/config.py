@@ -180,6 +180,10 @@ class ModelConfig:
     attn_logit_softcap: Optional[float] = None
     # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
     mla: Union[MlaConfig, dict, None] = None
+    value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]
+    # Linformer (encoders): keys and values projected along the length to this many rows (one learned
+    # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
+    linformer_length: Optional[int] = None
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
     # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
@@ -252,6 +256,15 @@ class ModelConfig:
             if self.rope.dim > self.head_dim:
                 raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} must be at most head_dim={self.head_dim}")
         self._check_mla()
+        for name in ("value_rank", "linformer_length"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.linformer_length is not None and (self.sliding_window is not None or
+                                                  self.position in ("alibi", "relative")):
+            raise ValueError("ModelConfig.linformer_length: projected keys have no positions, so a sliding_window, "
+                             "ALiBi or a relative position bias cannot apply to them")
+        if self.value_rank is not None and self.mla is not None:
+            raise ValueError("ModelConfig.value_rank factorises the value projection, which mla replaces; set one")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
         self._check_pattern()

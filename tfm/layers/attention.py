@@ -112,15 +112,49 @@ class Attention(nn.Module):
         """q [B, T, N, H]; k, v [B, S, K, H] (S = the cache length when decoding), their segment ids and positions."""
         cfg = self.config
         q = self._heads("query", cfg.num_heads)(x)
-        k, v = self._heads("key", cfg.num_kv_heads)(x), self._heads("value", cfg.num_kv_heads)(x)  # [B, T, K, H]
+        k, v = self._heads("key", cfg.num_kv_heads)(x), self._value(x)  # [B, T, K, H]
         if cfg.position == "rope":
             q, k = apply_rope(q, positions, cfg), apply_rope(k, positions, cfg)
+        if cfg.linformer_length is not None:
+            if self.causal or decode:
+                raise ValueError("ModelConfig.linformer_length projects keys along the whole length, which has no "
+                                 "causal or cached form; use it in encoders")
+            k, v, kv_segment_ids = self._project_length(k, v, kv_segment_ids)
+            return q, k, v, kv_segment_ids, None
         if not decode:
             return q, k, v, kv_segment_ids, positions
         (k, v), segment_ids, positions = self._write_cache(
             {"cached_key": (_swap_length_heads(k), CACHE_KV_AXES),
              "cached_value": (_swap_length_heads(v), CACHE_KV_AXES)}, segment_ids)
         return q, _swap_length_heads(k), _swap_length_heads(v), segment_ids, positions
+
+    def _value(self, x):
+        """Values [B, S, K, H]: one projection, or through rank config.value_rank (W_V = W_V_down W_V_up)."""
+        cfg = self.config
+        if cfg.value_rank is None:
+            return self._heads("value", cfg.num_kv_heads)(x)
+        r = self._projection("BSD,DR->BSR", (cfg.d_model, cfg.value_rank), ("embed", "rank"), "value_down",
+                             use_bias=False)(x)
+        return self._projection("BSR,RKH->BSKH", (cfg.value_rank, cfg.num_kv_heads, cfg.head_dim),
+                                ("rank", "kv_heads", "head_dim"), "value_up")(r)
+
+    def _project_length(self, k, v, kv_segment_ids):
+        """Linformer (Wang et al. 2020): k, v [B, S, K, H] -> [B, P, K, H] through the first S rows of one
+        learned [max_len, P] matrix shared by keys and values. Padding keys (segment id 0) are zeroed
+        first, so padding changes nothing; packed sequences (ids > 1) would mix and are not supported."""
+        cfg = self.config
+        S, P = k.shape[1], cfg.linformer_length
+        if S > cfg.max_len:
+            raise ValueError(f"Linformer's length projection has max_len={cfg.max_len} rows; got {S} keys")
+        init = nn.initializers.normal(stddev=cfg.max_len ** -0.5)
+        E = self.param("length_projection", param_init(init, (None, None)), (cfg.max_len, P), jnp.float32)
+        E = E[:S].astype(k.dtype)  # [S, P]
+        if kv_segment_ids is not None:
+            keep = (kv_segment_ids > 0)[:, :, None, None].astype(k.dtype)
+            k, v = k * keep, v * keep
+            kv_segment_ids = jnp.ones((k.shape[0], P), jnp.int32)  # every projected key is visible
+        k, v = (jnp.einsum("BSKH,SP->BPKH", a, E) for a in (k, v))
+        return k, v, kv_segment_ids
 
     def _latent_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
         """Multi-head latent attention (DeepSeek-V2 section 2.1): q, k [B, S, N, H] (the first
