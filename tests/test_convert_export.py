@@ -49,6 +49,11 @@ CASES = {
         **{**LLAMA, "num_kv_heads": 4, "norm_eps": 1e-6}, head_dim=12, ffn_bias=False, tie_embeddings=False,
         rope=dict(theta=100.0, interleaved=True), mla=dict(kv_rank=16, rope_dim=4, value_dim=6)),
         "AutoModelForCausalLM"),
+    # 4 experts top-2, renormalised gates, a shared expert; q/k/v biases.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", ModelConfig(
+        **LLAMA, rope=dict(theta=1e6), attention_bias=True, attention_out_bias=False, ffn_bias=False,
+        num_experts=4, experts_per_token=2, shared_expert_d_ff=40, router_aux_loss_coef=0.001,
+        tie_embeddings=False), "AutoModelForCausalLM"),
     "marian": ("MarianMTModel", ModelConfig(
         vocab_size=V, d_model=32, num_heads=4, num_layers=2, num_decoder_layers=1, d_ff=37, max_len=64,
         norm="layernorm", norm_eps=1e-5, norm_position="post", final_norm=False, position="sinusoidal",
@@ -197,7 +202,8 @@ def test_configs_hf_cannot_express_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"no Hugging Face class expresses this config"):
         to_hf(gpt2.replace(position="sinusoidal"), params, tmp_path / "b")
     with pytest.raises(ConversionError, match=r"MixtralForCausalLM cannot express .*capacity_factor=1.25"):
-        to_hf(CASES["mixtral"][1].replace(capacity_factor=1.25), {}, tmp_path / "c", architecture="MixtralForCausalLM")
+        to_hf(CASES["mixtral"][1].replace(moe_impl="einsum", capacity_factor=1.25), {}, tmp_path / "c",
+              architecture="MixtralForCausalLM")
     with pytest.raises(ConversionError, match=r"activation='geglu' has no Hugging Face name"):
         to_hf(gpt2.replace(activation="geglu"), params, tmp_path / "d", architecture="GPT2LMHeadModel")
     with pytest.raises(ConversionError, match=r"architecture 'Nope' has no config writer"):

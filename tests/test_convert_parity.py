@@ -145,6 +145,11 @@ DECODERS = {
         first_k_dense_replace=2, attention_bias=True, max_position_embeddings=64, rope_interleave=True,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 100.0}, **EAGER)),
+    # 4 experts top-2 with un-normalised gates, a shared expert wider than the experts, q/k/v biases.
+    "qwen2_moe": lambda: tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64, **EAGER)),
 }
 
 
@@ -167,9 +172,11 @@ def test_decoder_logits(decoder, source):
     print(f"{type(hf).__name__}[{source}] max-abs {diff:.2e}")
     assert diff < TOL
     if name == "mixtral":
-        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2
+        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2 and cfg.moe_impl == "ragged"
     if name == "deepseek_v3":
         assert cfg.mla.softmax_scale_factor > 1 and (cfg.head_dim, cfg.rope.dim, cfg.mla.value_dim) == (12, 4, 6)
+    if name == "qwen2_moe":
+        assert (cfg.num_experts, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_norm_topk) == (4, 24, 40, False)
     if name == "llama":
         assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.theta, cfg.head_dim) == ("linear", 2.0, 500.0, 16)
 

@@ -170,7 +170,7 @@ def test_moe_dropless_matches_per_token_brute_force():
 
 
 def test_moe_routing_capacity_and_aux_loss_closed_form():
-    cfg = presets.tiny("moe", experts_per_token=1, capacity_factor=1.0)  # E=4, k=1: capacity T/4
+    cfg = presets.tiny("moe", experts_per_token=1, moe_impl="einsum", capacity_factor=1.0)  # E=4, k=1: capacity T/4
     logits = jnp.zeros((1, 8, 4)).at[0, :, 2].set(5.0)  # every token prefers expert 2
     dispatch, combine, aux = route(logits, cfg, capacity=2)
     assert dispatch.shape == (1, 8, 4, 2)

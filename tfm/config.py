@@ -22,6 +22,7 @@ ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MOE_IMPLS = ("ragged", "einsum")  # ModelConfig.moe_impl: sorted grouped matmuls (dropless), one-hot dispatch
 REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 
@@ -195,8 +196,11 @@ class ModelConfig:
     ffn_bias: bool = True
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
-    capacity_factor: Optional[float] = None  # None = dropless
+    moe_impl: str = "ragged"  # "ragged": sort by expert + grouped matmuls, dropless; "einsum": one-hot slots
+    capacity_factor: Optional[float] = None  # moe_impl="einsum" slots per expert; None = dropless (C = T)
     router_aux_loss_coef: float = 0.01
+    router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
+    shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
 
     # Block
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
@@ -232,7 +236,8 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       attention_impl=ATTENTION_IMPLS, dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES)
+                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, dtype=DTYPE_NAMES,
+                       remat_policy=REMAT_POLICY_NAMES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -291,6 +296,13 @@ class ModelConfig:
                                  f"[1, num_experts={self.num_experts}]")
             if self.capacity_factor is not None and self.capacity_factor <= 0:
                 raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
+            if self.shared_expert_d_ff < 0:
+                raise ValueError(f"ModelConfig.shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
+            if self.capacity_factor is not None and self.moe_impl != "einsum":
+                raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
+                                 f"(moe_impl={self.moe_impl!r} is dropless)")
+        if self.shared_expert_d_ff and not self.num_experts:
+            raise ValueError(f"ModelConfig.shared_expert_d_ff={self.shared_expert_d_ff} needs num_experts > 0")
         unknown_heads = set(self.heads) - set(HEADS)
         if unknown_heads:
             raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")
