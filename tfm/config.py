@@ -22,6 +22,7 @@ ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
 MOE_IMPLS = ("ragged", "einsum")  # ModelConfig.moe_impl: sorted grouped matmuls (dropless), one-hot dispatch
 REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
@@ -201,6 +202,16 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
     shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
+    shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
+    router_score: str = "softmax"  # expert scores: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3)
+    # DeepSeek-V3's group-limited routing: the experts in router_groups equal groups, a token choosing
+    # among the router_group_top groups whose two best scores sum highest; 1 = no groups.
+    router_groups: int = 1
+    router_group_top: int = 1
+    router_bias: bool = False  # a per-expert `score_bias` added to the scores for the choice only (no gradient)
+    router_scale: float = 1.0  # multiplies the gates (DeepSeek's routed_scaling_factor)
+    dense_layers: int = 0  # MoE models: the first this many layers have a dense feed-forward of dense_d_ff
+    dense_d_ff: Optional[int] = None  # None = d_ff
 
     # Block
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
@@ -236,7 +247,7 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, dtype=DTYPE_NAMES,
+                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, router_score=ROUTER_SCORES, dtype=DTYPE_NAMES,
                        remat_policy=REMAT_POLICY_NAMES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -301,6 +312,7 @@ class ModelConfig:
             if self.capacity_factor is not None and self.moe_impl != "einsum":
                 raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
                                  f"(moe_impl={self.moe_impl!r} is dropless)")
+        self._check_routing()
         if self.shared_expert_d_ff and not self.num_experts:
             raise ValueError(f"ModelConfig.shared_expert_d_ff={self.shared_expert_d_ff} needs num_experts > 0")
         unknown_heads = set(self.heads) - set(HEADS)
@@ -332,6 +344,32 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.num_channels must be >= 1, got {self.num_channels}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_routing(self):
+        if not self.num_experts:
+            if self.dense_layers:
+                raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} needs num_experts > 0 (every layer "
+                                 f"is dense without experts)")
+            return
+        groups, top = self.router_groups, self.router_group_top
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"ModelConfig.router_groups={groups} must divide num_experts={self.num_experts}")
+        if not 1 <= top <= groups:
+            raise ValueError(f"ModelConfig.router_group_top={top} must be in [1, router_groups={groups}]")
+        if groups > 1 and self.experts_per_token > top * (self.num_experts // groups):
+            raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds the "
+                             f"{top * (self.num_experts // groups)} experts of router_group_top={top} groups")
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ValueError("ModelConfig.router_groups: a group is ranked by its two best experts; give it >= 2")
+        if self.router_scale <= 0:
+            raise ValueError(f"ModelConfig.router_scale must be > 0, got {self.router_scale}")
+        if not 0 <= self.dense_layers <= self.num_layers:
+            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be in [0, num_layers={self.num_layers}]")
+        if self.dense_d_ff is not None and self.dense_d_ff < 1:
+            raise ValueError(f"ModelConfig.dense_d_ff must be >= 1 or None, got {self.dense_d_ff}")
+        if self.scan_layers and self.dense_layers % self.pattern_period:
+            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be a multiple of the attention "
+                             f"pattern's period {self.pattern_period} to scan the MoE layers after them")
 
     def _check_mla(self):
         if self.mla is None:

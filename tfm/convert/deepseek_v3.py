@@ -7,8 +7,13 @@ first kv_lora_rank rows -> kv_a_layernorm -> kv_b_proj), and the RoPE key shared
 part, RoPE part]; tfm puts the RoPE part first (RoPE rotates a head's first rope.dim dims), a
 permutation of head dims that leaves every q.k unchanged. HF's `rope_interleave` (pairs rotated
 together) is tfm's rope.interleaved. YaRN's mscale_all_dim scales the softmax as HF does
-(mla.softmax_scale_factor). Only dense feed-forward layers are mapped so far
-(first_k_dense_replace = num_hidden_layers); DeepSeek's MoE layers are refused by name.
+(mla.softmax_scale_factor).
+
+Feed-forward: the first first_k_dense_replace layers dense (intermediate_size: tfm dense_d_ff), the
+rest DeepSeekMoE: n_routed_experts of moe_intermediate_size (tfm d_ff) chosen by sigmoid scores plus
+the balancing bias `e_score_correction_bias` (tfm score_bias) within the topk_group best of n_group
+groups, gates renormalised and times routed_scaling_factor, plus n_shared_experts always-on experts
+(one ungated Mlp n_shared_experts times as wide). HF computes no auxiliary loss: router_aux_loss_coef 0.
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ import math
 import numpy as np
 
 from tfm.config import MlaConfig, ModelConfig
-from tfm.convert import llama
-from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, dense, model_params, norm
+from tfm.convert import llama, mixtral
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, dense, linear, model_params,
+                                norm)
 from tfm.models import DecoderLM
 
 # The latent norms are built by HF without an eps, so they use RMSNorm's default; tfm has one eps.
@@ -26,14 +32,20 @@ LATENT_NORM_EPS = 1e-6
 
 
 def config(hf: HFConfig) -> ModelConfig:
-    layers = hf.require("num_hidden_layers")
-    if hf.get("first_k_dense_replace", 3) < layers:
-        raise hf.unsupported("first_k_dense_replace", hf.get("first_k_dense_replace", 3),
-                             f"tfm maps DeepSeek-V3's dense layers only so far: every layer dense "
-                             f"(first_k_dense_replace >= num_hidden_layers={layers})")
     hf.expect("rms_norm_eps", [LATENT_NORM_EPS], LATENT_NORM_EPS)
     nope, rope_dim = hf.require("qk_nope_head_dim"), hf.require("qk_rope_head_dim")
-    base = llama.config(hf, head_dim=nope + rope_dim, num_kv_heads=hf.require("num_attention_heads"))
+    layers, dense = hf.require("num_hidden_layers"), hf.get("first_k_dense_replace", 3)
+    moe = {}
+    if dense < layers:
+        F = hf.require("moe_intermediate_size")
+        moe = dict(num_experts=hf.require("n_routed_experts"), experts_per_token=hf.get("num_experts_per_tok", 8),
+                   d_ff=F, dense_layers=dense, dense_d_ff=hf.require("intermediate_size"), router_score="sigmoid",
+                   router_groups=hf.get("n_group", 1), router_group_top=hf.get("topk_group", 1), router_bias=True,
+                   router_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                   router_norm_topk=bool(hf.get("norm_topk_prob", True)),
+                   shared_expert_d_ff=F * hf.get("n_shared_experts", 0), shared_expert_gate=False,
+                   router_aux_loss_coef=0.0)
+    base = llama.config(hf, head_dim=nope + rope_dim, num_kv_heads=hf.require("num_attention_heads"), **moe)
     mla = MlaConfig(kv_rank=hf.require("kv_lora_rank"), rope_dim=rope_dim, q_rank=hf.get("q_lora_rank"),
                     value_dim=hf.get("v_head_dim") or nope + rope_dim, softmax_scale_factor=_softmax_factor(hf))
     rope = {"interleaved": bool(hf.get("rope_interleave", True))}
@@ -80,13 +92,26 @@ def attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return out
 
 
-def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
+def ffn(w: Weights, p: str, cfg: ModelConfig, dense: bool) -> dict:
+    """A dense SwiGLU, or the routed experts with the router's balancing bias and the shared experts."""
+    if dense:
+        return llama.dense_ffn(w, p, cfg)
+    out = mixtral.moe_ffn(w, p, cfg, hub_block="mlp", hub_names=("gate_proj", "up_proj", "down_proj"))
+    out["score_bias"] = w(f"{p}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
+    if cfg.shared_expert_d_ff:
+        out["shared_expert"] = {name: linear(w, f"{p}.mlp.shared_experts.{hf_name}_proj", bias=False)
+                                for name, hf_name in (("wi_gate", "gate"), ("wi_up", "up"), ("wo", "down"))}
+    return out
+
+
+def layer(w: Weights, p: str, cfg: ModelConfig, i: int) -> dict:
+    dense = not cfg.num_experts or i < cfg.dense_layers
     return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm), "self_attn": attention(w, p, cfg),
-            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm), "ffn": llama.dense_ffn(w, p, cfg)}
+            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm), "ffn": ffn(w, p, cfg, dense)}
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg), cfg.num_layers, final_norm="model.norm")
+    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, i), cfg.num_layers, final_norm="model.norm")
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 
@@ -97,10 +122,17 @@ def hf_config(cfg: ModelConfig) -> dict:
     out = llama.hf_config(cfg, model_type="deepseek_v3", bias_fields=False)
     del out["head_dim"]
     mla = cfg.mla
-    return dict(out, attention_bias=cfg.attention_bias, kv_lora_rank=mla.kv_rank, q_lora_rank=mla.q_rank,
-                qk_rope_head_dim=mla.rope_dim, qk_nope_head_dim=cfg.head_dim - mla.rope_dim,
-                v_head_dim=mla.value_dim, rope_interleave=cfg.rope.interleaved,
-                first_k_dense_replace=cfg.num_layers, n_routed_experts=1, num_experts_per_tok=1)
+    out = dict(out, attention_bias=cfg.attention_bias, kv_lora_rank=mla.kv_rank, q_lora_rank=mla.q_rank,
+               qk_rope_head_dim=mla.rope_dim, qk_nope_head_dim=cfg.head_dim - mla.rope_dim,
+               v_head_dim=mla.value_dim, rope_interleave=cfg.rope.interleaved)
+    if not cfg.num_experts:
+        return dict(out, first_k_dense_replace=cfg.num_layers, n_routed_experts=1, num_experts_per_tok=1,
+                    n_group=1, topk_group=1)
+    return dict(out, intermediate_size=cfg.dense_d_ff or cfg.d_ff, moe_intermediate_size=cfg.d_ff,
+                first_k_dense_replace=cfg.dense_layers, n_routed_experts=cfg.num_experts,
+                num_experts_per_tok=cfg.experts_per_token, n_group=cfg.router_groups, topk_group=cfg.router_group_top,
+                routed_scaling_factor=cfg.router_scale, norm_topk_prob=cfg.router_norm_topk,
+                n_shared_experts=cfg.shared_expert_d_ff // cfg.d_ff)
 
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE,
