@@ -173,3 +173,18 @@ def test_rope_is_one_nested_config():
     with pytest.raises(ValueError, match=r"RoPE's settings are nested now: \['rope.theta'\]"):
         presets.build("llama", 64, {"rope_theta": 1e4})
     assert presets.build("tiny_llama", 64, {"rope": {"theta": 1e4}}).rope.theta == 1e4
+
+
+@pytest.mark.parametrize("preset, total, active", [("mixtral_8x7b", 46.7e9, 12.9e9), ("deepseek_v3", 671e9, 37e9),
+                                                   ("kimi_k2", 1.04e12, 32e9)])
+def test_moe_presets_hold_their_published_sizes(preset, total, active):
+    """Parameter counts by jax.eval_shape (nothing allocated) against the published totals and active
+    parameters per token; active = what a token's forward multiplies with: all but the input
+    embedding table and the experts it does not use. Within 1.5% (the published figures are rounded,
+    and Kimi K2's "1.04T" and DeepSeek's "671B" leave out their multi-token-prediction modules)."""
+    cfg = getattr(presets, preset)(scan_layers=True)
+    n = count_params(DecoderLM(cfg), jnp.zeros((1, 8), jnp.int32))
+    unused = (cfg.num_layers - cfg.dense_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.d_ff
+    act = n - unused - cfg.vocab_size * cfg.d_model
+    print(f"{preset}: {n / 1e9:.2f}B total, {act / 1e9:.2f}B active")
+    assert abs(n - total) / total < 0.015 and abs(act - active) / active < 0.015, (n, act)
