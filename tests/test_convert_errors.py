@@ -20,6 +20,10 @@ MODELS = {
     "llama": lambda: tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24,
                                                         num_hidden_layers=1, num_attention_heads=2,
                                                         num_key_value_heads=1, **EAGER)),
+    "qwen2_moe": lambda: tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
+        **EAGER)),
     "marian": lambda: tr.MarianMTModel(tr.MarianConfig(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1,
                                                        encoder_attention_heads=2, decoder_attention_heads=2,
                                                        encoder_ffn_dim=24, decoder_ffn_dim=24, pad_token_id=49,
@@ -64,6 +68,8 @@ def test_clean_checkpoints_convert(checkpoints, name):
                                                        "long_factor": [1.0] * 4}), "rope_scaling"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),  # tfm's GeGLU gate is tanh-GELU, not erf
     ("llama", dict(tie_word_embeddings=True), "tie_word_embeddings"),  # lm_head differs from the embedding
+    ("qwen2_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),  # dense layers between MoE ones
+    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
     ("bert", dict(position_embedding_type="relative_key"), "position_embedding_type"),
     ("bert", dict(hidden_act="quick_gelu"), "hidden_act"),
     ("bert", dict(is_decoder=True), "is_decoder"),

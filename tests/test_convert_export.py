@@ -44,6 +44,19 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", ModelConfig(
         **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
+    # Multi-head latent attention with a full-rank query, value heads narrower than query/key heads;
+    # layer 0 dense, layer 1 DeepSeekMoE (sigmoid scores + balancing bias, 2 of 4 groups, 2 shared experts).
+    "deepseek_v3": ("DeepseekV3ForCausalLM", ModelConfig(
+        **{**LLAMA, "num_kv_heads": 4, "norm_eps": 1e-6, "d_ff": 8}, head_dim=12, ffn_bias=False, tie_embeddings=False,
+        rope=dict(theta=100.0, interleaved=True), mla=dict(kv_rank=16, rope_dim=4, value_dim=6), num_experts=8,
+        experts_per_token=3, dense_layers=1, dense_d_ff=48, router_score="sigmoid", router_groups=4,
+        router_group_top=2, router_bias=True, router_scale=2.5, shared_expert_d_ff=16, shared_expert_gate=False,
+        router_aux_loss_coef=0.0), "AutoModelForCausalLM"),
+    # 4 experts top-2, renormalised gates, a shared expert; q/k/v biases.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", ModelConfig(
+        **LLAMA, rope=dict(theta=1e6), attention_bias=True, attention_out_bias=False, ffn_bias=False,
+        num_experts=4, experts_per_token=2, shared_expert_d_ff=40, router_aux_loss_coef=0.001,
+        tie_embeddings=False), "AutoModelForCausalLM"),
     "marian": ("MarianMTModel", ModelConfig(
         vocab_size=V, d_model=32, num_heads=4, num_layers=2, num_decoder_layers=1, d_ff=37, max_len=64,
         norm="layernorm", norm_eps=1e-5, norm_position="post", final_norm=False, position="sinusoidal",
@@ -192,7 +205,8 @@ def test_configs_hf_cannot_express_are_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"no Hugging Face class expresses this config"):
         to_hf(gpt2.replace(position="sinusoidal"), params, tmp_path / "b")
     with pytest.raises(ConversionError, match=r"MixtralForCausalLM cannot express .*capacity_factor=1.25"):
-        to_hf(CASES["mixtral"][1].replace(capacity_factor=1.25), {}, tmp_path / "c", architecture="MixtralForCausalLM")
+        to_hf(CASES["mixtral"][1].replace(moe_impl="einsum", capacity_factor=1.25), {}, tmp_path / "c",
+              architecture="MixtralForCausalLM")
     with pytest.raises(ConversionError, match=r"activation='geglu' has no Hugging Face name"):
         to_hf(gpt2.replace(activation="geglu"), params, tmp_path / "d", architecture="GPT2LMHeadModel")
     with pytest.raises(ConversionError, match=r"architecture 'Nope' has no config writer"):

@@ -94,11 +94,13 @@ def test_param_and_optimizer_specs_per_rule_set(key):
         assert all(s == P() for s in params.values())
 
 
-def test_expert_parallel_moves_tokens_not_expert_weights():
-    """Under data=2 x expert=4 the dispatched tokens [B, E, C, D] are split over `expert`, so the
-    compiled MoE layer gathers activations but never the [E, D, F] expert weights."""
+@pytest.mark.parametrize("moe_impl", ["einsum", "ragged"])
+def test_expert_parallel_moves_tokens_not_expert_weights(moe_impl):
+    """Under data=2 x expert=4 the expert weights stay split over `expert` (einsum: the dispatched
+    tokens [B, E, C, D] are split over `expert`; ragged: XLA splits the grouped matmuls by expert
+    group), so the compiled MoE layer gathers activations but never the [E, D, F] expert weights."""
     assert dict(make_rules("data", "expert"))["expert_batch"] == ("data",)
-    cfg = tiny("moe")  # E 4, D 32, F 64
+    cfg = tiny("moe", moe_impl=moe_impl)  # E 4, D 32, F 64
     mesh = make_mesh(MeshConfig(data=2, expert=4))
     layer, x = MoeMlp(cfg), jnp.ones((8, 16, cfg.d_model))
     with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("data", "expert", activations=True))):

@@ -236,6 +236,7 @@ PUBLISHED = {
     "qwen2": ("Qwen2ForCausalLM", lambda: tr.Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768), 494_032_768),  # 0.5B
+    "qwen2_moe": ("Qwen2MoeForCausalLM", lambda: tr.Qwen2MoeConfig(), 14_315_784_192),  # Qwen1.5-MoE-A2.7B
     "llama3": ("LlamaForCausalLM", lambda: tr.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=131072, rope_parameters={

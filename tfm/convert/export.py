@@ -53,7 +53,7 @@ __all__ = ["to_hf"]
 # ModelConfig fields that do not change the function a checkpoint computes; HF configs need not
 # carry them, and `from_hf(..., **overrides)` sets them again.
 _NOT_COMPARED = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
-                 "attention_block_sizes", "dropout_rate", "attention_dropout")
+                 "attention_block_sizes", "dropout_rate", "attention_dropout", "context_strategy")
 
 
 # ---- export -------------------------------------------------------------------------------
@@ -147,8 +147,10 @@ def _flat_fields(cfg: ModelConfig) -> dict:
 
 
 def _canonical(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with the fields that do not change the function reset (derived ones are always set)."""
-    return cfg.replace(**{f: ModelConfig.__dataclass_fields__[f].default for f in _NOT_COMPARED})
+    """`cfg` with the fields that do not change the function reset (derived ones are always set); the
+    MoE implementation too when dropless (capacity_factor None: both compute the same function)."""
+    fields = _NOT_COMPARED + (("moe_impl",) if cfg.capacity_factor is None else ())
+    return cfg.replace(**{f: ModelConfig.__dataclass_fields__[f].default for f in fields})
 
 
 def _meta_model(arch: str, hf_cfg):

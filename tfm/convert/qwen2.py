@@ -13,14 +13,15 @@ from tfm.models import DecoderLM
 KINDS = {"full_attention": "global", "sliding_attention": "local"}
 
 
-def config(hf: HFConfig) -> ModelConfig:
+def config(hf: HFConfig, **extra) -> ModelConfig:
+    """`extra` adds a variant's own fields (Qwen2-MoE's experts)."""
     hf.expect("attention_bias", [True], True)
     pattern = attention_pattern(hf, hf.get("layer_types") or ["full_attention"])
     window = hf.get("sliding_window") if "local" in pattern else None
     if len(set(pattern)) == 1:
         pattern = None  # one kind on every layer: sliding_window alone says which
     return llama.config(hf, default_theta=1e6, attention_bias=True, attention_out_bias=False,
-                        sliding_window=window, attention_pattern=pattern)
+                        sliding_window=window, attention_pattern=pattern, **extra)
 
 
 def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ...]:
@@ -37,9 +38,9 @@ def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ..
     return kinds
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: ModelConfig, model_type: str = "qwen2") -> dict:
     """The inverse of `config` (export): the attention pattern as HF's per-layer layer_types."""
-    out = llama.hf_config(cfg, model_type="qwen2", bias_fields=False)
+    out = llama.hf_config(cfg, model_type=model_type, bias_fields=False)
     names = {kind: name for name, kind in KINDS.items()}
     layer_types = [names["global" if cfg.layer_window(i) is None else "local"] for i in range(cfg.num_layers)]
     return dict(out, use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,

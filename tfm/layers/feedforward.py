@@ -46,27 +46,58 @@ class Mlp(nn.Module):
 
 
 def expert_capacity(tokens_per_group: int, config: ModelConfig) -> int:
-    """Slots per expert per group: ceil(capacity_factor * T * k / E); all T when dropless."""
+    """Slots per expert per group (moe_impl="einsum"): ceil(capacity_factor * T * k / E); all T when None."""
     if config.capacity_factor is None:
         return tokens_per_group
     c = math.ceil(config.capacity_factor * tokens_per_group * config.experts_per_token / config.num_experts)
     return max(1, min(c, tokens_per_group))
 
 
-def route(logits, config: ModelConfig, capacity: int):
-    """Top-k token-choice routing within each group (batch row).
+def top_k_gates(logits, config: ModelConfig, score_bias=None):
+    """logits [..., E] (fp32) -> gates [..., k], experts [..., k] (int32), aux_loss.
 
-    logits [B, T, E] (fp32) -> dispatch [B, T, E, C] (0/1), combine [B, T, E, C] (gate weights),
-    aux_loss (Switch/Mixtral load balancing: E * sum_e fraction_routed_e * mean_prob_e).
-    Earlier choices (k = 0 first) take capacity before later ones; overflow is dropped.
+    Scores are the router's softmax (or, router_score="sigmoid", per-expert sigmoid). The k best
+    experts are chosen by score + score_bias [E] (DeepSeek-V3's balancing bias; None = 0), among
+    the router_group_top best of router_groups groups when grouped; the gates are their scores
+    (bias excluded), renormalised to sum to 1 when k > 1 and router_norm_topk, times router_scale.
+    aux_loss is the Switch/Mixtral load-balancing loss E * sum_e fraction_routed_e * mean_score_e.
     """
     E, k = config.num_experts, config.experts_per_token
-    probs = jax.nn.softmax(logits, axis=-1)
-    gates, experts = jax.lax.top_k(probs, k)  # [B, T, k]
-    if k > 1:
-        gates = gates / gates.sum(-1, keepdims=True)
+    scores = jax.nn.softmax(logits, axis=-1) if config.router_score == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias)
+    if config.router_groups > 1:
+        choice = _best_groups_only(choice, config.router_groups, config.router_group_top)
+    _, experts = jax.lax.top_k(choice, k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if k > 1 and config.router_norm_topk:
+        gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+    gates = gates * config.router_scale
+    lead = tuple(range(logits.ndim - 1))
+    fraction = jax.nn.one_hot(experts, E, dtype=jnp.float32).mean(axis=lead)  # [k, E]
+    aux_loss = E * jnp.sum(fraction * scores.mean(axis=lead)[None, :])
+    return gates, experts.astype(jnp.int32), aux_loss
+
+
+def _best_groups_only(choice, groups: int, top: int):
+    """choice [..., E] with the experts outside each token's `top` best groups (ranked by the sum of a
+    group's two best scores) set to -inf."""
+    grouped = choice.reshape(choice.shape[:-1] + (groups, -1))  # [..., groups, E / groups]
+    rank = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [..., groups]
+    _, best = jax.lax.top_k(rank, top)
+    keep = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.bool_), axis=-2)  # [..., groups]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def route(logits, config: ModelConfig, capacity: int, score_bias=None):
+    """Top-k token-choice routing within each group (batch row), as one-hot dispatch (moe_impl="einsum").
+
+    logits [B, T, E] (fp32) -> dispatch [B, T, E, C] (0/1), combine [B, T, E, C] (gate weights),
+    aux_loss (see `top_k_gates`). Earlier choices (k = 0 first) take capacity before later ones;
+    overflow is dropped.
+    """
+    E, k = config.num_experts, config.experts_per_token
+    gates, experts, aux_loss = top_k_gates(logits, config, score_bias)  # [B, T, k]
     choice = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, T, k, E]
-    aux_loss = E * jnp.sum(choice.mean(axis=(0, 1)) * probs.mean(axis=(0, 1))[None, :])
     B, T = logits.shape[:2]
     priority = jnp.swapaxes(choice, 1, 2).reshape(B, k * T, E)  # k-major order
     slot = (jnp.cumsum(priority, axis=1) - 1).reshape(B, k, T, E).swapaxes(1, 2)  # [B, T, k, E]
@@ -77,10 +108,24 @@ def route(logits, config: ModelConfig, capacity: int):
     return dispatch, combine, aux_loss
 
 
+def sort_by_expert(experts, num_experts: int):
+    """experts [N, k] -> (order [N*k]: (token, choice) pairs grouped by expert, stable; token [N*k]: the
+    token of each sorted pair; group_sizes [E]: pairs per expert, zeros included)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, order // experts.shape[1], group_sizes
+
+
 class MoeMlp(nn.Module):
     """Mixture of gated/plain feed-forward experts: [B, T, D] -> [B, T, D].
 
-    Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
+    moe_impl="ragged" (default, dropless): the B*T*k (token, choice) pairs are sorted by expert and
+    each expert runs on its own contiguous rows (`jax.lax.ragged_dot`, group sizes = tokens per
+    expert); memory and FLOPs grow linearly in tokens. moe_impl="einsum": one-hot dispatch into
+    [B, E, C, D] expert slots per batch row (Switch/GShard capacity_factor; None = C = T, dropless).
+    shared_expert_d_ff > 0 adds an always-on Mlp of that width, under a per-token sigmoid gate
+    (Qwen2-MoE) or ungated (shared_expert_gate=False: DeepSeek-V3). Routing: `top_k_gates`. Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
     """
 
     config: ModelConfig
@@ -89,19 +134,51 @@ class MoeMlp(nn.Module):
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
         D, F, E = cfg.d_model, cfg.d_ff, cfg.num_experts
-        dt = compute_dtype(cfg)
         router = Einsum("BTD,DE->BTE", (D, E), ("embed", None), name="router", dtype=jnp.float32)
-        dispatch, combine, aux = route(router(x), cfg, expert_capacity(x.shape[1], cfg))
-        self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
-        xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
-        xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
+        logits = router(x)  # [B, T, E]
 
         def weight(name, shape, axes):
             init = nn.initializers.normal(stddev=shape[1] ** -0.5)
-            return self.param(name, param_init(init, axes), shape, jnp.float32).astype(dt)
+            return self.param(name, param_init(init, axes), shape, jnp.float32).astype(compute_dtype(cfg))
 
-        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weight(name, (E, D, F), ("expert", "embed", "mlp")))
+        w_up = lambda name: weight(name, (E, D, F), ("expert", "embed", "mlp"))
+        w_down = weight("wo", (E, F, D), ("expert", "mlp", "embed"))
+        bias = None
+        if cfg.router_bias:
+            bias = self.param("score_bias", param_init(nn.initializers.zeros_init(), ("expert",)), (E,), jnp.float32)
+        if cfg.moe_impl == "ragged":
+            y, aux = self._ragged(x, logits, w_up, w_down, bias)
+        else:
+            y, aux = self._einsum(x, logits, w_up, w_down, bias)
+        self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
+        if cfg.shared_expert_d_ff:
+            shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
+            if cfg.shared_expert_gate:
+                gate = Einsum("BTD,D->BT", (D,), ("embed",), name="shared_expert_gate", dtype=compute_dtype(cfg))(x)
+                shared = jax.nn.sigmoid(gate)[..., None] * shared
+            y = y + shared
+        return y
+
+    def _ragged(self, x, logits, w_up, w_down, score_bias):
+        cfg = self.config
+        B, T, D = x.shape
+        gates, experts, aux = top_k_gates(logits.reshape(B * T, -1), cfg, score_bias)  # [N, k], N = B*T
+        order, token, group_sizes = sort_by_expert(experts, cfg.num_experts)
+        xs = x.reshape(B * T, D).astype(compute_dtype(cfg))[token]  # [N*k, D], grouped by expert
+        up = lambda name: jax.lax.ragged_dot(xs, w_up(name), group_sizes)  # [N*k, F]
+        ys = jax.lax.ragged_dot(hidden_activation(cfg, up), w_down, group_sizes)  # [N*k, D]
+        unsorted = jnp.zeros_like(ys).at[order].set(ys).reshape(B * T, -1, D)  # [N, k, D]
+        y = jnp.sum(unsorted * gates[..., None].astype(ys.dtype), axis=1)  # [N, D]
+        return y.reshape(B, T, D), aux
+
+    def _einsum(self, x, logits, w_up, w_down, score_bias):
+        cfg = self.config
+        dt = compute_dtype(cfg)
+        dispatch, combine, aux = route(logits, cfg, expert_capacity(x.shape[1], cfg), score_bias)
+        xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
+        xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
+        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, w_up(name))
         h = hidden_activation(cfg, up)  # [B, E, C, F]
-        ye = jnp.einsum("BECF,EFD->BECD", h, weight("wo", (E, F, D), ("expert", "mlp", "embed")))
+        ye = jnp.einsum("BECF,EFD->BECD", h, w_down)
         ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
-        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)
+        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye), aux
