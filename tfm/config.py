@@ -213,6 +213,7 @@ class ModelConfig:
     router_groups: int = 1
     router_group_top: int = 1
     router_bias: bool = False  # a per-expert `score_bias` added to the scores for the choice only (no gradient)
+    router_bias_rate: float = 0.001  # its update per step: -rate * sign(expert load - mean load) (DeepSeek-V3's gamma)
     router_scale: float = 1.0  # multiplies the gates (DeepSeek's routed_scaling_factor)
     dense_layers: int = 0  # MoE models: the first this many layers have a dense feed-forward of dense_d_ff
     dense_d_ff: Optional[int] = None  # None = d_ff
@@ -365,8 +366,9 @@ class ModelConfig:
                              f"{top * (self.num_experts // groups)} experts of router_group_top={top} groups")
         if groups > 1 and self.num_experts // groups < 2:
             raise ValueError("ModelConfig.router_groups: a group is ranked by its two best experts; give it >= 2")
-        if self.router_scale <= 0:
-            raise ValueError(f"ModelConfig.router_scale must be > 0, got {self.router_scale}")
+        if self.router_scale <= 0 or self.router_bias_rate <= 0:
+            raise ValueError(f"ModelConfig.router_scale={self.router_scale} and router_bias_rate="
+                             f"{self.router_bias_rate} must be > 0")
         if not 0 <= self.dense_layers <= self.num_layers:
             raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be in [0, num_layers={self.num_layers}]")
         if self.dense_d_ff is not None and self.dense_d_ff < 1:

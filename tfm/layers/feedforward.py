@@ -88,6 +88,26 @@ def _best_groups_only(choice, groups: int, top: int):
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
+@jax.custom_vjp
+def balance_signal(score_bias, load):
+    """0.0, whose gradient with respect to score_bias [E] is load [E] minus its mean: added to the
+    objective, it hands the optimizer each expert's excess load, which `tfm.train.optim` turns into
+    DeepSeek-V3's auxiliary-loss-free update score_bias -= rate * sign(excess). load: tokens per expert."""
+    del score_bias, load
+    return jnp.zeros((), jnp.float32)
+
+
+def _balance_signal_fwd(score_bias, load):
+    return balance_signal(score_bias, load), load - load.mean()
+
+
+def _balance_signal_bwd(excess, g):
+    return excess * g, jnp.zeros_like(excess)
+
+
+balance_signal.defvjp(_balance_signal_fwd, _balance_signal_bwd)
+
+
 def route(logits, config: ModelConfig, capacity: int, score_bias=None):
     """Top-k token-choice routing within each group (batch row), as one-hot dispatch (moe_impl="einsum").
 
@@ -95,17 +115,22 @@ def route(logits, config: ModelConfig, capacity: int, score_bias=None):
     aux_loss (see `top_k_gates`). Earlier choices (k = 0 first) take capacity before later ones;
     overflow is dropped.
     """
-    E, k = config.num_experts, config.experts_per_token
-    gates, experts, aux_loss = top_k_gates(logits, config, score_bias)  # [B, T, k]
+    gates, experts, aux_loss = top_k_gates(logits, config, score_bias)
+    return (*dispatch_slots(gates, experts, config.num_experts, capacity), aux_loss)
+
+
+def dispatch_slots(gates, experts, num_experts: int, capacity: int):
+    """gates, experts [B, T, k] -> dispatch (0/1), combine (gate weights) [B, T, E, C] (see `route`)."""
+    E, k = num_experts, experts.shape[-1]
     choice = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, T, k, E]
-    B, T = logits.shape[:2]
+    B, T = experts.shape[:2]
     priority = jnp.swapaxes(choice, 1, 2).reshape(B, k * T, E)  # k-major order
     slot = (jnp.cumsum(priority, axis=1) - 1).reshape(B, k, T, E).swapaxes(1, 2)  # [B, T, k, E]
     kept = choice * (slot < capacity)
     slot_onehot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)
     dispatch = jnp.sum(kept[..., None] * slot_onehot, axis=2)  # [B, T, E, C]
     combine = jnp.sum((gates[..., None, None] * kept[..., None]) * slot_onehot, axis=2)
-    return dispatch, combine, aux_loss
+    return dispatch, combine
 
 
 def sort_by_expert(experts, num_experts: int):
@@ -125,7 +150,9 @@ class MoeMlp(nn.Module):
     expert); memory and FLOPs grow linearly in tokens. moe_impl="einsum": one-hot dispatch into
     [B, E, C, D] expert slots per batch row (Switch/GShard capacity_factor; None = C = T, dropless).
     shared_expert_d_ff > 0 adds an always-on Mlp of that width, under a per-token sigmoid gate
-    (Qwen2-MoE) or ungated (shared_expert_gate=False: DeepSeek-V3). Routing: `top_k_gates`. Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
+    (Qwen2-MoE) or ungated (shared_expert_gate=False: DeepSeek-V3). Routing: `top_k_gates`. Sows the
+    load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`, and with router_bias
+    the `balance_signal` of the experts' loads into `losses/router_balance`.
     """
 
     config: ModelConfig
@@ -146,10 +173,14 @@ class MoeMlp(nn.Module):
         bias = None
         if cfg.router_bias:
             bias = self.param("score_bias", param_init(nn.initializers.zeros_init(), ("expert",)), (E,), jnp.float32)
+        gates, experts, aux = top_k_gates(logits, cfg, bias)  # [B, T, k]
+        if bias is not None:
+            load = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(0, 1, 2))  # [E] tokens per expert
+            self.sow("losses", "router_balance", balance_signal(bias, load))
         if cfg.moe_impl == "ragged":
-            y, aux = self._ragged(x, logits, w_up, w_down, bias)
+            y = self._ragged(x, gates, experts, w_up, w_down)
         else:
-            y, aux = self._einsum(x, logits, w_up, w_down, bias)
+            y = self._einsum(x, gates, experts, w_up, w_down)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
         if cfg.shared_expert_d_ff:
             shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
@@ -159,26 +190,26 @@ class MoeMlp(nn.Module):
             y = y + shared
         return y
 
-    def _ragged(self, x, logits, w_up, w_down, score_bias):
+    def _ragged(self, x, gates, experts, w_up, w_down):
         cfg = self.config
         B, T, D = x.shape
-        gates, experts, aux = top_k_gates(logits.reshape(B * T, -1), cfg, score_bias)  # [N, k], N = B*T
+        gates, experts = gates.reshape(B * T, -1), experts.reshape(B * T, -1)  # [N, k], N = B*T
         order, token, group_sizes = sort_by_expert(experts, cfg.num_experts)
         xs = x.reshape(B * T, D).astype(compute_dtype(cfg))[token]  # [N*k, D], grouped by expert
         up = lambda name: jax.lax.ragged_dot(xs, w_up(name), group_sizes)  # [N*k, F]
         ys = jax.lax.ragged_dot(hidden_activation(cfg, up), w_down, group_sizes)  # [N*k, D]
         unsorted = jnp.zeros_like(ys).at[order].set(ys).reshape(B * T, -1, D)  # [N, k, D]
         y = jnp.sum(unsorted * gates[..., None].astype(ys.dtype), axis=1)  # [N, D]
-        return y.reshape(B, T, D), aux
+        return y.reshape(B, T, D)
 
-    def _einsum(self, x, logits, w_up, w_down, score_bias):
+    def _einsum(self, x, gates, experts, w_up, w_down):
         cfg = self.config
         dt = compute_dtype(cfg)
-        dispatch, combine, aux = route(logits, cfg, expert_capacity(x.shape[1], cfg), score_bias)
+        dispatch, combine = dispatch_slots(gates, experts, cfg.num_experts, expert_capacity(x.shape[1], cfg))
         xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
         xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
         up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, w_up(name))
         h = hidden_activation(cfg, up)  # [B, E, C, F]
         ye = jnp.einsum("BECF,EFD->BECD", h, w_down)
         ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
-        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye), aux
+        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)
