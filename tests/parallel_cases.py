@@ -17,6 +17,7 @@ MESHES = {  # name -> (mesh config, rule sets)
     "data2_tensor4": (MeshConfig(data=2, tensor=4), "data+tensor"),
     "fsdp4_tensor2": (MeshConfig(data=1, fsdp=4, tensor=2), "fsdp+tensor"),
     "expert4_data2": (MeshConfig(data=2, expert=4), "data+expert"),
+    "data2_context4": (MeshConfig(data=2, context=4), "data+context"),
 }
 
 
@@ -38,10 +39,16 @@ def _batch(family, rng):
     return {"inputs": y[:, :-1], "targets": y[:, 1:], "weights": weights}
 
 
+# Families that are a tiny preset with overrides: name -> (preset family, overrides)
+VARIANTS = {"latent_attention": ("llama", dict(num_kv_heads=4, head_dim=12,
+                                               mla=dict(kv_rank=16, rope_dim=4, q_rank=8, value_dim=6)))}
+
+
 def setup(family):
     model = {"encoder": EncoderModel, "encdec": EncoderDecoder}.get(family, DecoderLM)
     task = {"encoder": MLMTask, "encdec": Seq2SeqTask}.get(family, LMTask)()
-    return model(tiny(family, num_layers=1)), task  # one layer: compile time dominates
+    preset, overrides = VARIANTS.get(family, (family, {}))
+    return model(tiny(preset, num_layers=1, **overrides)), task  # one layer: compile time dominates
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,6 +100,11 @@ def test_gpt2_small_and_llama_counts():
     (dict(position="rope", rope=dict(dim=3)), r"rope.dim=3 must be even"),
     (dict(position="rope", rope=dict(dim=16)), r"rope.dim=16 must be at most head_dim=8"),
     (dict(rope=dict(thta=1.0)), r"rope has no field\(s\) \['thta'\]"),
+    (dict(mla=dict(kv_rank=16)), r"mla needs position='rope'"),
+    (dict(position="rope", mla=dict(rope_dim=8)), r"mla.rope_dim=8 must be below head_dim=8"),
+    (dict(position="rope", num_kv_heads=2, mla=dict(rope_dim=4)), r"num_kv_heads=2 must equal num_heads=4"),
+    (dict(position="rope", mla=dict(rope_dim=3)), r"mla.rope_dim must be even"),
+    (dict(position="rope", mla=dict(rope_dim=4, kv_rnk=2)), r"mla has no field\(s\) \['kv_rnk'\]"),
 ])
 def test_bad_configs_raise_clear_errors(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -168,3 +173,18 @@ def test_rope_is_one_nested_config():
     with pytest.raises(ValueError, match=r"RoPE's settings are nested now: \['rope.theta'\]"):
         presets.build("llama", 64, {"rope_theta": 1e4})
     assert presets.build("tiny_llama", 64, {"rope": {"theta": 1e4}}).rope.theta == 1e4
+
+
+@pytest.mark.parametrize("preset, total, active", [("mixtral_8x7b", 46.7e9, 12.9e9), ("deepseek_v3", 671e9, 37e9),
+                                                   ("kimi_k2", 1.04e12, 32e9)])
+def test_moe_presets_hold_their_published_sizes(preset, total, active):
+    """Parameter counts by jax.eval_shape (nothing allocated) against the published totals and active
+    parameters per token; active = what a token's forward multiplies with: all but the input
+    embedding table and the experts it does not use. Within 1.5% (the published figures are rounded,
+    and Kimi K2's "1.04T" and DeepSeek's "671B" leave out their multi-token-prediction modules)."""
+    cfg = getattr(presets, preset)(scan_layers=True)
+    n = count_params(DecoderLM(cfg), jnp.zeros((1, 8), jnp.int32))
+    unused = (cfg.num_layers - cfg.dense_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.d_ff
+    act = n - unused - cfg.vocab_size * cfg.d_model
+    print(f"{preset}: {n / 1e9:.2f}B total, {act / 1e9:.2f}B active")
+    assert abs(n - total) / total < 0.015 and abs(act - active) / active < 0.015, (n, act)

@@ -45,6 +45,14 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", ModelConfig(
         **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
+    # Multi-head latent attention with a full-rank query, value heads narrower than query/key heads;
+    # layer 0 dense, layer 1 DeepSeekMoE (sigmoid scores + balancing bias, 2 of 4 groups, 2 shared experts).
+    "deepseek_v3": ("DeepseekV3ForCausalLM", ModelConfig(
+        **{**LLAMA, "num_kv_heads": 4, "norm_eps": 1e-6, "d_ff": 8}, head_dim=12, ffn_bias=False, tie_embeddings=False,
+        rope=dict(theta=100.0, interleaved=True), mla=dict(kv_rank=16, rope_dim=4, value_dim=6), num_experts=8,
+        experts_per_token=3, dense_layers=1, dense_d_ff=48, router_score="sigmoid", router_groups=4,
+        router_group_top=2, router_bias=True, router_scale=2.5, shared_expert_d_ff=16, shared_expert_gate=False,
+        router_aux_loss_coef=0.0), "AutoModelForCausalLM"),
     # 4 experts top-2, renormalised gates, a shared expert; q/k/v biases.
     "qwen2_moe": ("Qwen2MoeForCausalLM", ModelConfig(
         **dict(LLAMA, num_layers=1), rope=dict(theta=1e6), attention_bias=True, attention_out_bias=False,

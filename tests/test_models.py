@@ -29,6 +29,8 @@ DECODER_CONFIGS = {
     "mqa_alibi": presets.tiny("decoder", num_kv_heads=1, position="alibi"),
     "moe": presets.tiny("moe"),
     "parallel_scan": presets.tiny("llama", parallel_block=True, scan_layers=True),
+    "latent_attention": presets.tiny("llama", num_kv_heads=4, head_dim=12,
+                                     mla=dict(kv_rank=16, rope_dim=4, q_rank=8, value_dim=6)),
 }
 
 
@@ -46,6 +48,26 @@ def test_decoder_kv_cache_matches_full_forward(name):
         logits, cache = step(cache, x[:, t:t + 1])
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5)
+
+
+def test_latent_attention_caches_the_latent_and_rope_key_only():
+    """DeepSeek's MLA cache holds kv_rank + rope_dim numbers per token and layer (the paper's
+    d_c + d_h^R: 16 + 4 here, against 2 * N * H = 96 for keys and values), and the kernels give
+    the reference's logits although value heads (6) are narrower than query/key heads (12)."""
+    cfg = DECODER_CONFIGS["latent_attention"]
+    model = DecoderLM(cfg)
+    x = tokens((2, 11))
+    params = init(model, x)
+    cache = decode.init_cache(model, params, 2, 16)
+    layer = cache["decoder"]["layer_0"]["self_attn"]
+    per_token = {name: a.shape[2:] for name, a in nn.meta.unbox(layer).items() if a.ndim == 3}
+    assert per_token == {"cached_latent": (16,), "cached_key_rope": (4,)}
+    assert set(nn.meta.unbox(layer)) == {"cached_latent", "cached_key_rope", "cached_segment_ids", "index"}
+    pallas = DecoderLM(cfg.replace(attention_impl="pallas"))
+    seg = jnp.array([[1] * 11, [1] * 7 + [0] * 4])
+    a = model.apply({"params": params}, x, segment_ids=seg).logits
+    b = pallas.apply({"params": params}, x, segment_ids=seg).logits
+    np.testing.assert_allclose(np.asarray(b)[:, :7], np.asarray(a)[:, :7], atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_kv_heads": 2, "sliding_window": 4, "norm_position": "pre"}])

@@ -1,4 +1,4 @@
-"""Sharded training equals single-device training: BERT encoder, encoder-decoder, MoE."""
+"""Sharded training equals single-device training: BERT encoder, encoder-decoder, MoE, latent attention."""
 import numpy as np
 import pytest
 
@@ -6,7 +6,7 @@ from parallel_cases import losses
 
 TOL = 1e-5  # fp32, absolute on the loss
 CASES = [(f, m) for f in ("encoder", "encdec") for m in ("data2_tensor4", "fsdp4_tensor2")] + \
-        [("moe", "expert4_data2")]
+        [("moe", "expert4_data2"), ("latent_attention", "fsdp4_tensor2")]
 
 
 @pytest.mark.parametrize("family,mesh", CASES)

@@ -17,10 +17,11 @@ LM_BATCH = {"inputs": np.ones((8, 16), np.int32), "targets": np.ones((8, 16), np
 
 
 def test_mesh_infers_one_axis_and_names_problems():
-    assert MeshConfig(data=-1, tensor=4).resolve(8) == ((2, 1, 1, 4), (1, 1, 1, 1))
-    assert MeshConfig(data=-1, num_slices=2).resolve(8) == ((4, 1, 1, 1), (2, 1, 1, 1))
+    assert MeshConfig(data=-1, tensor=4).resolve(8) == ((2, 1, 1, 1, 4), (1, 1, 1, 1, 1))
+    assert MeshConfig(data=-1, num_slices=2).resolve(8) == ((4, 1, 1, 1, 1), (2, 1, 1, 1, 1))
     mesh = make_mesh(MeshConfig(data=2, fsdp=-1))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+    assert dict(make_mesh(MeshConfig(data=2, context=-1)).shape)["context"] == 4
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     with pytest.raises(ValueError, match="at most one axis may be -1"):
         MeshConfig(data=-1, fsdp=-1)
@@ -35,6 +36,8 @@ def test_rule_sets_combine_in_mesh_order():
     assert rules["batch"] == ("data", "fsdp", "expert")
     assert rules["embed"] == ("fsdp",) and rules["mlp"] == ("tensor",)
     assert "embed" not in dict(make_rules("fsdp", activations=True))
+    assert dict(make_rules("context", activations=True))["length"] == ("context",)
+    assert "length" not in dict(make_rules("context"))  # a learned position table stays whole
     with pytest.raises(ValueError, match="unknown parallelism"):
         make_rules("pipeline")
 

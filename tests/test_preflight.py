@@ -166,7 +166,7 @@ def test_command_reports_a_recipe_and_writes_json(tmp_path):
                       "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.parallelism=data+fsdp",
                       "--config.model.overrides.scan_layers=True")  # a ModelConfig field the recipe leaves unset
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for text in ("v5p-8: 4 x TPU v5p", "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 1}", "scan_layers True",
+    for text in ("v5p-8: 4 x TPU v5p", "mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1}", "scan_layers True",
                  # (2DV + 2 layers of 8D² + 4DF + 4TD) / (2DV + 1 layer): 57344 / 36864 = 1.56 at D 32, F 64, T 32, V 256
                  "XLA cost model x 1.6: it counts a scanned body once",
                  "train step on v5p-8 (4 chips)", "eval step on v5p-8", "memory per chip", "MFU",
@@ -191,7 +191,7 @@ def test_a_step_that_does_not_fit_exits_3_with_advice():
     (["--target=v5p-7"], "error: unknown target 'v5p-7'; valid:"),
     (["--target=v5p-8", "--config.batch_size=6"],
      "error: batch 6 (6 per microbatch) does not split over the batch axes data = 4 devices"),
-    (["--target=v5p-8", "--config.mesh.data=3"], "error: mesh {'data': 3, 'fsdp': 1, 'expert': 1, 'tensor': 1} needs 3"),
+    (["--target=v5p-8", "--config.mesh.data=3"], "error: mesh {'data': 3, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1} needs 3"),
 ])
 def test_bad_input_is_one_line(args, message):
     proc = _preflight("--config=experiments/lm/configs/tiny.py", *args)

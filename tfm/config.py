@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 from tfm.kernels.flash_attention import BlockSizes
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
+from tfm.ops.context import STRATEGIES as CONTEXT_STRATEGIES
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
@@ -22,13 +23,35 @@ ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
 MOE_IMPLS = ("ragged", "einsum")  # ModelConfig.moe_impl: sorted grouped matmuls (dropless), one-hot dispatch
 REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 
 
+class _FieldGroup:
+    """A frozen group of ModelConfig fields (ModelConfig.<FIELD>), given as itself or a dict of its fields."""
+
+    FIELD = ""
+
+    @classmethod
+    def coerce(cls, value, base=None):
+        """An instance from itself, or from a mapping of its fields laid over `base` (default: the defaults)."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return base or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"ModelConfig.{cls.FIELD} must be a {cls.__name__} or a dict of its fields, got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"ModelConfig.{cls.FIELD} has no field(s) {unknown}; its fields are {names}")
+        return dataclasses.replace(base or cls(), **value)
+
+
 @dataclasses.dataclass(frozen=True)
-class RopeConfig:
+class RopeConfig(_FieldGroup):
     """Rotary position embeddings (ModelConfig.rope, used with position="rope"): the base, the
     long-context scaling as Hugging Face's rope init functions define it, and which dims rotate.
 
@@ -70,21 +93,38 @@ class RopeConfig:
         if self.dim is not None and (self.dim < 1 or self.dim % 2):
             raise ValueError(f"ModelConfig.rope.dim={self.dim} must be even and >= 2 (or None: the whole head)")
 
-    @classmethod
-    def coerce(cls, value: Union["RopeConfig", Mapping[str, Any], None], base: Optional["RopeConfig"] = None
-               ) -> "RopeConfig":
-        """A RopeConfig from itself, or from a mapping of its fields laid over `base` (default: the defaults)."""
-        if isinstance(value, cls):
-            return value
-        if value is None:
-            return base or cls()
-        if not isinstance(value, Mapping):
-            raise ValueError(f"ModelConfig.rope must be a RopeConfig or a dict of its fields, got {value!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"ModelConfig.rope has no field(s) {unknown}; its fields are {names}")
-        return dataclasses.replace(base or cls(), **value)
+    FIELD = "rope"
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig(_FieldGroup):
+    """Multi-head latent attention (DeepSeek-V2/V3; ModelConfig.mla): every head's key and value
+    are projected up from one latent of kv_rank per token, which (with the RoPE key of rope_dim,
+    shared by the heads) is all a decode cache holds. A query/key head of head_dim is a rope_dim
+    part rotated by RoPE followed by head_dim - rope_dim without positions; values have value_dim.
+
+    q_rank: queries through a latent of this rank too (None: one full-rank projection).
+    value_dim: None = head_dim.
+    softmax_scale_factor: multiplies the logits' head_dim**-0.5 (DeepSeek's YaRN mscale squared).
+    """
+
+    kv_rank: int = 512
+    rope_dim: int = 64
+    q_rank: Optional[int] = None
+    value_dim: Optional[int] = None
+    softmax_scale_factor: float = 1.0
+
+    FIELD = "mla"
+
+    def __post_init__(self):
+        for name in ("kv_rank", "rope_dim", "q_rank", "value_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ModelConfig.mla.{name} must be >= 1, got {value}")
+        if self.rope_dim % 2:
+            raise ValueError(f"ModelConfig.mla.rope_dim must be even, got {self.rope_dim}")
+        if self.softmax_scale_factor <= 0:
+            raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
 
 
 # ModelConfig's flat RoPE fields before `rope` grouped them (configs recorded then still load).
@@ -141,11 +181,20 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
+    # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
+    mla: Union[MlaConfig, dict, None] = None
+    value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]
+    # Linformer (encoders): keys and values projected along the length to this many rows (one learned
+    # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
+    linformer_length: Optional[int] = None
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
     # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
     # block_kv_bwd]); stored as a BlockSizes. None = the kernel's per-backend default.
     attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
+    # The sequence split over the mesh's `context` axis (rule set "context"): "ring" passes K/V
+    # blocks around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
+    context_strategy: str = "ring"
 
     # Feed-forward
     activation: str = "relu"
@@ -157,6 +206,17 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
     shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
+    shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
+    router_score: str = "softmax"  # expert scores: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3)
+    # DeepSeek-V3's group-limited routing: the experts in router_groups equal groups, a token choosing
+    # among the router_group_top groups whose two best scores sum highest; 1 = no groups.
+    router_groups: int = 1
+    router_group_top: int = 1
+    router_bias: bool = False  # a per-expert `score_bias` added to the scores for the choice only (no gradient)
+    router_bias_rate: float = 0.001  # its update per step: -rate * sign(expert load - mean load) (DeepSeek-V3's gamma)
+    router_scale: float = 1.0  # multiplies the gates (DeepSeek's routed_scaling_factor)
+    dense_layers: int = 0  # MoE models: the first this many layers have a dense feed-forward of dense_d_ff
+    dense_d_ff: Optional[int] = None  # None = d_ff
 
     # Block
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
@@ -192,8 +252,8 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, dtype=DTYPE_NAMES,
-                       remat_policy=REMAT_POLICY_NAMES)
+                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, router_score=ROUTER_SCORES, dtype=DTYPE_NAMES,
+                       remat_policy=REMAT_POLICY_NAMES, context_strategy=CONTEXT_STRATEGIES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -216,6 +276,16 @@ class ModelConfig:
                 object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=self.head_dim))
             if self.rope.dim > self.head_dim:
                 raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} must be at most head_dim={self.head_dim}")
+        self._check_mla()
+        for name in ("value_rank", "linformer_length"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.linformer_length is not None and (self.sliding_window is not None or
+                                                  self.position in ("alibi", "relative")):
+            raise ValueError("ModelConfig.linformer_length: projected keys have no positions, so a sliding_window, "
+                             "ALiBi or a relative position bias cannot apply to them")
+        if self.value_rank is not None and self.mla is not None:
+            raise ValueError("ModelConfig.value_rank factorises the value projection, which mla replaces; set one")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
         self._check_pattern()
@@ -247,6 +317,7 @@ class ModelConfig:
             if self.capacity_factor is not None and self.moe_impl != "einsum":
                 raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
                                  f"(moe_impl={self.moe_impl!r} is dropless)")
+        self._check_routing()
         if self.shared_expert_d_ff and not self.num_experts:
             raise ValueError(f"ModelConfig.shared_expert_d_ff={self.shared_expert_d_ff} needs num_experts > 0")
         unknown_heads = set(self.heads) - set(HEADS)
@@ -278,6 +349,51 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.num_channels must be >= 1, got {self.num_channels}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_routing(self):
+        if not self.num_experts:
+            if self.dense_layers:
+                raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} needs num_experts > 0 (every layer "
+                                 f"is dense without experts)")
+            return
+        groups, top = self.router_groups, self.router_group_top
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"ModelConfig.router_groups={groups} must divide num_experts={self.num_experts}")
+        if not 1 <= top <= groups:
+            raise ValueError(f"ModelConfig.router_group_top={top} must be in [1, router_groups={groups}]")
+        if groups > 1 and self.experts_per_token > top * (self.num_experts // groups):
+            raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} exceeds the "
+                             f"{top * (self.num_experts // groups)} experts of router_group_top={top} groups")
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ValueError("ModelConfig.router_groups: a group is ranked by its two best experts; give it >= 2")
+        if self.router_scale <= 0 or self.router_bias_rate <= 0:
+            raise ValueError(f"ModelConfig.router_scale={self.router_scale} and router_bias_rate="
+                             f"{self.router_bias_rate} must be > 0")
+        if not 0 <= self.dense_layers <= self.num_layers:
+            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be in [0, num_layers={self.num_layers}]")
+        if self.dense_d_ff is not None and self.dense_d_ff < 1:
+            raise ValueError(f"ModelConfig.dense_d_ff must be >= 1 or None, got {self.dense_d_ff}")
+        if self.scan_layers and self.dense_layers % self.pattern_period:
+            raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be a multiple of the attention "
+                             f"pattern's period {self.pattern_period} to scan the MoE layers after them")
+
+    def _check_mla(self):
+        if self.mla is None:
+            return
+        mla = MlaConfig.coerce(self.mla)
+        if self.position != "rope":
+            raise ValueError(f"ModelConfig.mla needs position='rope' (its decoupled RoPE key), got {self.position!r}")
+        if mla.rope_dim >= self.head_dim:
+            raise ValueError(f"ModelConfig.mla.rope_dim={mla.rope_dim} must be below head_dim={self.head_dim} "
+                             f"(a head is the RoPE part and the part without positions)")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"ModelConfig.mla projects a key and value per query head: num_kv_heads="
+                             f"{self.num_kv_heads} must equal num_heads={self.num_heads}")
+        if self.rope.dim not in (mla.rope_dim, self.head_dim):
+            raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} disagrees with mla.rope_dim={mla.rope_dim}; "
+                             f"set only mla.rope_dim")
+        object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=mla.rope_dim))
+        object.__setattr__(self, "mla", dataclasses.replace(mla, value_dim=mla.value_dim or self.head_dim))
 
     def _derive(self, **defaults):
         """Sets each None field of `defaults` to its derived value."""
@@ -329,7 +445,12 @@ class ModelConfig:
         rope = self.rope
         if rope.dim == self.head_dim:  # the whole head, whatever head_dim becomes
             rope = dataclasses.replace(rope, dim=None)
+        if self.mla is not None and rope.dim == self.mla.rope_dim:  # follows mla.rope_dim
+            rope = dataclasses.replace(rope, dim=None)
         changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
+        if self.mla is not None and changes.get("mla", self.mla) is not None:
+            mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
+            changes["mla"] = MlaConfig.coerce(changes.get("mla"), mla)
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -239,15 +239,18 @@ def linear_pair(w: Weights, prefix: str, bias: bool):
     return w(f"{prefix}.weight"), (w(f"{prefix}.bias") if bias else None)
 
 
-def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1) -> dict:
-    """Per-layer param dicts -> `layer_0..` or, for scanned stacks, `layers` stacked on axis 0
-    (with an attention pattern of period P > 1: `layers/layer_j` stacks layers j, j + P, ...)."""
+def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1, unscanned: int = 0) -> dict:
+    """Per-layer param dicts -> `layer_0..` or, for scanned stacks, the first `unscanned` as `layer_i`
+    and the rest as `layers` stacked on axis 0 (with an attention pattern of period P > 1:
+    `layers/layer_j` stacks layers j, j + P, ... of the rest)."""
     if not scan:
         return {f"layer_{i}": p for i, p in enumerate(layers)}
+    out = {f"layer_{i}": p for i, p in enumerate(layers[:unscanned])}
+    rest = layers[unscanned:]
     stack = lambda group: jax.tree.map(lambda *xs: np.stack(xs), *group)
     if period == 1:
-        return {"layers": stack(layers)}
-    return {"layers": {f"layer_{j}": stack(layers[j::period]) for j in range(period)}}
+        return {**out, "layers": stack(rest)}
+    return {**out, "layers": {f"layer_{j}": stack(rest[j::period]) for j in range(period)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +285,8 @@ def stack_params(w: Weights, cfg, stacks: Mapping[str, Stack]) -> dict:
     out = {}
     for name, s in stacks.items():
         layers = [s.layer(i) for i in range(s.num_layers)]
-        out[name] = {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period), **(s.extra or {})}
+        dense = cfg.dense_layers if cfg.num_experts else 0
+        out[name] = {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period, dense), **(s.extra or {})}
         if s.final_norm is not None:
             out[name]["final_norm"] = norm(w, s.final_norm, s.norm_kind or cfg.norm)
     return out

@@ -1,4 +1,5 @@
-"""Multi-head attention (MHA / GQA / MQA) with a fixed-shape KV cache for decoding."""
+"""Multi-head attention (MHA / GQA / MQA, and DeepSeek's latent attention) with a fixed-shape KV cache
+for decoding."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.norms import Norm
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
@@ -22,10 +24,14 @@ CACHE_SEGMENT_AXES = ("cache_batch", "cache_length")  # [B, L]
 # place (the W beams of an example attend to the same source, so reordering them changes nothing).
 MEMORY_KV_AXES = ("cache_memory_batch",) + CACHE_KV_AXES[1:]  # [B, K, S, H]
 MEMORY_SEGMENT_AXES = ("cache_memory_batch", "cache_length")  # [B, S]
+# Multi-head latent attention caches the kv latent [B, L, C] and the RoPE key [B, L, R] instead.
+CACHE_LATENT_AXES = ("cache_batch", "cache_length", "latent")
 
 
 class Attention(nn.Module):
     """Self- or cross-attention. x [B, T, D] (queries); memory [B, S, D] for cross-attention.
+    With config.mla, self-attention is DeepSeek's multi-head latent attention (`_latent_qkv`), whose
+    cache holds `cached_latent` and `cached_key_rope` [B, L, C] / [B, L, R] instead of keys and values.
 
     In decode mode self-attention keeps `cache/cached_{key,value}` [B, K, L, H] and
     `cache/cached_segment_ids` [B, L]; writing T new entries at `cache/index`. Cross-attention keeps the
@@ -47,36 +53,29 @@ class Attention(nn.Module):
         """positions [B, T] are the query positions (RoPE, causal, window, ALiBi, relative bias).
         relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention)."""
         cfg = self.config
-        D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        proj = dict(use_bias=cfg.attention_bias, dtype=compute_dtype(cfg))
-        query = Einsum("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "head_dim"),
-                            ("heads", "head_dim"), name="query", **proj)
-        key = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
-                          ("kv_heads", "head_dim"), name="key", **proj)
-        value = Einsum("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "head_dim"),
-                            ("kv_heads", "head_dim"), name="value", **proj)
-        out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
-        out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), name="out",
-                     **{**proj, "use_bias": out_bias})
-        q = constrain(query(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
+        N, H = cfg.num_heads, cfg.head_dim
+        Hv = H if cfg.mla is None else cfg.mla.value_dim
         if self.cross:
-            k, v, kv_segment_ids = self._cross_kv(key, value, memory, kv_segment_ids, decode)
+            q, k, v, kv_segment_ids = self._cross_qkv(x, memory, kv_segment_ids, decode)
             kv_positions = None
         else:
-            k, v = key(x), value(x)  # [B, T, K, H]
-            if cfg.position == "rope":
-                q, k = apply_rope(q, positions, cfg), apply_rope(k, positions, cfg)
-            kv_positions = positions
-            if decode:
-                k, v, kv_segment_ids, kv_positions = self._update_cache(k, v, q_segment_ids)
+            qkv = self._self_qkv if cfg.mla is None else self._latent_qkv
+            q, k, v, kv_segment_ids, kv_positions = qkv(x, positions, q_segment_ids, kv_segment_ids, decode)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if Hv != H:  # one head size through the kernels: zero dims change no logit and no output
+            width = max(H, Hv)
+            q, k, v = (jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])]) for a in (q, k, v))
         use_positions = decode and not self.cross
         bias = None
         if relative_table is not None and not self.cross:
             q_pos = jnp.arange(x.shape[1])[None] if positions is None else positions
             bias = relative_bias(relative_table, q_pos, q_pos if kv_positions is None else kv_positions, cfg,
                                  bidirectional=not self.causal)
+        scale = H ** -0.5 if cfg.scale_attention else 1.0
+        if cfg.mla is not None:
+            scale *= cfg.mla.softmax_scale_factor
         dropout = 0.0 if deterministic else cfg.attention_dropout
         o = dot_product_attention(
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -85,43 +84,145 @@ class Attention(nn.Module):
             window=None if self.cross else cfg.layer_window(self.layer_index),
             alibi_slopes=(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max)
                           if cfg.position == "alibi" and not self.cross else None),
-            softcap=cfg.attn_logit_softcap, bias=bias, scale=None if cfg.scale_attention else 1.0,
+            softcap=cfg.attn_logit_softcap, bias=bias, scale=scale,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
-            block_sizes=cfg.attention_block_sizes)
-        return out(o)  # [B, T, D]
+            block_sizes=cfg.attention_block_sizes, context_strategy=cfg.context_strategy)
+        out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
+        out = Einsum("BTNH,NHD->BTD", (N, Hv, cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
+                     use_bias=out_bias, dtype=compute_dtype(cfg))
+        return out(o[..., :Hv])  # [B, T, D]
 
-    def _cross_kv(self, key, value, memory, memory_segment_ids, decode):
-        """Projected memory k, v [B, S, K, H]; cached once in decode mode."""
+    def _projection(self, spec: str, shape, axes, name: str, use_bias=None):
+        """An Einsum with the layer's dtype; bias on its output dims when use_bias (default attention_bias)."""
+        cfg = self.config
+        use_bias = cfg.attention_bias if use_bias is None else use_bias
+        out_dims = len(spec.split("->")[1]) - 2  # the output letters past B and T/S
+        return Einsum(spec, shape, axes, axes[-out_dims:], use_bias=use_bias, dtype=compute_dtype(cfg), name=name)
+
+    def _heads(self, name: str, heads: int, use_bias=None):
+        """The projection [B, L, D] -> [B, L, heads, H] named `name`."""
+        cfg = self.config
+        head_axis = "heads" if heads == cfg.num_heads and name == "query" else "kv_heads"
+        return self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
+                                ("embed", head_axis, "head_dim"), name, use_bias)
+
+    def _self_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
+        """q [B, T, N, H]; k, v [B, S, K, H] (S = the cache length when decoding), their segment ids and positions."""
+        cfg = self.config
+        q = self._heads("query", cfg.num_heads)(x)
+        k, v = self._heads("key", cfg.num_kv_heads)(x), self._value(x)  # [B, T, K, H]
+        if cfg.position == "rope":
+            q, k = apply_rope(q, positions, cfg), apply_rope(k, positions, cfg)
+        if cfg.linformer_length is not None:
+            if self.causal or decode:
+                raise ValueError("ModelConfig.linformer_length projects keys along the whole length, which has no "
+                                 "causal or cached form; use it in encoders")
+            k, v, kv_segment_ids = self._project_length(k, v, kv_segment_ids)
+            return q, k, v, kv_segment_ids, None
         if not decode:
-            return key(memory), value(memory), memory_segment_ids
+            return q, k, v, kv_segment_ids, positions
+        (k, v), segment_ids, positions = self._write_cache(
+            {"cached_key": (_swap_length_heads(k), CACHE_KV_AXES),
+             "cached_value": (_swap_length_heads(v), CACHE_KV_AXES)}, segment_ids)
+        return q, _swap_length_heads(k), _swap_length_heads(v), segment_ids, positions
+
+    def _value(self, x):
+        """Values [B, S, K, H]: one projection, or through rank config.value_rank (W_V = W_V_down W_V_up)."""
+        cfg = self.config
+        if cfg.value_rank is None:
+            return self._heads("value", cfg.num_kv_heads)(x)
+        r = self._projection("BSD,DR->BSR", (cfg.d_model, cfg.value_rank), ("embed", "rank"), "value_down",
+                             use_bias=False)(x)
+        return self._projection("BSR,RKH->BSKH", (cfg.value_rank, cfg.num_kv_heads, cfg.head_dim),
+                                ("rank", "kv_heads", "head_dim"), "value_up")(r)
+
+    def _project_length(self, k, v, kv_segment_ids):
+        """Linformer (Wang et al. 2020): k, v [B, S, K, H] -> [B, P, K, H] through the first S rows of one
+        learned [max_len, P] matrix shared by keys and values. Padding keys (segment id 0) are zeroed
+        first, so padding changes nothing; packed sequences (ids > 1) would mix and are not supported."""
+        cfg = self.config
+        S, P = k.shape[1], cfg.linformer_length
+        if S > cfg.max_len:
+            raise ValueError(f"Linformer's length projection has max_len={cfg.max_len} rows; got {S} keys")
+        init = nn.initializers.normal(stddev=cfg.max_len ** -0.5)
+        E = self.param("length_projection", param_init(init, (None, None)), (cfg.max_len, P), jnp.float32)
+        E = E[:S].astype(k.dtype)  # [S, P]
+        if kv_segment_ids is not None:
+            keep = (kv_segment_ids > 0)[:, :, None, None].astype(k.dtype)
+            k, v = k * keep, v * keep
+            kv_segment_ids = jnp.ones((k.shape[0], P), jnp.int32)  # every projected key is visible
+        k, v = (jnp.einsum("BSKH,SP->BPKH", a, E) for a in (k, v))
+        return k, v, kv_segment_ids
+
+    def _latent_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
+        """Multi-head latent attention (DeepSeek-V2 section 2.1): q, k [B, S, N, H] (the first
+        rope_dim of a head rotated, the key's shared by every head), v [B, S, N, Hv], all projected
+        from x through the normed latents; decoding caches only the kv latent [B, L, C] and the
+        rotated RoPE key [B, L, R]."""
+        cfg, mla = self.config, self.config.mla
+        D, N, H, R, C = cfg.d_model, cfg.num_heads, cfg.head_dim, mla.rope_dim, mla.kv_rank
+        if mla.q_rank is None:
+            q = self._heads("query", N, use_bias=False)(x)
+        else:
+            cq = self._projection("BTD,DQ->BTQ", (D, mla.q_rank), ("embed", "latent"), "q_down")(x)
+            cq = Norm(cfg, axis="latent", name="q_norm")(cq)
+            q = self._projection("BTQ,QNH->BTNH", (mla.q_rank, N, H), ("latent", "heads", "head_dim"), "q_up",
+                                 use_bias=False)(cq)
+        c = Norm(cfg, axis="latent", name="kv_norm")(
+            self._projection("BSD,DC->BSC", (D, C), ("embed", "latent"), "kv_down")(x))  # [B, S, C]
+        k_rope = self._projection("BSD,DR->BSR", (D, R), ("embed", "head_dim"), "key_rope")(x)
+        q = apply_rope(q, positions, cfg)  # rope.dim = R: the first R dims of each head rotate
+        k_rope = apply_rope(k_rope[:, :, None], positions, cfg)[:, :, 0]  # [B, S, R]
+        if decode:
+            (c, k_rope), kv_segment_ids, positions = self._write_cache(
+                {"cached_latent": (c, CACHE_LATENT_AXES), "cached_key_rope": (k_rope, CACHE_LATENT_AXES)},
+                segment_ids)
+        k_pass = self._projection("BSC,CNH->BSNH", (C, N, H - R), ("latent", "kv_heads", "head_dim"), "key_up",
+                                  use_bias=False)(c)
+        v = self._projection("BSC,CNH->BSNH", (C, N, mla.value_dim), ("latent", "kv_heads", "head_dim"),
+                             "value_up", use_bias=False)(c)
+        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(k_pass.dtype), k_pass.shape[:3] + (R,))
+        return q, jnp.concatenate([k_rope, k_pass], axis=-1), v, kv_segment_ids, positions
+
+    def _cross_qkv(self, x, memory, memory_segment_ids, decode):
+        """q [B, T, N, H]; the projected memory k, v [B, S, K, H], cached once in decode mode."""
+        cfg = self.config
+        if cfg.mla is not None:
+            raise ValueError("ModelConfig.mla is self-attention only; an encoder-decoder cannot use it")
+        q = self._heads("query", cfg.num_heads)(x)
+        key, value = self._heads("key", cfg.num_kv_heads), self._heads("value", cfg.num_kv_heads)
+        if not decode:
+            return q, key(memory), value(memory), memory_segment_ids
         if memory_segment_ids is None and memory is not None:
             memory_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
         k = self._cache("cached_key", MEMORY_KV_AXES, lambda: _swap_length_heads(key(memory)))
         v = self._cache("cached_value", MEMORY_KV_AXES, lambda: _swap_length_heads(value(memory)))
         seg = self._cache("cached_segment_ids", MEMORY_SEGMENT_AXES, lambda: memory_segment_ids)
-        return _swap_length_heads(k.value), _swap_length_heads(v.value), seg.value
+        return q, _swap_length_heads(k.value), _swap_length_heads(v.value), seg.value
 
-    def _update_cache(self, k, v, segment_ids):
-        """Writes k, v [B, T, K, H] at the cache index; returns the whole cache [B, L, K, H] and its masks."""
-        B, T = k.shape[:2]
-        k, v = _swap_length_heads(k), _swap_length_heads(v)  # [B, K, T, H], the cache's layout
-        creating = not self.has_variable("cache", "cached_key")
-        ck = self._cache("cached_key", CACHE_KV_AXES, lambda: jnp.zeros(k.shape, k.dtype))
-        cv = self._cache("cached_value", CACHE_KV_AXES, lambda: jnp.zeros(v.shape, v.dtype))
+    def _write_cache(self, entries, segment_ids):
+        """Writes each new entry (name -> (array in its cache layout with T new positions, its
+        logical axes, "cache_length" among them)) at the cache index. Returns the whole cached
+        arrays in the order given, the cache's segment ids [B, L] and positions [1, L]."""
+        creating = not self.has_variable("cache", "index")
+        cached = {name: self._cache(name, axes, lambda a=a: jnp.zeros(a.shape, a.dtype))
+                  for name, (a, axes) in entries.items()}
+        first, axes = next(iter(entries.values()))
+        B, T = first.shape[0], first.shape[axes.index("cache_length")]
         cseg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: jnp.zeros((B, T), jnp.int32))
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        L = ck.value.shape[2]
         if not creating:
-            if segment_ids is None:
-                segment_ids = jnp.ones((B, T), jnp.int32)
             i = index.value
-            ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, 0, i, 0))
-            cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, 0, i, 0))
-            cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment_ids.astype(jnp.int32), (0, i))
+            for name, (a, axes) in entries.items():
+                start = tuple(i if axis == "cache_length" else 0 for axis in axes)
+                cached[name].value = jax.lax.dynamic_update_slice(cached[name].value,
+                                                                  a.astype(cached[name].value.dtype), start)
+            ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+            cseg.value = jax.lax.dynamic_update_slice(cseg.value, ids, (0, i))
             index.value = i + T
-        return _swap_length_heads(ck.value), _swap_length_heads(cv.value), cseg.value, jnp.arange(L)[None]
+        return [cached[name].value for name in entries], cseg.value, jnp.arange(cseg.value.shape[1])[None]
 
     def _cache(self, name: str, axes, make):
         """The cache variable `name`, created by make() and boxed with logical `axes`; reading

@@ -44,6 +44,7 @@ class Block(nn.Module):
     layer_index: int = 0
     deterministic: bool = True
     decode: bool = False
+    dense_ffn: bool = False  # a dense feed-forward in a MoE model (its first config.dense_layers layers)
 
     @nn.compact
     def __call__(self, x, inputs: BlockInputs):
@@ -62,7 +63,10 @@ class Block(nn.Module):
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
                                      relative_table=inputs.relative_table, deterministic=deterministic,
                                      decode=decode)
-        ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
+        if cfg.num_experts and not self.dense_ffn:
+            ffn = MoeMlp(cfg, name="ffn")
+        else:
+            ffn = Mlp(cfg.replace(d_ff=cfg.dense_d_ff) if cfg.dense_d_ff else cfg, name="ffn")
         if cfg.parallel_block:
             h = Norm(cfg, name="attn_norm")(x)
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h

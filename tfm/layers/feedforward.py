@@ -54,42 +54,84 @@ def expert_capacity(tokens_per_group: int, config: ModelConfig) -> int:
     return max(1, min(c, tokens_per_group))
 
 
-def top_k_gates(logits, config: ModelConfig):
+def top_k_gates(logits, config: ModelConfig, score_bias=None):
     """logits [..., E] (fp32) -> gates [..., k], experts [..., k] (int32), aux_loss.
 
-    Gates are the softmax probabilities of the k best experts, renormalised to sum to 1 when k > 1
-    and router_norm_topk.
-    aux_loss is the Switch/Mixtral load-balancing loss E * sum_e fraction_routed_e * mean_prob_e.
+    Scores are the router's softmax (or, router_score="sigmoid", per-expert sigmoid). The k best
+    experts are chosen by score + score_bias [E] (DeepSeek-V3's balancing bias; None = 0), among
+    the router_group_top best of router_groups groups when grouped; the gates are their scores
+    (bias excluded), renormalised to sum to 1 when k > 1 and router_norm_topk, times router_scale.
+    aux_loss is the Switch/Mixtral load-balancing loss E * sum_e fraction_routed_e * mean_score_e.
     """
-    E = config.num_experts
-    probs = jax.nn.softmax(logits, axis=-1)
-    gates, experts = jax.lax.top_k(probs, config.experts_per_token)
-    if config.experts_per_token > 1 and config.router_norm_topk:
-        gates = gates / gates.sum(-1, keepdims=True)
+    E, k = config.num_experts, config.experts_per_token
+    scores = jax.nn.softmax(logits, axis=-1) if config.router_score == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias)
+    if config.router_groups > 1:
+        choice = _best_groups_only(choice, config.router_groups, config.router_group_top)
+    _, experts = jax.lax.top_k(choice, k)
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if k > 1 and config.router_norm_topk:
+        gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+    gates = gates * config.router_scale
     lead = tuple(range(logits.ndim - 1))
     fraction = jax.nn.one_hot(experts, E, dtype=jnp.float32).mean(axis=lead)  # [k, E]
-    aux_loss = E * jnp.sum(fraction * probs.mean(axis=lead)[None, :])
+    aux_loss = E * jnp.sum(fraction * scores.mean(axis=lead)[None, :])
     return gates, experts.astype(jnp.int32), aux_loss
 
 
-def route(logits, config: ModelConfig, capacity: int):
+def _best_groups_only(choice, groups: int, top: int):
+    """choice [..., E] with the experts outside each token's `top` best groups (ranked by the sum of a
+    group's two best scores) set to -inf."""
+    grouped = choice.reshape(choice.shape[:-1] + (groups, -1))  # [..., groups, E / groups]
+    rank = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [..., groups]
+    _, best = jax.lax.top_k(rank, top)
+    keep = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.bool_), axis=-2)  # [..., groups]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+@jax.custom_vjp
+def balance_signal(score_bias, load):
+    """0.0, whose gradient with respect to score_bias [E] is load [E] minus its mean: added to the
+    objective, it hands the optimizer each expert's excess load, which `tfm.train.optim` turns into
+    DeepSeek-V3's auxiliary-loss-free update score_bias -= rate * sign(excess). load: tokens per expert."""
+    del score_bias, load
+    return jnp.zeros((), jnp.float32)
+
+
+def _balance_signal_fwd(score_bias, load):
+    return balance_signal(score_bias, load), load - load.mean()
+
+
+def _balance_signal_bwd(excess, g):
+    return excess * g, jnp.zeros_like(excess)
+
+
+balance_signal.defvjp(_balance_signal_fwd, _balance_signal_bwd)
+
+
+def route(logits, config: ModelConfig, capacity: int, score_bias=None):
     """Top-k token-choice routing within each group (batch row), as one-hot dispatch (moe_impl="einsum").
 
     logits [B, T, E] (fp32) -> dispatch [B, T, E, C] (0/1), combine [B, T, E, C] (gate weights),
     aux_loss (see `top_k_gates`). Earlier choices (k = 0 first) take capacity before later ones;
     overflow is dropped.
     """
-    E, k = config.num_experts, config.experts_per_token
-    gates, experts, aux_loss = top_k_gates(logits, config)  # [B, T, k]
+    gates, experts, aux_loss = top_k_gates(logits, config, score_bias)
+    return (*dispatch_slots(gates, experts, config.num_experts, capacity), aux_loss)
+
+
+def dispatch_slots(gates, experts, num_experts: int, capacity: int):
+    """gates, experts [B, T, k] -> dispatch (0/1), combine (gate weights) [B, T, E, C] (see `route`)."""
+    E, k = num_experts, experts.shape[-1]
     choice = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [B, T, k, E]
-    B, T = logits.shape[:2]
+    B, T = experts.shape[:2]
     priority = jnp.swapaxes(choice, 1, 2).reshape(B, k * T, E)  # k-major order
     slot = (jnp.cumsum(priority, axis=1) - 1).reshape(B, k, T, E).swapaxes(1, 2)  # [B, T, k, E]
     kept = choice * (slot < capacity)
     slot_onehot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)
     dispatch = jnp.sum(kept[..., None] * slot_onehot, axis=2)  # [B, T, E, C]
     combine = jnp.sum((gates[..., None, None] * kept[..., None]) * slot_onehot, axis=2)
-    return dispatch, combine, aux_loss
+    return dispatch, combine
 
 
 class MoeMlp(nn.Module):
@@ -99,10 +141,12 @@ class MoeMlp(nn.Module):
     each expert runs on its own contiguous rows (`jax.lax.ragged_dot`, group sizes = tokens per
     expert); memory and FLOPs grow linearly in tokens; under rules that split "expert" over a mesh
     axis, tokens travel to their experts' devices by all-to-all (`tfm.parallel.experts`).
-    moe_impl="einsum": one-hot dispatch into
-    [B, E, C, D] expert slots per batch row (Switch/GShard capacity_factor; None = C = T, dropless).
-    shared_expert_d_ff > 0 adds an always-on Mlp of that width under a per-token sigmoid gate
-    (Qwen2-MoE). Sows the load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`.
+    moe_impl="einsum": one-hot dispatch into [B, E, C, D] expert slots per batch row
+    (Switch/GShard capacity_factor; None = C = T, dropless).
+    shared_expert_d_ff > 0 adds an always-on Mlp of that width, under a per-token sigmoid gate
+    (Qwen2-MoE) or ungated (shared_expert_gate=False: DeepSeek-V3). Routing: `top_k_gates`. Sows the
+    load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`, and with router_bias
+    the `balance_signal` of the experts' loads into `losses/router_balance`.
     """
 
     config: ModelConfig
@@ -121,16 +165,24 @@ class MoeMlp(nn.Module):
         up_names = ("wi_gate", "wi_up") if cfg.activation in GATED_ACTIVATIONS else ("wi",)
         weights = {name: weight(name, (E, D, F), ("expert", "embed", "mlp")) for name in up_names}
         weights["wo"] = weight("wo", (E, F, D), ("expert", "mlp", "embed"))
+        bias = None
+        if cfg.router_bias:
+            bias = self.param("score_bias", param_init(nn.initializers.zeros_init(), ("expert",)), (E,), jnp.float32)
+        gates, experts, aux = top_k_gates(logits, cfg, bias)  # [B, T, k]
+        if bias is not None:
+            load = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(0, 1, 2))  # [E] tokens per expert
+            self.sow("losses", "router_balance", balance_signal(bias, load))
         if cfg.moe_impl == "ragged":
-            gates, experts, aux = top_k_gates(logits, cfg)  # [B, T, k]
             y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E)
         else:
-            y, aux = self._einsum(x, logits, weights)
+            y = self._einsum(x, gates, experts, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
         if cfg.shared_expert_d_ff:
             shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
-            gate = Einsum("BTD,D->BT", (D,), ("embed",), name="shared_expert_gate", dtype=compute_dtype(cfg))(x)
-            y = y + jax.nn.sigmoid(gate)[..., None] * shared
+            if cfg.shared_expert_gate:
+                gate = Einsum("BTD,D->BT", (D,), ("embed",), name="shared_expert_gate", dtype=compute_dtype(cfg))(x)
+                shared = jax.nn.sigmoid(gate)[..., None] * shared
+            y = y + shared
         return y
 
     def _grouped_ffn(self, rows, group_sizes, weights):
@@ -138,14 +190,14 @@ class MoeMlp(nn.Module):
         up = lambda name: jax.lax.ragged_dot(rows, weights[name], group_sizes)  # [R, F]
         return jax.lax.ragged_dot(hidden_activation(self.config, up), weights["wo"], group_sizes)
 
-    def _einsum(self, x, logits, weights):
+    def _einsum(self, x, gates, experts, weights):
         cfg = self.config
         dt = compute_dtype(cfg)
-        dispatch, combine, aux = route(logits, cfg, expert_capacity(x.shape[1], cfg))
+        dispatch, combine = dispatch_slots(gates, experts, cfg.num_experts, expert_capacity(x.shape[1], cfg))
         xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
         xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
         up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weights[name])
         h = hidden_activation(cfg, up)  # [B, E, C, F]
         ye = jnp.einsum("BECF,EFD->BECD", h, weights["wo"])
         ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
-        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye), aux
+        return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)

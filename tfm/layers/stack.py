@@ -24,7 +24,8 @@ class Stack(nn.Module):
     "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ...
     With an attention_pattern of period P > 1 a scanned stack repeats a `BlockGroup` of P layers
     num_layers / P times (params `layers/layer_0..layer_{P-1}/...`, each stacked on axis 0).
-    With position="relative" the stack owns one `relative_bias` table that all its layers use."""
+    With position="relative" the stack owns one `relative_bias` table that all its layers use.
+    A MoE model's first config.dense_layers layers (dense feed-forward) stay `layer_i` when scanning."""
 
     config: ModelConfig
     num_layers: int
@@ -42,15 +43,16 @@ class Stack(nn.Module):
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
             inputs = inputs.replace(relative_table=table)
+        dense = cfg.dense_layers if cfg.num_experts else 0  # a MoE model's first, dense layers: never scanned
+        for i in range(dense if cfg.scan_layers else self.num_layers):
+            x, _ = block(cfg, layer_index=i, dense_ffn=i < dense, name=f"layer_{i}", **kw)(x, inputs)
         if cfg.scan_layers:
             unit = block if period == 1 else functools.partial(BlockGroup, block=block)
             scanned = nn.scan(
                 unit, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},
-                in_axes=nn.broadcast, length=self.num_layers // period, metadata_params={nn.PARTITION_NAME: "layers"})
+                in_axes=nn.broadcast, length=(self.num_layers - dense) // period,
+                metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = scanned(cfg, name="layers", **kw)(x, inputs)
-        else:
-            for i in range(self.num_layers):
-                x, _ = block(cfg, layer_index=i, name=f"layer_{i}", **kw)(x, inputs)
         if cfg.norm_position == "pre" and cfg.final_norm:
             x = Norm(cfg, name="final_norm")(x)
         return x

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 from tfm.config import LEGACY_ROPE_FIELDS, ModelConfig
@@ -59,6 +60,45 @@ def llama(vocab_size: int = 32_000, d_model: int = 4096, num_layers: int = 32, n
     return cfg.replace(**overrides)
 
 
+def mixtral_8x7b(vocab_size: int = 32_000, **overrides) -> ModelConfig:
+    """Mixtral 8x7B (Jiang et al. 2024): the Llama/Mistral shape with 8 SwiGLU experts, top-2, on
+    every layer; 46.7B parameters, 12.9B active per token."""
+    return llama(vocab_size, num_experts=8, experts_per_token=2, max_len=32_768, rope=dict(theta=1e6),
+                 router_aux_loss_coef=0.02).replace(**overrides)
+
+
+def deepseek_v3(vocab_size: int = 129_280, **overrides) -> ModelConfig:
+    """DeepSeek-V3 (DeepSeek-AI 2024): 61 layers, D 7168, 128 heads of multi-head latent attention
+    (query latent 1536, kv latent 512, heads 128 + 64 RoPE dims, values 128), YaRN x40 from 4k; the
+    first 3 layers dense (F 18432), then DeepSeekMoE: 256 routed experts of F 2048, top-8 by sigmoid
+    scores + balancing bias within the best 4 of 8 groups, gates x2.5, one shared expert.
+    671B parameters, 37B active per token (the multi-token-prediction module is not included)."""
+    factor, original = 40.0, 4096
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=7168, num_heads=128, num_layers=61, d_ff=2048,
+                      head_dim=192, max_len=int(factor * original), norm="rmsnorm", norm_eps=1e-6,
+                      norm_position="pre", final_norm=True, position="rope", activation="swiglu",
+                      attention_bias=False, ffn_bias=False, tie_embeddings=False,
+                      rope=dict(theta=10_000.0, scaling="yarn", factor=factor, original_max_len=original,
+                                attention_factor=1.0, interleaved=True),
+                      mla=dict(kv_rank=512, rope_dim=64, q_rank=1536, value_dim=128,
+                               softmax_scale_factor=(0.1 * math.log(factor) + 1.0) ** 2),
+                      num_experts=256, experts_per_token=8, dense_layers=3, dense_d_ff=18_432,
+                      router_score="sigmoid", router_groups=8, router_group_top=4, router_bias=True,
+                      router_scale=2.5, shared_expert_d_ff=2048, shared_expert_gate=False, router_aux_loss_coef=0.0)
+    return cfg.replace(**overrides)
+
+
+def kimi_k2(vocab_size: int = 163_840, **overrides) -> ModelConfig:
+    """Kimi K2 (Moonshot AI 2025): DeepSeek-V3's architecture with 384 routed experts, 64 heads, one
+    dense layer, no expert groups, gates x2.827, YaRN x32 from 4k (theta 50,000).
+    About 1.03T parameters, 32B active per token."""
+    factor = 32.0
+    return deepseek_v3(vocab_size, num_heads=64, num_experts=384, dense_layers=1, router_groups=1,
+                       router_group_top=1, router_scale=2.827, max_len=int(factor * 4096),
+                       rope=dict(theta=50_000.0, factor=factor, beta_fast=1.0),
+                       mla=dict(softmax_scale_factor=(0.1 * math.log(factor) + 1.0) ** 2)).replace(**overrides)
+
+
 def tiny(family: str, **overrides) -> ModelConfig:
     """CPU-sized variants (D 32, 2 layers, V 64) for tests and local runs.
 
@@ -82,7 +122,7 @@ def tiny(family: str, **overrides) -> ModelConfig:
 
 
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
-                                   gpt2_medium, llama)}
+                                   gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family)
                 for family in ("decoder", "llama", "moe", "encoder", "encdec")})
 

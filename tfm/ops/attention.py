@@ -17,7 +17,9 @@ Masking is described, never materialised by the caller:
 A row with no visible key outputs 0 (never NaN).
 
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
-last two run per device under a mesh (`tfm.ops.shard`). `masks` holds what they share.
+last two run per device under a mesh (`tfm.ops.shard`). Under a mesh whose rules split
+"length" over `context`, attention is context-parallel (`tfm.ops.context`, by
+`context_strategy`) whatever impl of xla/chunked/auto is asked. `masks` holds what they share.
 `alibi_slopes` and `visibility` are re-exported here for callers of the entry point.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels.flash_attention import BlockSizes
-from tfm.ops import chunked, cudnn, pallas, select, xla
+from tfm.ops import chunked, context, cudnn, pallas, select, shard, xla
 from tfm.ops.masks import alibi_slopes, check_attention_inputs, visibility
 
 __all__ = ["IMPLEMENTATIONS", "alibi_slopes", "dot_product_attention", "visibility"]
@@ -56,23 +58,36 @@ def dot_product_attention(
     impl: str = "xla",
     chunk_size: int = 128,
     block_sizes: Optional[BlockSizes] = None,
+    context_strategy: str = "ring",
 ) -> jax.Array:
     """Attention softmax(q k^T * scale + masks) v. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     impl: "xla" (reference), "chunked" (pure-JAX blockwise, O(L) memory), "pallas"
     (flash kernels), "cudnn" (jax.nn, GPU only), "auto" (fastest per backend).
-    chunk_size is used by "chunked" only, block_sizes (the kernel tiles) by "pallas" only.
+    chunk_size is used by "chunked" (and context parallelism) only, block_sizes (the kernel
+    tiles) by "pallas" only. context_strategy: "ring" or "all_gather", used when the sequence is
+    split over the mesh's `context` axis (and no positions are given).
     """
     check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLEMENTATIONS}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if context_strategy not in context.STRATEGIES:
+        raise ValueError(f"unknown context_strategy {context_strategy!r}; choose from {context.STRATEGIES}")
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError("attention dropout_rate > 0 needs a dropout_rng")
     B, T, N, H = q.shape
     S = k.shape[1]
     scale = H ** -0.5 if scale is None else scale
+    if q_positions is None and kv_positions is None and shard.context_size() > 1:
+        if impl not in ("xla", "chunked", "auto") or bias is not None or dropout_rate > 0.0:
+            raise ValueError(f"context-parallel attention (a mesh splitting 'length' over 'context') computes "
+                             f"each block blockwise in pure JAX: it takes impl xla/chunked/auto (got {impl!r}), "
+                             "no additive bias and no dropout")
+        return context.attention(q, k, v, strategy=context_strategy, causal=causal, q_segment_ids=q_segment_ids,
+                                 kv_segment_ids=kv_segment_ids, window=window, alibi_slopes=alibi_slopes,
+                                 softcap=softcap, scale=scale, chunk_size=chunk_size)
     if impl == "auto":
         impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None,
                                   causal=causal, window=window, softcap=softcap,

@@ -1,5 +1,8 @@
 """The chunked backend: blockwise online softmax over key chunks, pure JAX.
 
+Its pieces (grouped; init_carry, accumulate, finish, output_delta, block_grads) also serve
+context parallelism (`tfm.ops.context`): the all-gather strategy and each ring step.
+
 O(T + S) memory in both passes (the backward recomputes each chunk's probabilities from the
 saved log-sum-exp), and it runs on every backend: the fallback for long sequences on CPU.
 """
@@ -37,9 +40,16 @@ def _chunk_logits(qg, kc, kv_pos_c, kv_seg_c, q_pos, q_seg, slopes, cfg):
     return jnp.where(visible, s, NEG_INF), visible
 
 
-def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
-    """Returns o [B, T, K, G, H] (q dtype) and lse [B, K, G, T] (fp32)."""
+def init_carry(qg):
+    """Empty online-softmax state (running max m, sum l, output acc) for qg [B, T, K, G, H]."""
     B, T, K, G, H = qg.shape
+    return (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, H), jnp.float32))
+
+
+def accumulate(carry, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    """The online-softmax state `carry` (init_carry) updated with keys k, v [B, S, K, H] taken
+    chunk keys at a time; kv_pos, kv_seg [B, S] (S a multiple of chunk)."""
     xs = (_chunks(k, chunk), _chunks(v, chunk), _chunks(kv_pos, chunk), _chunks(kv_seg, chunk))
 
     def step(carry, x):
@@ -54,31 +64,47 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
             "BKGTS,BSKH->BKGTH", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
         return (m_new, l, acc), None
 
-    init = (jnp.full((B, K, G, T), NEG_INF, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
-            jnp.zeros((B, K, G, T, H), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, xs)
+    return jax.lax.scan(step, carry, xs)[0]
+
+
+def finish(carry, dtype):
+    """o [B, T, K, G, H] (dtype) and lse [B, K, G, T] (fp32, +inf on rows that saw no key)."""
+    m, l, acc = carry
     safe_l = jnp.where(l == 0.0, 1.0, l)
     o = acc / safe_l[..., None]
     lse = jnp.where(l == 0.0, jnp.inf, m + jnp.log(safe_l))  # +inf: exp(s - lse) = 0 for empty rows
-    return jnp.einsum("BKGTH->BTKGH", o).astype(qg.dtype), lse
+    return jnp.einsum("BKGTH->BTKGH", o).astype(dtype), lse
+
+
+def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    """Returns o [B, T, K, G, H] (q dtype) and lse [B, K, G, T] (fp32)."""
+    carry = accumulate(init_carry(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    return finish(carry, qg.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+def grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+    """o [B, T, K, G, H] for query groups qg [B, T, K, G, H] and k, v [B, S, K, H] (S a multiple
+    of chunk), positions and segment ids [B, T] / [B, S]; cfg = (causal, window, softcap, scale)."""
     return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)[0]
 
 
-def _core_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
+def _grouped_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
     o, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
     return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
 
 
-def _core_bwd(cfg, chunk, residuals, do):
-    """Flash-style backward: recompute each chunk's probabilities from the saved lse."""
-    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
+def output_delta(do, o):
+    """delta [B, K, G, T] = rowsum(do * o), the softmax backward's correction term."""
+    return jnp.einsum("BTKGH,BTKGH->BKGT", do.astype(jnp.float32), o.astype(jnp.float32))
+
+
+def block_grads(dq, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, lse, delta, do):
+    """Flash-style backward over keys k, v [B, S, K, H], chunk keys at a time: each chunk's
+    probabilities recomputed from the saved lse [B, K, G, T]. Returns dq (fp32, added to the
+    given one) and this block's dk, dv [B, S, K, H] (fp32)."""
     causal, window, softcap, scale = cfg
     do32 = do.astype(jnp.float32)
-    delta = jnp.einsum("BTKGH,BTKGH->BKGT", do32, o.astype(jnp.float32))
     xs = (_chunks(k, chunk), _chunks(v, chunk), _chunks(kv_pos, chunk), _chunks(kv_seg, chunk))
 
     def step(dq, x):
@@ -96,13 +122,19 @@ def _core_bwd(cfg, chunk, residuals, do):
         dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, qg.astype(jnp.float32))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
+    dq, (dk, dv) = jax.lax.scan(step, dq, xs)
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(k.shape)  # [n, B, c, K, H] -> [B, S, K, H]
-    return (dq.astype(qg.dtype), unchunk(dk).astype(k.dtype), unchunk(dv).astype(v.dtype),
-            None, None, None, None, None)
+    return dq, unchunk(dk), unchunk(dv)
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+def _grouped_bwd(cfg, chunk, residuals, do):
+    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
+    dq, dk, dv = block_grads(jnp.zeros(qg.shape, jnp.float32), qg, k, v, q_pos, kv_pos, q_seg, kv_seg,
+                             slopes, cfg, chunk, lse, output_delta(do, o), do)
+    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
+
+
+grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
@@ -121,5 +153,5 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     q_pos = jnp.broadcast_to(q_pos, (B, T))
     cfg = (causal, window, softcap, scale)
     qg = q.reshape(B, T, K, N // K, H)
-    o = _core(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    o = grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
     return o.reshape(B, T, N, H)

@@ -4,7 +4,8 @@ XLA's SPMD partitioner cannot split a Pallas or cuDNN call: inside a sharded `ji
 gather q, k and v and run the whole attention on every device. `per_device` maps the kernel
 over the mesh axes that the active logical rules give "batch" and "heads", so each device
 runs it on its own [B/b, T, N/n, H] shard. The sequence axes T and S stay whole on every
-device (no context parallelism; a rule for "length" is not used here).
+device, except for a kernel that exchanges keys itself (`split_length`, context parallelism:
+T and S split over the `context` axis when the rules give it "length"; `context_size`).
 
 The mesh is the one `jax.set_mesh` makes current and the rules those of
 `flax.linen.logical_axis_rules`; the trainer holds both while it traces the model
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tfm.parallel.mesh import AXES
+from tfm.parallel.mesh import AXES, CONTEXT
 from tfm.parallel.rules import from_flax_rules, make_rules
 from tfm.parallel.sharding import logical_to_spec
 
@@ -49,43 +50,65 @@ def _repeat_kv(x, shards: int):
 
 # Without active logical rules (a plain `jit` under `jax.set_mesh`): batch over every batch-like
 # axis of tfm's mesh, heads over `tensor`, as the Trainer's rules would split them.
-_DEFAULT_RULES = make_rules("data", "fsdp", "expert", "tensor", activations=True)
+# The sequence over `context` (when the mesh has one).
+_DEFAULT_RULES = make_rules("data", "fsdp", "expert", "context", "tensor", activations=True)
 
 
-def _batch_and_head_axes(q_shape, mesh, free_axes):
-    """PartitionSpec entries for B and N of q [B, T, N, H] under the active rules, or tfm's
-    default ones when none are active (axes that do not divide a dim are left out, as for
-    every other activation)."""
+def _free_axes(mesh):
+    return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)  # not yet mapped
+
+
+def _rules(mesh, free_axes):
+    """The active rules (tfm's defaults when none are active), restricted to unmapped mesh axes."""
     active = from_flax_rules(nn.get_logical_axis_rules())
     if not active and not set(free_axes) & set(AXES):
         raise ValueError(f"an opaque attention kernel under a mesh with axes {tuple(mesh.axis_names)} needs "
                          "rules saying which split the batch and the heads: trace it inside "
                          "flax.linen.logical_axis_rules(...) giving 'batch' and 'heads' mesh axes, or name "
                          f"the mesh axes as tfm does {AXES}")
-    rules = tuple((name, tuple(a for a in axes if a in free_axes)) for name, axes in active or _DEFAULT_RULES)
-    spec = tuple(logical_to_spec(("batch", None, "heads"), q_shape[:3], mesh, rules)) + (None,) * 3
-    return spec[0], spec[2]
+    return tuple((name, tuple(a for a in axes if a in free_axes)) for name, axes in active or _DEFAULT_RULES)
 
 
-def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=None, alibi_slopes=None):
+def context_size() -> int:
+    """Devices the current mesh and rules split a sequence over: the size of the `context` axis
+    when it is unmapped and the rules give it "length", else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free_axes = () if mesh.empty else _free_axes(mesh)
+    if CONTEXT not in free_axes or mesh.shape[CONTEXT] == 1:
+        return 1
+    return mesh.shape[CONTEXT] if CONTEXT in dict(_rules(mesh, free_axes)).get("length", ()) else 1
+
+
+def _axes(q_shape, mesh, free_axes, split_length):
+    """PartitionSpec entries for B, T and N of q [B, T, N, H] under the active rules (axes that
+    do not divide a dim are left out, as for every other activation); T only over `context`."""
+    rules = _rules(mesh, free_axes)
+    length = "length" if split_length else None
+    spec = tuple(logical_to_spec(("batch", length, "heads"), q_shape[:3], mesh, rules)) + (None,) * 3
+    return spec[0], (CONTEXT if split_length and context_size() > 1 else None), spec[2]
+
+
+def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=None, alibi_slopes=None, *,
+               split_length: bool = False):
     """kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes) -> o, run on each device's shard.
 
     q [B, T, N, H]; k, v [B, S, K, H]; segment ids [B, T] / [B, S] or None; alibi_slopes [N] or
     None; o [B, T, N, H]. The kernel gets [B/b, T, N/n, H], [B/b, S, K', H] with K' = K/n, or,
     when n does not divide K (GQA with fewer kv heads than the head axis), each kv head
-    repeated just enough that it does; segment ids [B/b, .] and slopes [N/n].
+    repeated just enough that it does; segment ids [B/b, .] and slopes [N/n]. With split_length
+    T and S are split too (T/c, S/c over the `context` axis, which the kernel names).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    free_axes = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)  # not yet mapped
-    batch, heads = None, None
+    free_axes = () if mesh.empty else _free_axes(mesh)
+    batch = length = heads = None
     if _axes_size(mesh, free_axes) > 1:
-        batch, heads = _batch_and_head_axes(q.shape, mesh, free_axes)
-    if batch is None and heads is None:
+        batch, length, heads = _axes(q.shape, mesh, free_axes, split_length)
+    if batch is None and length is None and heads is None:
         return kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
     shards = _axes_size(mesh, heads)
     operands = (q, _repeat_kv(k, shards), _repeat_kv(v, shards), q_segment_ids, kv_segment_ids, alibi_slopes)
-    heads_spec = P(batch, None, heads)
-    specs = (heads_spec, heads_spec, heads_spec, P(batch), P(batch), P(heads))
+    heads_spec = P(batch, length, heads)
+    specs = (heads_spec, heads_spec, heads_spec, P(batch, length), P(batch, length), P(heads))
     present = [i for i, x in enumerate(operands) if x is not None]
 
     def body(*shards):

@@ -1,7 +1,8 @@
-"""Device mesh over the named axes (data, fsdp, expert, tensor), with Auto axis types.
+"""Device mesh over the named axes (data, fsdp, expert, context, tensor), with Auto axis types.
 
 The mesh shape comes from `MeshConfig`; one axis may be -1 and is inferred from the device
-count. `tensor` is the innermost (fastest-varying) axis, so tensor-parallel groups sit on
+count. `context` splits sequences (context parallelism, `tfm.ops.context`), next to `tensor`,
+the innermost (fastest-varying) axis: tensor-parallel groups, then the context ring, sit on
 neighbouring devices (same host / ICI ring). Across TPU slices or GPU nodes (DCN) one axis
 is multiplied by `num_slices` as the outermost factor: `dcn_axis="data"` is pure data
 parallelism between slices (the usual choice), `dcn_axis="fsdp"` is hybrid-sharded FSDP.
@@ -15,7 +16,8 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "expert", "context", "tensor")
+CONTEXT = "context"  # the axis sequences are split over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
     num_slices: int = 1  # TPU slices / GPU nodes joined over DCN
     dcn_axis: str = "data"

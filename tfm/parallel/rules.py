@@ -20,8 +20,9 @@ the batch axes, as "batch"), "cache_kv_heads"
 (as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
 a decode under a mesh keeps the cache sharded like the activations it came from.
 
-Parameter rules and activation rules differ in one place: "embed" is FSDP-sharded in
-parameters only (activations keep the model dim whole; their batch already uses `fsdp`).
+Parameter rules and activation rules differ in two places: "embed" is FSDP-sharded in
+parameters only (activations keep the model dim whole; their batch already uses `fsdp`), and
+"length" is split over `context` in activations only.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
                "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
+    "context": {"length": ("context",)},
 }
 _PARAM_ONLY = ("embed",)
+_ACTIVATION_ONLY = ("length",)
 
 
 def make_rules(*styles: str, activations: bool = False) -> Rules:
@@ -58,9 +61,8 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     merged["expert_batch"] = merged["batch"] - {"expert"}
     merged["cache_batch"] = set(merged["batch"])
     merged["cache_memory_batch"] = set(merged["batch"])
-    if activations:
-        for name in _PARAM_ONLY:
-            merged.pop(name, None)
+    for name in _PARAM_ONLY if activations else _ACTIVATION_ONLY:
+        merged.pop(name, None)
     return tuple((name, tuple(a for a in AXES if a in axes)) for name, axes in merged.items())
 
 

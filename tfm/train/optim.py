@@ -1,6 +1,8 @@
 """Optax optimizers and learning-rate schedules from `OptimizerConfig`."""
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -76,8 +78,17 @@ def scale_by_uncorrected_adam(b1: float, b2: float, eps: float) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(cfg: OptimizerConfig, num_train_steps: int):
-    """(optax transformation with global-norm clipping, schedule)."""
+BALANCED = "score_bias"  # MoE routers' balancing biases (tfm.layers.feedforward.balance_signal)
+
+
+def balancing_step(rate: float) -> optax.GradientTransformation:
+    """DeepSeek-V3's auxiliary-loss-free balancing: -rate * sign(g), g the expert's excess load."""
+    return optax.chain(optax.scale_by_sign(), optax.scale(-rate))
+
+
+def make_optimizer(cfg: OptimizerConfig, num_train_steps: int, balance_rate: Optional[float] = None):
+    """(optax transformation with global-norm clipping, schedule). With balance_rate, parameters
+    named BALANCED take `balancing_step(balance_rate)` instead (no clipping, decay or moments)."""
     lr = make_schedule(cfg, num_train_steps)
     if not cfg.bias_correction:
         decay = [optax.add_decayed_weights(cfg.weight_decay, _decay_mask(cfg))] if cfg.name == "adamw" else []
@@ -98,4 +109,8 @@ def make_optimizer(cfg: OptimizerConfig, num_train_steps: int):
         opt = optax.sgd(lr)
     if cfg.clip_grad_norm:
         opt = optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), opt)
+    if balance_rate is not None:
+        label = lambda path, _: "balance" if getattr(path[-1], "key", None) == BALANCED else "learn"
+        opt = optax.multi_transform({"learn": opt, "balance": balancing_step(balance_rate)},
+                                    lambda params: jax.tree_util.tree_map_with_path(label, params))
     return opt, lr

@@ -56,7 +56,8 @@ class Trainer:
         styles = parallel.parse_parallelism(config.parallelism)
         self.rules = parallel.make_rules(*styles)
         self.activation_rules = parallel.flax_rules(parallel.make_rules(*styles, activations=True))
-        self.tx, self.schedule = make_optimizer(config.optimizer, config.num_train_steps)
+        balance = _balance_rate(model.config, task)
+        self.tx, self.schedule = make_optimizer(config.optimizer, config.num_train_steps, balance_rate=balance)
         self.batch_sharding = parallel.batch_sharding(self.mesh, self.rules)
         self.replicated = NamedSharding(self.mesh, P())
 
@@ -406,3 +407,13 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
                 hook.close()
         run.close()
     return TrainResult(run.state, run.history, run.eval_history, bool(run.stop_reason), run.trainer)
+
+
+def _balance_rate(cfg, task):
+    """ModelConfig.router_bias_rate when the model's routers carry DeepSeek's balancing bias, else None."""
+    if not (getattr(cfg, "num_experts", 0) and getattr(cfg, "router_bias", False)):
+        return None
+    if task.moe_aux_weight <= 0:
+        raise ValueError(f"{type(task).__name__}.moe_aux_weight={task.moe_aux_weight!r}: the routers' balancing "
+                         "bias (ModelConfig.router_bias) learns its update through the sown losses; keep it > 0")
+    return cfg.router_bias_rate
