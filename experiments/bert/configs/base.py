@@ -44,6 +44,10 @@ def get_config(arg: str = ""):
     c.synthetic_documents = 0
     c.eval_documents = 10_000
     c.eval_batches = 100
+    c.chunk_documents = 2_000  # ~6 MB of Wikipedia a chunk: instances made per chunk, streamed
+    c.chunk_bytes = 8 << 20  # text_dirs: ~16 books a chunk
+    c.shuffle_chunks = 8  # instances shuffled over 8 chunks at a time (~16k documents)
+    c.vocab_documents = 200_000  # Google trained BERT's 30,522 WordPieces offline; vocab_path takes a file
     c.tokenizer = "wordpiece"  # uncased (lower-cased, accents stripped)
     c.vocab_size = 30_522
     c.max_seq_length = 128
@@ -80,6 +84,7 @@ def shrink(c) -> None:
     c.model.overrides.update(d_model=96, num_heads=4, num_layers=2, d_ff=384, max_len=96,
                              dropout_rate=0.0, attention_dropout=0.0)
     c.dataset, c.synthetic_documents, c.eval_documents, c.eval_batches = "synthetic_topics", 4000, 300, 4
+    c.chunk_documents, c.shuffle_chunks, c.vocab_documents = 500, 4, 4000
     c.vocab_size = 1000
     c.max_seq_length, c.max_predictions_per_seq = 48, 8
     c.phase2_start_step, c.phase2_max_seq_length, c.phase2_max_predictions_per_seq = 1800, 96, 15

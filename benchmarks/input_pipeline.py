@@ -1,0 +1,93 @@
+"""BERT / RoBERTa pretraining input pipeline at corpus scale: peak host memory and time to the
+first batch as the corpus grows, then examples/s and tokens/s of one host core.
+
+    python -m benchmarks.input_pipeline --sizes-mb 100,1000 [--work /tmp/tfm_input_bench]
+
+For each size it writes a Wikipedia-like text corpus (`synthetic.write_text_corpus`, reused
+when present), then runs in a fresh process each (so peak RSS is that run's own, from
+`resource.getrusage`): the pipeline to its first batch (hold-out carve, WordPiece trained on
+a bounded sample, the first shuffle window), then `--windows` more shuffle windows (default 2) for throughput, for BERT phase 1
+(MLM + NSP, 128 tokens, 20 predictions) and RoBERTa FULL-SENTENCES (512, 80).
+
+    python -m benchmarks.input_pipeline --first-batch DIR [--mode bert|roberta] [--windows N]
+
+is one such run over a corpus directory; it prints one JSON line (tests use it).
+"""
+from __future__ import annotations
+
+import time
+
+START = time.perf_counter()  # before the imports: a run's time to its first batch includes them
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from tfm.data import documents, streaming, synthetic, tokenizers  # noqa: E402
+
+MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
+         "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
+
+
+def run_once(directory: str, mode: str, windows: int) -> dict:
+    """The pipeline over `directory` to its first batch (timed from the process's imports),
+    then through `windows` more shuffle windows (4 chunks of 1 MB each: reading, tokenizing,
+    instance creation and masking, for throughput); call it once per process."""
+    corpus = documents.Corpus([documents.TextDocuments([directory], chunk_bytes=1 << 20)])
+    keys, _ = documents.hold_out(corpus, 100)
+    tok = tokenizers.train_wordpiece(
+        (s for d in documents.sample(corpus, 500, exclude=keys) for s in d), 1000)
+    stream = streaming.PretrainingStream(corpus, tok, batch_size=32, exclude=keys, shuffle_chunks=4,
+                                         **MODES[mode])
+    first = next(stream)
+    to_first = time.perf_counter() - START
+    cpu, wall, tokens, done = time.process_time(), time.perf_counter(), 0, 0
+    while windows and stream.window < windows + 1 and not stream.epoch:  # builds `windows` windows
+        tokens += int(next(stream)["attention_mask"].sum())
+        done += 1
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return {"mode": mode, "corpus_bytes": sum(os.path.getsize(os.path.join(r, n))
+                                               for r, _, names in os.walk(directory) for n in names),
+            "chunks": len(corpus), "seconds_to_first_batch": round(to_first, 2),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "batch_rows": len(first["input_ids"]),
+            "examples_per_cpu_second": round(done * 32 / cpu, 1) if done else None,
+            "tokens_per_cpu_second": round(tokens / cpu) if done else None,
+            "examples_per_second": round(done * 32 / wall, 1) if done else None}
+
+
+def _fresh_process(directory: str, mode: str, windows: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.input_pipeline", "--first-batch", directory,
+                          "--mode", mode, "--windows", str(windows)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--first-batch", metavar="DIR", help="one run over DIR, printed as a JSON line")
+    p.add_argument("--mode", choices=sorted(MODES), default="bert")
+    p.add_argument("--windows", type=int, default=0, help="shuffle windows after the first, for throughput")
+    p.add_argument("--sizes-mb", default="100,1000")
+    p.add_argument("--work", default="/tmp/tfm_input_bench")
+    args = p.parse_args()
+    if args.first_batch:
+        print(json.dumps(run_once(args.first_batch, args.mode, args.windows)))
+        return
+    print("| corpus | mode | chunks | peak RSS (MB) | first batch (s) | examples/s per core | tokens/s per core |")
+    print("|---|---|---|---|---|---|---|")
+    for mb in map(int, args.sizes_mb.split(",")):
+        directory = os.path.join(args.work, f"{mb}mb")
+        if not os.path.isdir(directory):
+            synthetic.write_text_corpus(directory, mb << 20, seed=mb)
+        for mode in ("bert", "roberta"):
+            r = _fresh_process(directory, mode, args.windows or 2)
+            print(f"| {r['corpus_bytes'] / 2**20:.0f} MB | {mode} | {r['chunks']} | {r['peak_rss_bytes'] / 2**20:.0f} "
+                  f"| {r['seconds_to_first_batch']:.1f} | {r['examples_per_cpu_second']:.0f} "
+                  f"| {r['tokens_per_cpu_second']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
