@@ -1,13 +1,16 @@
 """BERT / RoBERTa pretraining input pipeline at corpus scale: peak host memory and time to the
 first batch as the corpus grows, then examples/s and tokens/s of one host core.
 
-    python -m benchmarks.input_pipeline --sizes-mb 100,1000 [--work /tmp/tfm_input_bench]
+    python -m benchmarks.input_pipeline --sizes-mb 100,1000 [--lists-sizes-mb 5,20] [--work DIR]
 
 For each size it writes a Wikipedia-like text corpus (`synthetic.write_text_corpus`, reused
-when present), then runs in a fresh process each (so peak RSS is that run's own, from
-`resource.getrusage`): the pipeline to its first batch (hold-out carve, WordPiece trained on
-a bounded sample, the first shuffle window), then `--windows` more shuffle windows (default 2) for throughput, for BERT phase 1
-(MLM + NSP, 128 tokens, 20 predictions) and RoBERTa FULL-SENTENCES (512, 80).
+when present, under --work, default /tmp/tfm_input_bench), then runs in a fresh process each
+(so peak RSS is that run's own, from `resource.getrusage`): the pipeline to its first batch
+(hold-out carve, WordPiece trained on a bounded sample, the first shuffle window), then
+`--windows` more shuffle windows (default 2) for throughput per core (CPU seconds), for BERT
+phase 1 (MLM + NSP, 128 tokens, 20 predictions) and RoBERTa FULL-SENTENCES (512, 80). At the
+`--lists-sizes-mb` sizes the former in-memory path (every document, vocabulary and instance
+made before the first batch) runs too, side by side.
 
     python -m benchmarks.input_pipeline --first-batch DIR [--mode bert|roberta] [--windows N]
 
@@ -26,17 +29,31 @@ import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from tfm.data import documents, streaming, synthetic, tokenizers  # noqa: E402
+from tfm.data import documents, pretraining, streaming, synthetic, tokenizers  # noqa: E402
 
 MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
          "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
 
 
-def run_once(directory: str, mode: str, windows: int) -> dict:
+def _bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(directory) for n in names)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
     """The pipeline over `directory` to its first batch (timed from the process's imports),
     then through `windows` more shuffle windows (4 chunks of 1 MB each: reading, tokenizing,
     instance creation and masking, for throughput); call it once per process."""
     corpus = documents.Corpus([documents.TextDocuments([directory], chunk_bytes=1 << 20)])
+    if lists:  # the former path: every document in memory, the vocabulary and instances made from all
+        docs = [d for c in range(len(corpus)) for _, d in corpus.chunk(c)]
+        tok = tokenizers.train_wordpiece((s for d in docs for s in d), 1000)
+        first = next(iter(pretraining.pretraining_dataset(docs, tok, batch_size=32, **MODES[mode])))
+        return {"mode": mode, "pipeline": "lists", "corpus_bytes": _bytes(directory), "chunks": len(corpus),
+                "seconds_to_first_batch": round(time.perf_counter() - START, 2), "peak_rss_bytes": _peak_rss()}
     keys, _ = documents.hold_out(corpus, 100)
     tok = tokenizers.train_wordpiece(
         (s for d in documents.sample(corpus, 500, exclude=keys) for s in d), 1000)
@@ -49,19 +66,17 @@ def run_once(directory: str, mode: str, windows: int) -> dict:
         tokens += int(next(stream)["attention_mask"].sum())
         done += 1
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return {"mode": mode, "corpus_bytes": sum(os.path.getsize(os.path.join(r, n))
-                                               for r, _, names in os.walk(directory) for n in names),
-            "chunks": len(corpus), "seconds_to_first_batch": round(to_first, 2),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"mode": mode, "pipeline": "stream", "corpus_bytes": _bytes(directory),
+            "chunks": len(corpus), "seconds_to_first_batch": round(to_first, 2), "peak_rss_bytes": _peak_rss(),
             "batch_rows": len(first["input_ids"]),
             "examples_per_cpu_second": round(done * 32 / cpu, 1) if done else None,
             "tokens_per_cpu_second": round(tokens / cpu) if done else None,
             "examples_per_second": round(done * 32 / wall, 1) if done else None}
 
 
-def _fresh_process(directory: str, mode: str, windows: int) -> dict:
+def _fresh_process(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
     out = subprocess.run([sys.executable, "-m", "benchmarks.input_pipeline", "--first-batch", directory,
-                          "--mode", mode, "--windows", str(windows)], capture_output=True, text=True, check=True)
+                          "--mode", mode, "--windows", str(windows)] + ["--lists"] * lists, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,23 +85,28 @@ def main() -> None:
     p.add_argument("--first-batch", metavar="DIR", help="one run over DIR, printed as a JSON line")
     p.add_argument("--mode", choices=sorted(MODES), default="bert")
     p.add_argument("--windows", type=int, default=0, help="shuffle windows after the first, for throughput")
+    p.add_argument("--lists", action="store_true", help="with --first-batch: the former in-memory path")
     p.add_argument("--sizes-mb", default="100,1000")
+    p.add_argument("--lists-sizes-mb", default="5,20", help="sizes the former in-memory path runs at, side by side")
     p.add_argument("--work", default="/tmp/tfm_input_bench")
     args = p.parse_args()
     if args.first_batch:
-        print(json.dumps(run_once(args.first_batch, args.mode, args.windows)))
+        print(json.dumps(run_once(args.first_batch, args.mode, args.windows, args.lists)))
         return
-    print("| corpus | mode | chunks | peak RSS (MB) | first batch (s) | examples/s per core | tokens/s per core |")
-    print("|---|---|---|---|---|---|---|")
-    for mb in map(int, args.sizes_mb.split(",")):
+    print("| corpus | pipeline | mode | chunks | peak RSS (MB) | first batch (s) | examples/s per core | tokens/s per core |")
+    print("|---|---|---|---|---|---|---|---|")
+    lists = [int(mb) for mb in args.lists_sizes_mb.split(",") if mb]
+    for mb in sorted(set(lists) | {int(mb) for mb in args.sizes_mb.split(",")}):
         directory = os.path.join(args.work, f"{mb}mb")
         if not os.path.isdir(directory):
             synthetic.write_text_corpus(directory, mb << 20, seed=mb)
-        for mode in ("bert", "roberta"):
-            r = _fresh_process(directory, mode, args.windows or 2)
-            print(f"| {r['corpus_bytes'] / 2**20:.0f} MB | {mode} | {r['chunks']} | {r['peak_rss_bytes'] / 2**20:.0f} "
-                  f"| {r['seconds_to_first_batch']:.1f} | {r['examples_per_cpu_second']:.0f} "
-                  f"| {r['tokens_per_cpu_second']:.0f} |", flush=True)
+        runs = [(mode, False) for mode in MODES] + [(mode, True) for mode in MODES if mb in lists]
+        for mode, in_memory in runs:
+            r = _fresh_process(directory, mode, args.windows or 2, in_memory)
+            rate = (f"{r['examples_per_cpu_second']:.0f} | {r['tokens_per_cpu_second']:.0f}"
+                    if "examples_per_cpu_second" in r else "— | —")
+            print(f"| {r['corpus_bytes'] / 2**20:.0f} MB | {r['pipeline']} | {mode} | {r['chunks']} "
+                  f"| {r['peak_rss_bytes'] / 2**20:.0f} | {r['seconds_to_first_batch']:.1f} | {rate} |", flush=True)
 
 
 if __name__ == "__main__":
