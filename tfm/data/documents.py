@@ -157,6 +157,9 @@ def chunk_order(num_chunks: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_chunks)
 
 
+_HOLD_OUT_ORDER, _SAMPLE_ORDER = 2**32 - 1, 2**32 - 2  # chunk orders of their own, not an epoch's
+
+
 def hold_out(corpus, count: int, *, seed: int = 0, oversample: int = 8) -> tuple[frozenset, list[list[str]]]:
     """(keys, documents) of `count` held-out documents: the lowest key hashes among the first
     chunks (in a seeded order) that hold `oversample * count` documents, so they spread over
@@ -164,7 +167,7 @@ def hold_out(corpus, count: int, *, seed: int = 0, oversample: int = 8) -> tuple
     if count < 2:
         raise ValueError(f"eval_documents={count}: need at least 2 held-out documents (NSP pairs)")
     seen = []
-    for c in chunk_order(len(corpus), seed, -1 % 2**32):
+    for c in chunk_order(len(corpus), seed, _HOLD_OUT_ORDER):
         seen += corpus.chunk(int(c))
         if len(seen) >= oversample * count:
             break
@@ -181,7 +184,7 @@ def sample(corpus, count: int, *, exclude: frozenset = frozenset(), seed: int = 
     deterministic sample (e.g. to train a vocabulary), read lazily."""
     if count < 1:
         raise ValueError(f"the sample needs at least one document, got {count}")
-    for c in chunk_order(len(corpus), seed, -2 % 2**32):
+    for c in chunk_order(len(corpus), seed, _SAMPLE_ORDER):
         for key, doc in corpus.chunk(int(c)):
             if key not in exclude:
                 yield doc

@@ -23,6 +23,9 @@ max_seq_length, P = max_predictions_per_seq):
     nsp_label                                      [b]      (0 = B follows A, 1 = random B;
                                                              absent when next_sentence=False)
 
+`pretraining_dataset` holds its documents in memory (small corpora, held-out sets);
+`tfm.data.streaming` makes the same batches from a corpus of any size, a chunk at a time.
+
 Pairs are created once from `seed`; masks are drawn per (epoch, example) from `seed`, so
 every epoch sees new masks (RoBERTa-style dynamic masking in place of BERT's dupe_factor
 static copies, which `dupe_factor` still provides).
