@@ -15,6 +15,7 @@ made before the first batch) runs too, side by side.
     python -m benchmarks.input_pipeline --first-batch DIR [--mode bert|roberta] [--windows N]
 
 is one such run over a corpus directory; it prints one JSON line (tests use it).
+`--packing` prints the translation and LM packing pipelines' throughput per core instead.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from tfm.data import documents, pretraining, streaming, synthetic, tokenizers  # noqa: E402
+from tfm.data import documents, pipeline, pretraining, streaming, synthetic, tokenizers  # noqa: E402
 
 MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
          "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
@@ -74,6 +75,30 @@ def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> di
             "examples_per_second": round(done * 32 / wall, 1) if done else None}
 
 
+def packing_rates(batches: int = 100) -> list[dict]:
+    """Examples and real tokens per CPU second of the packed translation and LM pipelines
+    (`pipeline.seq2seq_dataset` at 64 tokens, `pipeline.lm_dataset` at 128), batch 32, over
+    generated sentences held in memory (their sources are random-access TFDS splits)."""
+    pairs = synthetic.translation_pairs(20_000, seed=0)
+    tok = tokenizers.train_sentencepiece((t for p in pairs[:2000] for t in p), 500)
+    cases = {"translation (seq2seq, 64)": (pipeline.seq2seq_dataset, [{"en": e, "de": d} for e, d in pairs],
+                                           dict(max_length=64), "inputs_segment_ids"),
+             "LM (decoder, 128)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs], dict(seq_len=128),
+                                   "segment_ids")}
+    out = []
+    for name, (make, source, shape, segments) in cases.items():
+        it = iter(make(source, tok, batch_size=32, **shape))
+        next(it)
+        cpu, examples, tokens = time.process_time(), 0, 0
+        for _ in range(batches):
+            b = next(it)
+            examples += int(b[segments].max(axis=1).sum())
+            tokens += int((b[segments] > 0).sum())
+        cpu = time.process_time() - cpu
+        out.append({"case": name, "examples_per_cpu_second": round(examples / cpu), "tokens_per_cpu_second": round(tokens / cpu)})
+    return out
+
+
 def _fresh_process(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
     out = subprocess.run([sys.executable, "-m", "benchmarks.input_pipeline", "--first-batch", directory,
                           "--mode", mode, "--windows", str(windows)] + ["--lists"] * lists, capture_output=True, text=True, check=True)
@@ -86,10 +111,15 @@ def main() -> None:
     p.add_argument("--mode", choices=sorted(MODES), default="bert")
     p.add_argument("--windows", type=int, default=0, help="shuffle windows after the first, for throughput")
     p.add_argument("--lists", action="store_true", help="with --first-batch: the former in-memory path")
+    p.add_argument("--packing", action="store_true", help="translation and LM packing throughput instead")
     p.add_argument("--sizes-mb", default="100,1000")
     p.add_argument("--lists-sizes-mb", default="5,20", help="sizes the former in-memory path runs at, side by side")
     p.add_argument("--work", default="/tmp/tfm_input_bench")
     args = p.parse_args()
+    if args.packing:
+        for r in packing_rates():
+            print(json.dumps(r))
+        return
     if args.first_batch:
         print(json.dumps(run_once(args.first_batch, args.mode, args.windows, args.lists)))
         return
