@@ -31,13 +31,16 @@ def _reference_text_documents(directory):
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
     """Files with documents of 1-6 lines separated by 1-3 blank lines (some holding spaces), a
-    leading blank line, a file without a final newline, a one-document file, a long line."""
+    leading blank line, a file without a final newline, a one-document file, a long line,
+    non-ASCII text."""
     root = tmp_path_factory.mktemp("books")
     rng = random.Random(0)
     sentences = [s for d in synthetic.topical_documents(60, seed=1) for s in d]
     for f in range(5):
         blocks = ["\n".join(rng.sample(sentences, rng.randint(1, 6))) for _ in range(1 if f == 3 else rng.randint(5, 30))]
         text = "".join(b + rng.choice(["\n\n", "\n  \n", "\n\n\n", "\n \t\n\n"]) for b in blocks)
+        if f == 0:
+            text = "Grüße, à bientôt.\nÇa va.\n\n" + text  # multi-byte characters by chunk edges
         if f == 1:
             text = "\n" + text + " ".join(sentences[:200])
         if f == 2:

@@ -94,7 +94,7 @@ def _blank_before(f, pos: int) -> bool:
         for byte in reversed(piece):
             if byte == 10:  # "\n"
                 return True
-            if not chr(byte).isspace():
+            if byte not in b" \t\r\x0b\x0c":  # ASCII whitespace, as bytes.strip()
                 return False
         pos -= step
     return True
