@@ -105,6 +105,8 @@ def test_resume_gives_the_same_batches_bit_for_bit(corpus, tok, next_sentence):
             assert set(got) == set(want)
             for key in want:
                 np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    with pytest.raises(ValueError, match="not a stream position"):
+        run.set_state({"next_index": 5})  # a Grain iterator's state
     (origin, instance), = [next(run.instances())]  # one instance, masked in epochs 0 and 1:
     again = run.example((0, *origin[1:]), instance), run.example((1, *origin[1:]), instance)
     assert not np.array_equal(again[0]["mlm_positions"], again[1]["mlm_positions"])  # new masks

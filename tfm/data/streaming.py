@@ -71,6 +71,9 @@ class PretrainingStream:
         return {"epoch": self.epoch, "window": self.window, "index": self.index}
 
     def set_state(self, state: dict) -> None:
+        if set(state) != {"epoch", "window", "index"}:
+            raise ValueError(f"data state with keys {sorted(state)} is not a stream position "
+                             "{epoch, window, index} (a checkpoint of the former in-memory pipeline?)")
         self.epoch, self.window, self.index = (int(state[k]) for k in ("epoch", "window", "index"))
 
     # ------------------------------------------------------------------------------ reading
