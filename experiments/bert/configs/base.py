@@ -27,8 +27,8 @@ out), WordPiece 1,000, batch 64, 2,000 steps at 48 tokens / 8 predictions with t
 steps over its first ~1/(1 - b2) = 1,000 updates are larger than the lr says (for a steady
 gradient (1 - b1^t) / sqrt(1 - b2^t): 6.6x at step 12, 3.2x at 100, 1.3x at 1,000), which
 the recipe's 10k warmup hides; with 100 warmup steps the same run ended at masked_lm 0.385
-and next-sentence 0.646, with 400 as below. Measured (2-core CPU, 5 min alone; data streamed in
-chunks of 500 documents, 2026-11-24, 12 min on loaded cores): held-out masked_lm_accuracy 0.425
+and next-sentence 0.646, with 400 as below. Measured (2-core CPU, ~5 min alone; 2026-11-24 with
+the data streamed in chunks of 500 documents, 12 min on loaded cores): held-out masked_lm_accuracy 0.425
 against the most-frequent-token baseline 0.268, next_sentence_accuracy 0.945. (The former
 in-memory pipeline, NSP's random B from all 3,700 documents and another held-out set: 0.450,
 baseline 0.285, next-sentence 0.926.)
