@@ -21,7 +21,7 @@ from experiments import common
 from experiments.bert.settings import BertSettings
 from test_train_units import bert_learning_rate
 from tfm import parallel
-from tfm.data import pretraining, sources, synthetic, tokenizers
+from tfm.data import documents, pretraining, sources, streaming, synthetic, tokenizers
 from tfm.models import EncoderModel, presets
 from tfm.train import MLMTask
 
@@ -350,29 +350,33 @@ def test_runlocal_configs_resolve():
 def test_wikipedia_on_mock_data(tmp_path):
     """The wikipedia path on tfds.testing.mock_data: the real builder's features (title, text)
     and only a train split, so the held-out documents are carved from train, disjoint and
-    deterministic; the vocabulary lands in <workdir>/vocab.txt and batches come out."""
+    deterministic; the vocabulary lands in <workdir>/vocab.txt and streamed batches come out."""
     config = base.get_config()
-    config.dataset, config.eval_documents = "wikipedia", 8
+    config.dataset, config.eval_documents, config.chunk_documents = "wikipedia", 8, 10
     settings = common.settings_of(config, BertSettings)
     with tfds.testing.mock_data(num_examples=40):
         example = sources.load("wikipedia", "train")[0]
         assert set(example) == {"title", "text"}
         with pytest.raises(ValueError, match="no split 'validation'"):
             sources.load("wikipedia", "validation")
-        train, held_out = pretrain.load_documents(settings, str(tmp_path))
-        again = pretrain.load_documents(settings, str(tmp_path))
-    assert len(held_out) == 8 and len(train) + len(held_out) == 40
-    assert (train, held_out) == again
+        corpus = pretrain.corpus(settings, str(tmp_path))
+        assert len(corpus) == 4
+        keys, held_out = documents.hold_out(corpus, 8)
+        assert (keys, held_out) == documents.hold_out(corpus, 8)
+        everything = [kd for c in range(len(corpus)) for kd in corpus.chunk(c)]
+        train = [d for k, d in everything if k not in keys]
+        tok = pretrain.tokenizer(dataclasses.replace(settings, vocab_size=200), str(tmp_path), corpus, keys)
+        stream = streaming.PretrainingStream(corpus, tok, batch_size=4, max_seq_length=32,
+                                             max_predictions_per_seq=5, exclude=keys)
+        batch = next(stream)
+    assert len(held_out) == 8 and len(train) + len(held_out) == len(everything) == 40
     assert not {tuple(d) for d in held_out} & {tuple(d) for d in train}
-    tok = pretrain.tokenizer(dataclasses.replace(settings, vocab_size=200), str(tmp_path), train)
     assert os.path.exists(tmp_path / "vocab.txt")
     assert tokenizers.WordPieceTokenizer.load(tmp_path / "vocab.txt").vocab_size == tok.vocab_size
     other = tmp_path / "other"  # an existing vocabulary (e.g. a HF checkpoint dir) is used as is
-    loaded = pretrain.tokenizer(dataclasses.replace(settings, vocab_path=str(tmp_path)), str(other), [])
+    loaded = pretrain.tokenizer(dataclasses.replace(settings, vocab_path=str(tmp_path)), str(other), corpus)
     assert loaded.encode("the garden opens") == tok.encode("the garden opens")
     assert (other / "vocab.txt").read_text() == (tmp_path / "vocab.txt").read_text()
-    batch = next(iter(pretraining.pretraining_dataset(train, tok, batch_size=4, max_seq_length=32,
-                                                      max_predictions_per_seq=5)))
     assert batch["input_ids"].shape == (4, 32) and (batch["input_ids"][:, 0] == tok.cls_id).all()
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from experiments import common
 from experiments.bert.settings import BertSettings
-from tfm.data import pretraining, sources, synthetic, tokenizers
+from tfm.data import documents, pretraining, sources, streaming, synthetic, tokenizers
 from tfm.models import EncoderModel
 from tfm.train import MLMTask, flops_per_token
 from tfm.train.hooks import MetricsLog
@@ -45,11 +45,10 @@ GENERATED = {sources.resolve("synthetic_topics"): synthetic.prepare_topical_docu
 METRICS = ("masked_lm_accuracy", "masked_lm_loss", "next_sentence_accuracy", "next_sentence_loss")
 
 
-def load_documents(settings: BertSettings, workdir: str) -> tuple[list, list]:
-    """(train, held-out) documents (lists of sentences) of the dataset and text_dirs. The
-    held-out documents are `eval_documents` spread evenly over them (every n/k-th),
-    deterministic; the rest train. Wikipedia has only a train split, hence the carving."""
-    docs = []
+def corpus(settings: BertSettings, workdir: str) -> documents.Corpus:
+    """The dataset and text_dirs as one chunked corpus, read lazily (nothing is loaded here;
+    a generated dataset is written first)."""
+    parts = []
     if settings.dataset:
         data_dir = settings.data_dir
         prepare = GENERATED.get(sources.resolve(settings.dataset))
@@ -57,21 +56,18 @@ def load_documents(settings: BertSettings, workdir: str) -> tuple[list, list]:
             data_dir = data_dir or os.path.join(workdir, "data")
             common.on_first_process(lambda: prepare(data_dir, train=settings.synthetic_documents,
                                                     validation=1, test=1))
-        docs += sources.documents(sources.load(settings.dataset, "train", data_dir=data_dir))
-    for directory in filter(None, (d.strip() for d in settings.text_dirs.split(","))):
-        docs += sources.text_documents(directory)
-    k = settings.eval_documents
-    if not 2 <= k <= len(docs) - 2:
-        raise ValueError(f"eval_documents={k}: need 2 <= eval_documents <= {len(docs) - 2} "
-                         f"(the corpus has {len(docs)} documents; both sides need 2 for NSP)")
-    held_out = {round(j * len(docs) / k) for j in range(k)}
-    return ([d for i, d in enumerate(docs) if i not in held_out],
-            [d for i, d in enumerate(docs) if i in held_out])
+        source = sources.load(settings.dataset, "train", data_dir=data_dir)
+        parts.append(documents.TfdsDocuments(source, settings.chunk_documents))
+    directories = [d.strip() for d in settings.text_dirs.split(",") if d.strip()]
+    if directories:
+        parts.append(documents.TextDocuments(directories, settings.chunk_bytes))
+    return documents.Corpus(parts)
 
 
-def tokenizer(settings: BertSettings, workdir: str, train_docs: list):
+def tokenizer(settings: BertSettings, workdir: str, docs: documents.Corpus, exclude: frozenset = frozenset()):
     """The WordPiece (or byte-level BPE) vocabulary: settings.vocab_path, else the workdir's,
-    else trained on the training documents; always left in the workdir (vocab.txt)."""
+    else trained on `vocab_documents` training documents (`documents.sample`, not those in
+    `exclude`); always left in the workdir (vocab.txt)."""
     if settings.tokenizer not in ("wordpiece", "byte_bpe"):
         raise ValueError(f"tokenizer must be 'wordpiece' or 'byte_bpe', got {settings.tokenizer!r}")
     wordpiece = settings.tokenizer == "wordpiece"
@@ -89,7 +85,7 @@ def tokenizer(settings: BertSettings, workdir: str, train_docs: list):
         return tok
     if os.path.exists(path):
         return cls.load(path)
-    texts = (s for d in train_docs for s in d)
+    texts = (s for d in documents.sample(docs, settings.vocab_documents, exclude=exclude) for s in d)
     return train(texts, settings.vocab_size, path=path if jax.process_index() == 0 else None)
 
 
@@ -200,32 +196,36 @@ def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] =
     if s.phase2_start_step and not 0 < s.phase2_start_step < tcfg.num_train_steps:
         raise ValueError(f"phase2_start_step={s.phase2_start_step} must lie inside the run "
                          f"(0 < step < num_train_steps={tcfg.num_train_steps}), or be 0 for one phase")
-    train_docs, eval_docs = load_documents(s, workdir)
-    tok = tokenizer(s, workdir, train_docs)
+    docs = corpus(s, workdir)
+    eval_keys, eval_docs = documents.hold_out(docs, s.eval_documents, seed=tcfg.seed)  # never trained on
+    tok = tokenizer(s, workdir, docs, eval_keys)
     mcfg = exp.model(tok.vocab_size)
     first, second = phases(s, tcfg.batch_size)
     _check_model(mcfg, s, max(first.max_seq_length, second.max_seq_length if second else 0))
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
-    def make(phase: Phase, docs=train_docs, *, shuffle=True, num_epochs=None, seed=tcfg.seed):
-        return pretraining.pretraining_dataset(
-            docs, tok, batch_size=phase.batch_size, max_seq_length=phase.max_seq_length,
-            max_predictions_per_seq=phase.max_predictions, masked_lm_prob=s.masked_lm_prob,
-            short_seq_prob=s.short_seq_prob, dupe_factor=s.dupe_factor,
-            whole_word_masking=s.whole_word_masking, next_sentence=s.next_sentence,
-            shuffle=shuffle, seed=seed, num_epochs=num_epochs, **shard)
+    def shape(phase: Phase) -> dict:  # the keywords the streamed and the held-out batches share
+        return dict(batch_size=phase.batch_size, max_seq_length=phase.max_seq_length,
+                    max_predictions_per_seq=phase.max_predictions, masked_lm_prob=s.masked_lm_prob,
+                    short_seq_prob=s.short_seq_prob, dupe_factor=s.dupe_factor,
+                    whole_word_masking=s.whole_word_masking, next_sentence=s.next_sentence)
+
+    def make(phase: Phase):  # this host's chunks of the corpus, streamed
+        return streaming.PretrainingStream(docs, tok, exclude=eval_keys, shuffle_chunks=s.shuffle_chunks,
+                                           seed=tcfg.seed, **shape(phase), **shard)
 
     batches = PhasedBatches(make, first, second, s.phase2_start_step or None)
-    held_out = {}
+    eval_sets = {}
 
     def eval_batches(phase: Phase) -> list:
-        if phase not in held_out:  # fixed masks: the same examples scored at every evaluation
-            ds = make(phase, eval_docs, shuffle=False, num_epochs=1, seed=tcfg.seed + 1)
-            held_out[phase] = [b for _, b in zip(range(s.eval_batches), ds)]
-            if not held_out[phase]:
+        if phase not in eval_sets:  # fixed masks: the same examples scored at every evaluation
+            ds = pretraining.pretraining_dataset(eval_docs, tok, shuffle=False, num_epochs=1,
+                                                 seed=tcfg.seed + 1, **shape(phase), **shard)
+            eval_sets[phase] = [b for _, b in zip(range(s.eval_batches), ds)]
+            if not eval_sets[phase]:
                 raise ValueError(f"the {s.eval_documents} held-out documents give no full batch of "
                                  f"{phase.batch_size}; raise eval_documents or lower batch_size")
-        return held_out[phase]
+        return eval_sets[phase]
 
     eval_batches(second or first)  # a held-out split too small fails now, not after training
 

@@ -15,7 +15,12 @@ class BertSettings:
     text_dirs: str                # comma-separated plain-text corpus directories (BooksCorpus
                                   # stand-in): a document per file or blank-line separated; "" none
     synthetic_documents: int      # documents generated for the synthetic datasets
-    eval_documents: int           # held-out documents, carved deterministically off train's end
+    eval_documents: int           # held-out documents: the lowest hashes of their keys among the
+                                  # first chunks (seeded order) holding 8x as many; not trained on
+    chunk_documents: int          # dataset documents per chunk (NSP's random B comes from the chunk)
+    chunk_bytes: int              # text_dirs bytes per chunk
+    shuffle_chunks: int           # chunks whose instances are shuffled together (the shuffle buffer)
+    vocab_documents: int          # documents (seeded sample) the vocabulary is trained on
     eval_batches: int             # held-out batches per evaluation
     tokenizer: str                # "wordpiece" (BERT, uncased) or "byte_bpe" (RoBERTa)
     vocab_size: int               # trained vocabulary size (ignored when vocab_path is set)

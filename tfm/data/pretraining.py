@@ -23,6 +23,9 @@ max_seq_length, P = max_predictions_per_seq):
     nsp_label                                      [b]      (0 = B follows A, 1 = random B;
                                                              absent when next_sentence=False)
 
+`pretraining_dataset` holds its documents in memory (small corpora, held-out sets);
+`tfm.data.streaming` makes the same batches from a corpus of any size, a chunk at a time.
+
 Pairs are created once from `seed`; masks are drawn per (epoch, example) from `seed`, so
 every epoch sees new masks (RoBERTa-style dynamic masking in place of BERT's dupe_factor
 static copies, which `dupe_factor` still provides).
@@ -200,6 +203,18 @@ def _features(instance: Instance, rng: np.random.Generator, *, tokenizer: WordPi
     return out
 
 
+def features_fn(tokenizer: WordPieceTokenizer, *, max_seq_length: int, max_predictions_per_seq: int,
+                masked_lm_prob: float, whole_word_masking: bool):
+    """`f(instance, rng) -> example` (one row of the batches in the module doc), masks drawn
+    from the numpy Generator `rng`."""
+    replacement_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
+    continuation_ids = np.asarray(tokenizer.continuation_ids) if whole_word_masking else None
+    return functools.partial(
+        _features, tokenizer=tokenizer, replacement_ids=replacement_ids,
+        continuation_ids=continuation_ids, max_seq_length=max_seq_length,
+        max_predictions=max_predictions_per_seq, masked_lm_prob=masked_lm_prob)
+
+
 def pretraining_batch_spec(batch_size: int, max_seq_length: int, max_predictions_per_seq: int,
                            next_sentence: bool = True) -> dict:
     """The shapes and dtypes of `pretraining_dataset`'s batches, without data (tfm.preflight)."""
@@ -233,12 +248,10 @@ def pretraining_dataset(documents: Sequence[Sequence[str]], tokenizer: WordPiece
     else:
         instances = create_full_sentence_instances(tokenized, max_seq_length=max_seq_length,
                                                    separator_id=tokenizer.sep_id, seed=seed)
-    replacement_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
-    continuation_ids = np.asarray(tokenizer.continuation_ids) if whole_word_masking else None
     ds = records(instances, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
-    ds = ds.random_map(functools.partial(
-        _features, tokenizer=tokenizer, replacement_ids=replacement_ids,
-        continuation_ids=continuation_ids, max_seq_length=max_seq_length,
-        max_predictions=max_predictions_per_seq, masked_lm_prob=masked_lm_prob), seed=seed)
+    ds = ds.random_map(features_fn(tokenizer, max_seq_length=max_seq_length,
+                                   max_predictions_per_seq=max_predictions_per_seq,
+                                   masked_lm_prob=masked_lm_prob,
+                                   whole_word_masking=whole_word_masking), seed=seed)
     return fixed_batches(ds.to_iter_dataset(), b, drop_remainder)

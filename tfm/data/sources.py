@@ -6,8 +6,9 @@ extra); the local corpora are prepared by `tfm.data.synthetic` and read here the
 
     src = load("wmt14_translate/de-en", "train")        # {"en": bytes, "de": bytes}
     src = load("synthetic_translate", "train", data_dir=d)  # same features, local corpus
-    docs = documents(load("wikipedia", "train"))         # list[list[str]] sentences
-    docs = text_documents("/data/books")                 # plain-text files, same form
+    docs = documents(load("wikipedia", "train"))         # list[list[str]] sentences (small splits)
+
+Corpora too large for host memory are read a chunk at a time by `tfm.data.documents`.
 
 Examples are dicts of numpy values; text features are `bytes` (`str` under
 `tfds.testing.mock_data`): use `as_text`.
@@ -122,24 +123,7 @@ def split_sentences(text: str) -> list[str]:
 def documents(source: Sequence[dict], text_key: str = "text") -> list[list[str]]:
     """All examples of `source` as documents (lists of sentences), skipping empty ones.
 
-    Reads the whole split into memory, as BERT's create_pretraining_data does per shard.
-    """
+    Reads the whole split into memory: for small splits (pretraining streams its corpus with
+    `tfm.data.documents`)."""
     docs = (split_sentences(as_text(source[i][text_key])) for i in range(len(source)))
     return [d for d in docs if d]
-
-
-def text_documents(directory: str | os.PathLike) -> list[list[str]]:
-    """Documents (lists of sentences) of a plain-text corpus directory, e.g. a BooksCorpus
-    copy: every file under it (sorted paths, UTF-8) is one document, or several where blank
-    lines separate them."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"text corpus directory {os.fspath(directory)!r} does not exist")
-    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
-    docs = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            docs.extend(split_sentences(block) for block in re.split(r"\n\s*\n", f.read()))
-    docs = [d for d in docs if d]
-    if not docs:
-        raise ValueError(f"no text in the files under {os.fspath(directory)!r}")
-    return docs

@@ -188,6 +188,38 @@ def write_text(path: str | os.PathLike, lines: Iterable[str]) -> str:
     return path
 
 
+def write_text_corpus(directory: str | os.PathLike, size_bytes: int, *, file_bytes: int = 1 << 20,
+                      seed: int = 0, pool_sentences: int = 20_000) -> str:
+    """Streams a Wikipedia-like plain-text corpus of about `size_bytes` (it stops at the first
+    document past it) to `directory`: files of ~`file_bytes`, documents of 3-40 sentences on one
+    of the 32 topics (`topical_documents`' vocabularies) separated by blank lines, one sentence a
+    line. Sentences come from a pool of `pool_sentences` per-topic sentences, so writing runs at
+    disk speed and memory stays at one file whatever the size. Read it with
+    `tfm.data.documents.TextDocuments`; returns the directory."""
+    if size_bytes < 1 or file_bytes < 1:
+        raise ValueError(f"size_bytes and file_bytes must be positive, got {size_bytes}, {file_bytes}")
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    rng = random.Random(seed)
+    topics = [(t, v) for t in range(NOUN_TOPICS) for v in range(VERB_TOPICS)]
+    per_topic = max(1, pool_sentences // len(topics))
+    pool = [[_topical_sentence(rng, topic) for _ in range(per_topic)] for topic in topics]
+    draw = np.random.default_rng(seed)
+    written, index = 0, 0
+    while written < size_bytes:
+        docs, length = [], 0
+        while length < file_bytes and written + length < size_bytes:
+            sentences = pool[draw.integers(len(pool))]
+            doc = "\n".join(sentences[i] for i in draw.integers(per_topic, size=draw.integers(3, 41)))
+            docs.append(doc)
+            length += len(doc) + 2
+        text = "\n\n".join(docs) + "\n"
+        with open(os.path.join(directory, f"part-{index:05d}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+        written, index = written + len(text.encode("utf-8")), index + 1
+    return directory
+
+
 _SPLITS = ("train", "validation", "test")
 
 

@@ -1,0 +1,143 @@
+"""BERT / RoBERTa pretraining input pipeline at corpus scale: peak host memory and time to the
+first batch as the corpus grows, then examples/s and tokens/s of one host core.
+
+    python -m benchmarks.input_pipeline --sizes-mb 100,1000 [--lists-sizes-mb 5,20] [--work DIR]
+
+For each size it writes a Wikipedia-like text corpus (`synthetic.write_text_corpus`, reused
+when present, under --work, default /tmp/tfm_input_bench), then runs in a fresh process each
+(so peak RSS is that run's own, from `resource.getrusage`): the pipeline to its first batch
+(hold-out carve, WordPiece trained on a bounded sample, the first shuffle window), then
+`--windows` more shuffle windows (default 2) for throughput per core (CPU seconds), for BERT
+phase 1 (MLM + NSP, 128 tokens, 20 predictions) and RoBERTa FULL-SENTENCES (512, 80). At the
+`--lists-sizes-mb` sizes the former in-memory path (every document, vocabulary and instance
+made before the first batch) runs too, side by side.
+
+    python -m benchmarks.input_pipeline --first-batch DIR [--mode bert|roberta] [--windows N]
+
+is one such run over a corpus directory; it prints one JSON line (tests use it).
+`--packing` prints the translation and LM packing pipelines' throughput per core instead.
+"""
+from __future__ import annotations
+
+import time
+
+START = time.perf_counter()  # before the imports: a run's time to its first batch includes them
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from tfm.data import documents, pipeline, pretraining, streaming, synthetic, tokenizers  # noqa: E402
+
+MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
+         "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
+
+
+def _bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(directory) for n in names)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
+    """The pipeline over `directory` to its first batch (timed from the process's imports),
+    then through `windows` more shuffle windows (4 chunks of 1 MB each: reading, tokenizing,
+    instance creation and masking, for throughput); call it once per process."""
+    corpus = documents.Corpus([documents.TextDocuments([directory], chunk_bytes=1 << 20)])
+    if lists:  # the former path: every document in memory, the vocabulary and instances made from all
+        docs = [d for c in range(len(corpus)) for _, d in corpus.chunk(c)]
+        tok = tokenizers.train_wordpiece((s for d in docs for s in d), 1000)
+        first = next(iter(pretraining.pretraining_dataset(docs, tok, batch_size=32, **MODES[mode])))
+        return {"mode": mode, "pipeline": "lists", "corpus_bytes": _bytes(directory), "chunks": len(corpus),
+                "seconds_to_first_batch": round(time.perf_counter() - START, 2), "peak_rss_bytes": _peak_rss()}
+    keys, _ = documents.hold_out(corpus, 100)
+    tok = tokenizers.train_wordpiece(
+        (s for d in documents.sample(corpus, 500, exclude=keys) for s in d), 1000)
+    stream = streaming.PretrainingStream(corpus, tok, batch_size=32, exclude=keys, shuffle_chunks=4,
+                                         **MODES[mode])
+    first = next(stream)
+    to_first = time.perf_counter() - START
+    cpu, wall, tokens, done = time.process_time(), time.perf_counter(), 0, 0
+    while windows and stream.window < windows + 1 and not stream.epoch:  # builds `windows` windows
+        tokens += int(next(stream)["attention_mask"].sum())
+        done += 1
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return {"mode": mode, "pipeline": "stream", "corpus_bytes": _bytes(directory),
+            "chunks": len(corpus), "seconds_to_first_batch": round(to_first, 2), "peak_rss_bytes": _peak_rss(),
+            "batch_rows": len(first["input_ids"]),
+            "examples_per_cpu_second": round(done * 32 / cpu, 1) if done else None,
+            "tokens_per_cpu_second": round(tokens / cpu) if done else None,
+            "examples_per_second": round(done * 32 / wall, 1) if done else None}
+
+
+def packing_rates(batches: int = 100) -> list[dict]:
+    """Examples and real tokens per CPU second of the packed translation and LM pipelines
+    (`pipeline.seq2seq_dataset` at 64 tokens, `pipeline.lm_dataset` at 128), batch 32, over
+    generated sentences held in memory (their sources are random-access TFDS splits)."""
+    pairs = synthetic.translation_pairs(20_000, seed=0)
+    tok = tokenizers.train_sentencepiece((t for p in pairs[:2000] for t in p), 500)
+    cases = {"translation (seq2seq, 64)": (pipeline.seq2seq_dataset, [{"en": e, "de": d} for e, d in pairs],
+                                           dict(max_length=64), "inputs_segment_ids"),
+             "LM (decoder, 128)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs], dict(seq_len=128),
+                                   "segment_ids")}
+    out = []
+    for name, (make, source, shape, segments) in cases.items():
+        it = iter(make(source, tok, batch_size=32, **shape))
+        next(it)
+        cpu, examples, tokens = time.process_time(), 0, 0
+        for _ in range(batches):
+            b = next(it)
+            examples += int(b[segments].max(axis=1).sum())
+            tokens += int((b[segments] > 0).sum())
+        cpu = time.process_time() - cpu
+        out.append({"case": name, "examples_per_cpu_second": round(examples / cpu), "tokens_per_cpu_second": round(tokens / cpu)})
+    return out
+
+
+def _fresh_process(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.input_pipeline", "--first-batch", directory,
+                          "--mode", mode, "--windows", str(windows)] + ["--lists"] * lists, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--first-batch", metavar="DIR", help="one run over DIR, printed as a JSON line")
+    p.add_argument("--mode", choices=sorted(MODES), default="bert")
+    p.add_argument("--windows", type=int, default=0, help="shuffle windows after the first, for throughput")
+    p.add_argument("--lists", action="store_true", help="with --first-batch: the former in-memory path")
+    p.add_argument("--packing", action="store_true", help="translation and LM packing throughput instead")
+    p.add_argument("--sizes-mb", default="100,1000")
+    p.add_argument("--lists-sizes-mb", default="5,20", help="sizes the former in-memory path runs at, side by side")
+    p.add_argument("--work", default="/tmp/tfm_input_bench")
+    args = p.parse_args()
+    if args.packing:
+        for r in packing_rates():
+            print(json.dumps(r))
+        return
+    if args.first_batch:
+        print(json.dumps(run_once(args.first_batch, args.mode, args.windows, args.lists)))
+        return
+    print("| corpus | pipeline | mode | chunks | peak RSS (MB) | first batch (s) | examples/s per core | tokens/s per core |")
+    print("|---|---|---|---|---|---|---|---|")
+    lists = [int(mb) for mb in args.lists_sizes_mb.split(",") if mb]
+    for mb in sorted(set(lists) | {int(mb) for mb in args.sizes_mb.split(",")}):
+        directory = os.path.join(args.work, f"{mb}mb")
+        if not os.path.isdir(directory):
+            synthetic.write_text_corpus(directory, mb << 20, seed=mb)
+        runs = [(mode, False) for mode in MODES] + [(mode, True) for mode in MODES if mb in lists]
+        for mode, in_memory in runs:
+            r = _fresh_process(directory, mode, args.windows or 2, in_memory)
+            rate = (f"{r['examples_per_cpu_second']:.0f} | {r['tokens_per_cpu_second']:.0f}"
+                    if "examples_per_cpu_second" in r else "— | —")
+            print(f"| {r['corpus_bytes'] / 2**20:.0f} MB | {r['pipeline']} | {mode} | {r['chunks']} "
+                  f"| {r['peak_rss_bytes'] / 2**20:.0f} | {r['seconds_to_first_batch']:.1f} | {rate} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
