@@ -5,8 +5,8 @@ know nothing of it, so imports run one way: common <- families <- registry <- im
 """
 from __future__ import annotations
 
-from tfm.convert import (bart, bert, bloom, distilbert, gpt2, gpt_neox, gptj, llama, marian, mistral, mixtral, mpt,
-                         openai_gpt, qwen2, roberta, t5, vit)
+from tfm.convert import (bart, bert, bloom, distilbert, gpt2, gpt_neox, gptj, llama, marian, mistral, mixtral, mllama,
+                         mpt, openai_gpt, qwen2, roberta, t5, vit)
 
 # Order matters for export: with no architecture named, `to_hf` writes the first class here whose
 # config reproduces the tfm config (a Llama config may also be a Mistral one).
@@ -14,5 +14,5 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **marian.ARCHITECTURES, **openai_gpt.ARCHITECTURES, **mistral.ARCHITECTURES, **qwen2.ARCHITECTURES,
               **gptj.ARCHITECTURES, **gpt_neox.ARCHITECTURES, **bloom.ARCHITECTURES, **mpt.ARCHITECTURES,
               **roberta.ARCHITECTURES, **distilbert.ARCHITECTURES, **vit.ARCHITECTURES, **t5.ARCHITECTURES,
-              **bart.ARCHITECTURES}
+              **bart.ARCHITECTURES, **mllama.ARCHITECTURES}
 SUPPORTED = tuple(sorted(CONVERTERS))

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.norms import Norm
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
+from tfm.ops.masks import NEG_INF
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the
 # batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
@@ -34,18 +36,25 @@ class Attention(nn.Module):
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
     Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES (cross-attention:
     MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
+
+    qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
+    attending (Mllama's cross-attention layers); cached keys are the normed ones.
     """
 
     config: ModelConfig
     causal: bool = False
     cross: bool = False
     layer_index: int = 0  # the layer's place in the stack: its kind under config.attention_pattern
+    qk_norm: bool = False
 
     @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
-                 kv_positions=None, relative_table=None, deterministic: bool = True, decode: bool = False):
+                 kv_positions=None, relative_table=None, kv_mask=None, deterministic: bool = True,
+                 decode: bool = False):
         """positions [B, T] are the query positions (RoPE, causal, window, ALiBi, relative bias).
-        relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention)."""
+        relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention).
+        kv_mask [B, T, M] bool, M dividing S: whether each query sees each of M equal runs of keys (the
+        image tiles of Mllama's cross-attention, which no segment ids describe; attends with impl "xla")."""
         cfg = self.config
         D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         proj = dict(use_bias=cfg.attention_bias, dtype=compute_dtype(cfg))
@@ -58,6 +67,9 @@ class Attention(nn.Module):
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
         out = Einsum("BTNH,NHD->BTD", (N, H, D), ("heads", "head_dim", "embed"), ("embed",), name="out",
                      **{**proj, "use_bias": out_bias})
+        if self.qk_norm:
+            query_norm, key_norm = Norm(cfg, "head_dim", name="query_norm"), Norm(cfg, "head_dim", name="key_norm")
+            query, key = (lambda h, f=query: query_norm(f(h))), (lambda h, f=key: key_norm(f(h)))
         q = constrain(query(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         if self.cross:
             k, v, kv_segment_ids = self._cross_kv(key, value, memory, kv_segment_ids, decode)
@@ -77,6 +89,12 @@ class Attention(nn.Module):
             q_pos = jnp.arange(x.shape[1])[None] if positions is None else positions
             bias = relative_bias(relative_table, q_pos, q_pos if kv_positions is None else kv_positions, cfg,
                                  bidirectional=not self.causal)
+        if kv_mask is not None:
+            (B, T, M), S = kv_mask.shape, k.shape[1]
+            if S % M:
+                raise ValueError(f"kv_mask has {M} entries per query, which does not divide the {S} keys")
+            seen = jnp.repeat(kv_mask.astype(bool), S // M, axis=-1)  # [B, T, S]
+            bias = jnp.broadcast_to(jnp.where(seen, 0.0, NEG_INF)[:, None], (B, cfg.num_heads, T, S))
         dropout = 0.0 if deterministic else cfg.attention_dropout
         o = dot_product_attention(
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -88,7 +106,7 @@ class Attention(nn.Module):
             softcap=cfg.attn_logit_softcap, bias=bias, scale=None if cfg.scale_attention else 1.0,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
+            impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
             block_sizes=cfg.attention_block_sizes)
         return out(o)  # [B, T, D]
 

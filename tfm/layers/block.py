@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
-from tfm.layers.common import constrain
+from tfm.layers.common import constrain, param_init
 from tfm.layers.feedforward import Mlp, MoeMlp
 from tfm.layers.norms import Norm
 
@@ -18,14 +18,16 @@ from tfm.layers.norms import Norm
 class BlockInputs:
     """What a Block reads besides x, each optional: segment_ids [B, T] and positions [B, T] of the
     queries; memory [B, S, D] and memory_segment_ids [B, S] for cross-attention; relative_table
-    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers). A pytree, so a scan
-    broadcasts it to every layer."""
+    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers); memory_mask [B, T, M]
+    (gated cross-attention layers): whether each query sees each of M equal runs of the memory (the
+    image tiles). A pytree, so a scan broadcasts it to every layer."""
 
     segment_ids: Optional[jnp.ndarray] = None
     positions: Optional[jnp.ndarray] = None
     memory: Optional[jnp.ndarray] = None
     memory_segment_ids: Optional[jnp.ndarray] = None
     relative_table: Optional[jnp.ndarray] = None
+    memory_mask: Optional[jnp.ndarray] = None
 
 
 class Block(nn.Module):
@@ -33,6 +35,9 @@ class Block(nn.Module):
     parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
     kind under config.attention_pattern.
+
+    In a causal stack the layers at config.multimodal.cross_attention_layers are Mllama's gated
+    cross-attention layers instead (see `_gated_cross`).
 
     `inputs` is a `BlockInputs` (segment ids, positions, cross-attention memory, relative table).
     Returns (x, None) so it can be scanned over layers.
@@ -51,6 +56,8 @@ class Block(nn.Module):
         drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
         pre = cfg.norm_position == "pre"
         seg, pos = inputs.segment_ids, inputs.positions
+        if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
+            return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
         def sublayer(x, name, fn):
             """Residual around fn, with the norm before (pre) or after (post) it."""
@@ -76,3 +83,30 @@ class Block(nn.Module):
                     deterministic=deterministic, decode=decode))
             x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
         return constrain(x, ("batch", "length", "embed")), None
+
+    def _gated_cross(self, x, inputs: BlockInputs, drop):
+        """x + tanh(a) * cross_attn(n1 x), then + tanh(b) * ffn(n2 x): no self-attention, q/k norms on the
+        cross-attention, gates a and b zero at init (Llama 3.2 Vision). A query whose memory_mask row
+        is all False attends to the whole memory and its feed-forward output is zeroed (as HF's Mllama).
+        Without memory (and no cached one) the layer is the identity, as HF skips it for text alone."""
+        cfg = self.config
+        cached = "cross_attn" in self.variables.get("cache", {})
+        if inputs.memory is None and not cached and not self.is_initializing():
+            return x
+        memory = inputs.memory
+        if memory is None and not cached:  # init: the params only
+            memory = jnp.zeros((x.shape[0], 1, cfg.d_model), x.dtype)
+        gate = lambda name: jnp.tanh(self.param(name, param_init(nn.initializers.zeros_init(), ()), (),
+                                                jnp.float32)).astype(x.dtype)
+        mask, seen = inputs.memory_mask, None
+        if mask is not None:
+            seen = mask.astype(bool).any(-1)  # [B, T]
+            mask = mask.astype(bool) | ~seen[..., None]
+        attn = Attention(self.config, cross=True, qk_norm=True, name="cross_attn")
+        h = attn(Norm(cfg, name="cross_norm")(x), memory, kv_mask=mask, deterministic=self.deterministic,
+                 decode=self.decode)
+        x = x + gate("cross_gate") * drop(h)
+        h = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")(Norm(cfg, name="ffn_norm")(x), self.deterministic)
+        if seen is not None:
+            h = h * seen[..., None].astype(h.dtype)
+        return x + gate("ffn_gate") * drop(h)

@@ -9,16 +9,17 @@ from tfm.layers.common import compute_dtype, param_init
 
 
 class Norm(nn.Module):
-    """config.norm over the last axis: [..., D] -> [..., D]."""
+    """config.norm over the last axis: [..., D] -> [..., D] (`axis`: the logical name of that axis)."""
 
     config: ModelConfig
+    axis: str = "embed"
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         D = x.shape[-1]
         x32 = x.astype(jnp.float32)
-        scale = self.param("scale", param_init(nn.initializers.ones_init(), ("embed",)), (D,), jnp.float32)
+        scale = self.param("scale", param_init(nn.initializers.ones_init(), (self.axis,)), (D,), jnp.float32)
         if cfg.norm == "rmsnorm":
             y = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.norm_eps))
             y = y * scale
@@ -27,5 +28,5 @@ class Norm(nn.Module):
             var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
             y = (x32 - mean) * jnp.reciprocal(jnp.sqrt(var + cfg.norm_eps)) * scale
             if cfg.norm_bias:
-                y = y + self.param("bias", param_init(nn.initializers.zeros_init(), ("embed",)), (D,), jnp.float32)
+                y = y + self.param("bias", param_init(nn.initializers.zeros_init(), (self.axis,)), (D,), jnp.float32)
         return y.astype(compute_dtype(cfg))
