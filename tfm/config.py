@@ -360,8 +360,9 @@ class ModelConfig:
                              "sequential (parallel_block=False), pre-norm stack")
         if mm.extra_tokens and self.tie_embeddings:
             raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need tie_embeddings=False")
-        if mm.max_num_tiles and not self.image_size:
-            raise ValueError("ModelConfig.multimodal.max_num_tiles describes a vision encoder; set image_size")
+        if mm.max_num_tiles and (not self.image_size or self.scan_layers):
+            raise ValueError("ModelConfig.multimodal.max_num_tiles describes a tiled vision encoder: it needs "
+                             "image_size and looped layers (scan_layers=False)")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of layer `layer` (None = global) under attention_pattern."""

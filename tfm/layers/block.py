@@ -1,6 +1,7 @@
 """The one transformer block every family is built from."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -20,7 +21,9 @@ class BlockInputs:
     queries; memory [B, S, D] and memory_segment_ids [B, S] for cross-attention; relative_table
     [buckets, N] (T5's bias, set by the `Stack` and shared by its layers); memory_mask [B, T, M]
     (gated cross-attention layers): whether each query sees each of M equal runs of the memory (the
-    image tiles). A pytree, so a scan broadcasts it to every layer."""
+    image tiles); self_mask [B, T, T] bool: which keys each query sees in self-attention, on top of
+    the segment ids (Mllama's tiled vision encoder, whose padding rule they cannot describe). A pytree,
+    so a scan broadcasts it to every layer."""
 
     segment_ids: Optional[jnp.ndarray] = None
     positions: Optional[jnp.ndarray] = None
@@ -28,6 +31,7 @@ class BlockInputs:
     memory_segment_ids: Optional[jnp.ndarray] = None
     relative_table: Optional[jnp.ndarray] = None
     memory_mask: Optional[jnp.ndarray] = None
+    self_mask: Optional[jnp.ndarray] = None
 
 
 class Block(nn.Module):
@@ -36,8 +40,10 @@ class Block(nn.Module):
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
     kind under config.attention_pattern.
 
-    In a causal stack the layers at config.multimodal.cross_attention_layers are Mllama's gated
-    cross-attention layers instead (see `_gated_cross`).
+    gated: tanh gates (pi/4 at init) scale the attention and feed-forward outputs (`attn_gate`,
+    `ffn_gate`; Mllama's global vision layers). In a causal stack the layers at
+    config.multimodal.cross_attention_layers are Mllama's gated cross-attention layers instead
+    (see `_gated_cross`).
 
     `inputs` is a `BlockInputs` (segment ids, positions, cross-attention memory, relative table).
     Returns (x, None) so it can be scanned over layers.
@@ -49,6 +55,7 @@ class Block(nn.Module):
     layer_index: int = 0
     deterministic: bool = True
     decode: bool = False
+    gated: bool = False
 
     @nn.compact
     def __call__(self, x, inputs: BlockInputs):
@@ -63,14 +70,18 @@ class Block(nn.Module):
             """Residual around fn, with the norm before (pre) or after (post) it."""
             norm = Norm(cfg, name=f"{name}_norm")
             y = drop(fn(norm(x) if pre else x))
+            if self.gated:
+                y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
             return x + y if pre else norm(x + y)
 
         self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                     relative_table=inputs.relative_table, deterministic=deterministic,
-                                     decode=decode)
+                                     relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
+                                     deterministic=deterministic, decode=decode)
         ffn = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")
         if cfg.parallel_block:
+            if self.gated:
+                raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
             h = Norm(cfg, name="attn_norm")(x)
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
             x = x + drop(attend(h)) + drop(ffn(h_ffn, deterministic))
@@ -96,8 +107,7 @@ class Block(nn.Module):
         memory = inputs.memory
         if memory is None and not cached:  # init: the params only
             memory = jnp.zeros((x.shape[0], 1, cfg.d_model), x.dtype)
-        gate = lambda name: jnp.tanh(self.param(name, param_init(nn.initializers.zeros_init(), ()), (),
-                                                jnp.float32)).astype(x.dtype)
+        gate = lambda name: self._gate(name, 0.0, x.dtype)
         mask, seen = inputs.memory_mask, None
         if mask is not None:
             seen = mask.astype(bool).any(-1)  # [B, T]
@@ -110,3 +120,8 @@ class Block(nn.Module):
         if seen is not None:
             h = h * seen[..., None].astype(h.dtype)
         return x + gate("ffn_gate") * drop(h)
+
+    def _gate(self, name: str, init: float, dtype):
+        """tanh of the scalar parameter `name` (initialised to `init`)."""
+        g = self.param(name, param_init(nn.initializers.constant(init), ()), (), jnp.float32)
+        return jnp.tanh(g).astype(dtype)
