@@ -2,8 +2,10 @@
 
 Text side: a DecoderLM whose layers at config.multimodal.cross_attention_layers are gated
 cross-attention layers, against MllamaForCausalLM given image features (import from the live model
-and from save_pretrained, export); zero gates leave the plain text decoder; cached decoding equals
-the full forward. Tolerance: max-abs 1e-4 against HF, 1e-5 between tfm paths.
+and from save_pretrained, export); zero gates leave the plain text decoder. Vision side:
+TiledVisionEncoder against MllamaVisionModel. Both: VisionLanguageModel against
+MllamaForConditionalGeneration, and its cached decoding (image keys/values projected once) against
+its full forward. Tolerance: max-abs 1e-4 against HF, 3e-5 between tfm paths.
 """
 import flax.linen as nn
 import jax
@@ -15,10 +17,8 @@ torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 mm = pytest.importorskip("transformers.models.mllama.modeling_mllama")
 
-from tfm import decode  # noqa: E402
-from tfm.config import ModelConfig  # noqa: E402
 from tfm.convert import from_hf, to_hf  # noqa: E402
-from tfm.models import DecoderLM  # noqa: E402
+from tfm.models import DecoderLM, VisionLanguageModel  # noqa: E402
 
 TOL = 1e-4
 V, D, B, T = 96, 32, 2, 7
@@ -34,10 +34,12 @@ def text_config(**kw):
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
 
 
-def randomize(model, seed=0):
-    """Every parameter perturbed, gates included (HF initialises them to zero, which would hide the
-    cross-attention layers entirely)."""
-    gen = torch.Generator().manual_seed(seed)
+def build(cls, config):
+    """A random HF model (seeded) with every parameter perturbed, gates included (HF initialises them to
+    zero, which would hide the cross-attention layers entirely)."""
+    torch.manual_seed(0)
+    model = cls(config)
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
@@ -76,91 +78,50 @@ def max_abs(a, b):
 
 
 @pytest.fixture(scope="module")
-def hf_text(tmp_path_factory):
-    model = randomize(tr.MllamaForCausalLM(text_config(attn_implementation="eager")))
-    path = tmp_path_factory.mktemp("mllama_text")
-    model.save_pretrained(path)
-    return model, str(path)
+def text_model():
+    """A random MllamaForCausalLM and its import."""
+    hf = build(tr.MllamaForCausalLM, text_config(attn_implementation="eager"))
+    return (hf,) + from_hf(hf)
 
 
-@pytest.mark.parametrize("source", ["model", "dir"])
-def test_text_model_matches_mllama_for_causal_lm(hf_text, source):
-    hf, path = hf_text
-    cfg, params, model = from_hf(hf if source == "model" else path)
+def test_text_model_matches_mllama_for_causal_lm_and_exports(text_model, tmp_path):
+    """Imported from the live model and from its save_pretrained directory; exported, and the export
+    run by HF. With images, and text alone (HF then skips the cross-attention layers)."""
+    hf, cfg, params, model = text_model
     assert cfg.multimodal.cross_attention_layers == CROSS and cfg.multimodal.extra_tokens == 8
+    hf.save_pretrained(tmp_path / "saved")
     ids, memory, tiles = inputs(1)
-    with_images = max_abs(tfm_logits(model, params, ids, memory, tiles), hf_logits(hf, ids, memory, tiles))
-    text_only = max_abs(tfm_logits(model, params, ids), hf_logits(hf, ids))  # HF skips the cross layers
-    print(f"{source}: max-abs with images {with_images:.2e}, text only {text_only:.2e}")
-    assert with_images < TOL and text_only < TOL
+    want, want_text = hf_logits(hf, ids, memory, tiles), hf_logits(hf, ids)
+    ours = tfm_logits(model, params, ids, memory, tiles)
+    diffs = {"live images": max_abs(ours, want), "live text": max_abs(tfm_logits(model, params, ids), want_text)}
+    saved_cfg, saved, _ = from_hf(tmp_path / "saved")
+    assert saved_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, saved, params)
+    directory = to_hf(cfg, params, tmp_path / "exported", architecture="MllamaForCausalLM")  # verifies the round trip
+    exported = tr.MllamaForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    diffs["exported"] = max_abs(ours, hf_logits(exported, ids, memory, tiles))
+    print(f"text: max-abs {({k: f'{v:.2e}' for k, v in diffs.items()})} (logits up to {np.abs(want).max():.1f})")
+    assert max(diffs.values()) < TOL
 
 
-def test_text_model_exports_to_mllama_for_causal_lm(tmp_path):
-    cfg = tfm_config()
-    model, params = DecoderLM(cfg), perturbed(init(cfg))
-    directory = to_hf(cfg, params, tmp_path / "mllama_text", architecture="MllamaForCausalLM")  # verifies the round trip
-    hf = tr.MllamaForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-    ids, memory, tiles = inputs(2)
-    diff = max_abs(tfm_logits(model, params, ids, memory, tiles), hf_logits(hf, ids, memory, tiles))
-    print(f"export: HF vs tfm max-abs {diff:.2e}")
-    assert diff < TOL
-
-
-def test_zero_gates_leave_the_plain_text_decoder():
-    """At init (gates 0) the cross-attention layers add exactly nothing: the model with images equals the
-    plain decoder made of its self-attention layers; a nonzero gate changes it."""
-    cfg = tfm_config(extra_tokens=0)
+def test_zero_gates_leave_the_plain_text_decoder(text_model):
+    """With its gates at 0 (their init) a cross-attention layer adds nothing: the model with images
+    equals the plain decoder made of its self-attention layers (to float rounding); open gates change it."""
+    _, cfg, params, model = text_model
     ids, memory, tiles = inputs(3)
-    ids = ids % V
-    params = init(cfg)
-    assert all(float(params["decoder"][f"layer_{i}"][g]) == 0.0 for i in CROSS for g in ("cross_gate", "ffn_gate"))
-    plain_cfg = cfg.replace(num_layers=4 - len(CROSS), multimodal=None)
+    layers = params["decoder"]
+    closed = {**params, "decoder": {**layers, **{f"layer_{i}": {**layers[f"layer_{i}"], "cross_gate": 0.0 * layers[
+        f"layer_{i}"]["cross_gate"], "ffn_gate": 0.0 * layers[f"layer_{i}"]["ffn_gate"]} for i in CROSS}}}
+    plain_cfg = cfg.replace(num_layers=4 - len(CROSS), multimodal=dict(extra_tokens=8))
     self_layers = [i for i in range(4) if i not in CROSS]
-    plain = {**params, "decoder": {"final_norm": params["decoder"]["final_norm"],
-                                   **{f"layer_{j}": params["decoder"][f"layer_{i}"] for j, i in enumerate(self_layers)}}}
-    want = tfm_logits(DecoderLM(plain_cfg), plain, ids)
-    np.testing.assert_array_equal(tfm_logits(DecoderLM(cfg), params, ids, memory, tiles), want)
-    opened = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.5 if "gate" in jax.tree_util.keystr(path) else x, params)
-    assert max_abs(tfm_logits(DecoderLM(cfg), opened, ids, memory, tiles), want) > 1e-3
-
-
-def test_cached_decoding_projects_the_images_once_and_equals_the_full_forward():
-    cfg = tfm_config()
-    model, params = DecoderLM(cfg), perturbed(init(cfg))
-    ids, memory, tiles = inputs(4)
-    mask = jnp.asarray(tiles.reshape(B, T, -1))
-    full = tfm_logits(model, params, ids, memory, tiles)
-    cache = decode.init_cache(model, params, B, T, encoded=jnp.asarray(memory))
-    cross = cache["decoder"][f"layer_{CROSS[0]}"]["cross_attn"]
-    assert nn.meta.unbox(cross["cached_key"]).shape == (B, cfg.num_kv_heads, S, cfg.head_dim)
-    step = jax.jit(lambda cache, tokens, mask: model.apply({"params": params, "cache": cache}, tokens,
-                                                          memory_mask=mask, decode=True, mutable=["cache"]))
-    steps, start = [], 0
-    for stop in (3, 4, 5, 6, 7):  # a 3-token prompt, then one token at a time, without the memory
-        out, state = step(cache, jnp.asarray(ids[:, start:stop]), mask[:, start:stop])
-        cache, start = state["cache"], stop
-        steps.append(np.asarray(out.logits))
-    diff = max_abs(np.concatenate(steps, axis=1), full)
-    print(f"cached vs full max-abs {diff:.2e}")
-    assert diff < 1e-5
-
-
-def tfm_config(extra_tokens=8):
-    return ModelConfig(vocab_size=V, d_model=D, num_heads=4, num_kv_heads=2, num_layers=4, d_ff=48, max_len=64,
-                       norm="rmsnorm", norm_eps=1e-5, position="rope", activation="swiglu", attention_bias=False,
-                       ffn_bias=False, tie_embeddings=False, rope=dict(theta=10000.0),
-                       multimodal=dict(cross_attention_layers=CROSS, extra_tokens=extra_tokens))
-
-
-def init(cfg):
-    return nn.meta.unbox(DecoderLM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
-
-
-def perturbed(params, scale=0.3):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    plain = {**params, "decoder": {"final_norm": layers["final_norm"],
+                                   **{f"layer_{j}": layers[f"layer_{i}"] for j, i in enumerate(self_layers)}}}
+    want = jax.jit(lambda p: DecoderLM(plain_cfg).apply({"params": p}, jnp.asarray(ids)).logits)(plain)
+    run = jax.jit(lambda p: model.apply({"params": p}, jnp.asarray(ids), memory=jnp.asarray(memory),
+                                        memory_mask=jnp.asarray(tiles.reshape(B, T, -1))).logits)
+    diff = max_abs(run(closed), want)  # two compiled programs: equal up to float rounding
+    assert diff < 1e-6, diff
+    assert max_abs(run(params), want) > 1e-2
 
 
 # ---- vision side ----------------------------------------------------------------------------
@@ -191,7 +152,7 @@ def tfm_vision(model, params, pixels, ids, mask):
 
 def test_vision_model_matches_mllama_vision_model_and_exports(tmp_path):
     """Import from the live model, export, and the exported checkpoint run by HF: all one function."""
-    hf = randomize(tr.MllamaVisionModel(tr.MllamaVisionConfig(attn_implementation="eager", **VISION)))
+    hf = build(tr.MllamaVisionModel, tr.MllamaVisionConfig(attn_implementation="eager", **VISION))
     cfg, params, model = from_hf(hf)
     assert cfg.multimodal.max_aspect_ratio_id == 3 and cfg.multimodal.intermediate_layers == (0, 2)
     pixels, ids, mask = vision_inputs(5)
@@ -203,3 +164,62 @@ def test_vision_model_matches_mllama_vision_model_and_exports(tmp_path):
     exported = max_abs(ours, hf_vision(back, pixels, ids, mask))
     print(f"vision: max-abs imported {imported:.2e}, exported {exported:.2e} (features up to {np.abs(ours).max():.1f})")
     assert imported < TOL and exported < TOL
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vision_language():
+    """A random MllamaForConditionalGeneration and its import."""
+    hf_cfg = tr.MllamaConfig(text_config=text_config().to_dict(), vision_config=VISION, attn_implementation="eager")
+    hf = build(tr.MllamaForConditionalGeneration, hf_cfg)
+    return (hf,) + from_hf(hf)
+
+
+def vl_inputs(seed):
+    ids, _, _ = inputs(seed)
+    pixels, ar_ids, ar_mask = vision_inputs(seed)
+    tiles = np.random.default_rng(seed).integers(0, 2, (B, T, 2, 2))
+    tiles[0, 0] = 0
+    return ids, pixels, ar_ids, ar_mask, tiles
+
+
+def test_vision_language_model_matches_mllama_for_conditional_generation_and_exports(vision_language, tmp_path):
+    hf, cfg, params, model = vision_language
+    ids, pixels, ar_ids, ar_mask, tiles = vl_inputs(6)
+    ours = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(pixels.transpose(0, 1, 2, 4, 5, 3)),
+                                  jnp.asarray(ar_ids), jnp.asarray(ar_mask), jnp.asarray(tiles)).logits)
+
+    def hf_run(hf):
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
+                      aspect_ratio_ids=torch.tensor(ar_ids), aspect_ratio_mask=torch.tensor(ar_mask),
+                      cross_attention_mask=torch.tensor(tiles)).logits.numpy()
+
+    imported = max_abs(ours, hf_run(hf))
+    directory = to_hf(cfg, params, tmp_path / "mllama", architecture="MllamaForConditionalGeneration")
+    exported = max_abs(ours, hf_run(tr.MllamaForConditionalGeneration.from_pretrained(
+        directory, attn_implementation="eager").eval()))
+    print(f"end to end: max-abs imported {imported:.2e}, exported {exported:.2e} (logits up to {np.abs(ours).max():.1f})")
+    assert imported < TOL and exported < TOL
+
+
+def test_cached_decoding_projects_the_images_once_and_equals_the_full_forward(vision_language):
+    _, cfg, params, model = vision_language
+    ids, pixels, ar_ids, ar_mask, tiles = vl_inputs(7)
+    images = (jnp.asarray(pixels.transpose(0, 1, 2, 4, 5, 3)), jnp.asarray(ar_ids), jnp.asarray(ar_mask))
+    full = np.asarray(model.apply({"params": params}, jnp.asarray(ids), *images, jnp.asarray(tiles)).logits)
+    _, state = model.apply({"params": params}, jnp.zeros((B, T), jnp.int32), *images, decode=True, mutable=["cache"])
+    cache = state["cache"]
+    key = nn.meta.unbox(cache["text"]["decoder"][f"layer_{CROSS[0]}"]["cross_attn"]["cached_key"])
+    assert key.shape == (B, cfg.num_kv_heads, 2 * 2 * 5, cfg.head_dim)  # images x tiles x (1 + patches)
+    step = jax.jit(lambda cache, tokens, mask: model.apply({"params": params, "cache": cache}, tokens,
+                                                          cross_attention_mask=mask, decode=True, mutable=["cache"]))
+    steps, start = [], 0
+    for stop in (3, 4, 5, 6, 7):  # a 3-token prompt, then one token at a time; no images after the first call
+        out, state = step(cache, jnp.asarray(ids[:, start:stop]), jnp.asarray(tiles[:, start:stop]))
+        cache, start = state["cache"], stop
+        steps.append(np.asarray(out.logits))
+    diff = max_abs(np.concatenate(steps, axis=1), full)
+    print(f"cached vs full max-abs {diff:.2e}")
+    assert diff < 3e-5

@@ -98,6 +98,9 @@ class MultimodalConfig:
     layout `aspect_ratio_id` (1..max_aspect_ratio_id; 0 = none) picks gated tile embeddings;
     `num_global_layers` gated layers follow the ModelConfig's num_layers local ones, and the
     outputs of the local layers at `intermediate_layers` join the final features.
+    A vision-language model (tfm.models.vision_language) is the text decoder's ModelConfig with
+    `vision`, the tiled encoder's ModelConfig (or a dict of its fields), whose features it projects
+    to d_model for the cross-attention layers.
     """
 
     cross_attention_layers: Tuple[int, ...] = ()
@@ -106,8 +109,11 @@ class MultimodalConfig:
     max_aspect_ratio_id: int = 0
     num_global_layers: int = 0
     intermediate_layers: Tuple[int, ...] = ()
+    vision: Union["ModelConfig", dict, None] = None
 
     def __post_init__(self):
+        if isinstance(self.vision, Mapping):
+            object.__setattr__(self, "vision", ModelConfig.from_dict(self.vision))
         for name in ("cross_attention_layers", "intermediate_layers"):
             value = tuple(getattr(self, name))
             if len(set(value)) != len(value) or any(not isinstance(i, int) or i < 0 for i in value):
@@ -358,6 +364,9 @@ class ModelConfig:
         if mm.cross_attention_layers and (self.scan_layers or self.parallel_block or self.norm_position != "pre"):
             raise ValueError("ModelConfig.multimodal.cross_attention_layers need a looped (scan_layers=False), "
                              "sequential (parallel_block=False), pre-norm stack")
+        if mm.vision is not None and not (mm.vision.multimodal.max_num_tiles and mm.cross_attention_layers):
+            raise ValueError("ModelConfig.multimodal.vision must be a tiled vision encoder (multimodal.max_num_tiles "
+                             "> 0) read by cross_attention_layers of this decoder")
         if mm.extra_tokens and self.tie_embeddings:
             raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need tie_embeddings=False")
         if mm.max_num_tiles and (not self.image_size or self.scan_layers):

@@ -7,14 +7,18 @@ past vocab_size (the image tokens), which the untied output projection does not 
 
 MllamaVisionModel -> TiledVisionEncoder: pre-norm LayerNorm Blocks without attention biases,
 GELU MLP; tile-layout embedding tables [R + 1, X * ...] reshaped per tile.
+
+MllamaForConditionalGeneration -> VisionLanguageModel: both, and the multi_modal_projector.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from tfm.config import ModelConfig
 from tfm.convert import llama
 from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, linear, linear_pair,
                                 model_params, norm, stack_layers)
-from tfm.models import DecoderLM
+from tfm.models import DecoderLM, VisionLanguageModel
 from tfm.models.vision import TiledVisionEncoder, num_patches
 
 EXTRA_TOKENS = 8  # MllamaTextModel embeds vocab_size + 8 ids
@@ -38,15 +42,15 @@ def cross_layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
             "ffn_gate": w(f"{p}.cross_attn_mlp_gate", (1,)).reshape(())}
 
 
-def params(w: Weights, cfg: ModelConfig) -> dict:
+def params(w: Weights, cfg: ModelConfig, p: str = "model.", head: str = "lm_head.weight") -> dict:
+    """MllamaTextModel's tensors (under prefix p) and the output projection `head` -> DecoderLM params."""
     def layer(i):
-        p = f"model.layers.{i}"
         if i in cfg.multimodal.cross_attention_layers:
-            return cross_layer(w, p, cfg)
-        return llama.layer(w, p, cfg, llama.dense_ffn)
+            return cross_layer(w, f"{p}layers.{i}", cfg)
+        return llama.layer(w, f"{p}layers.{i}", cfg, llama.dense_ffn)
 
-    decoder = Stack(layer, cfg.num_layers, final_norm="model.norm")
-    return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
+    decoder = Stack(layer, cfg.num_layers, final_norm=f"{p}norm")
+    return model_params(w, cfg, embedding=f"{p}embed_tokens.weight", stacks={"decoder": decoder}, head=head)
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -120,7 +124,32 @@ def vision_hf_config(cfg: ModelConfig) -> dict:
                 supported_aspect_ratios=aspect_ratios(mm.max_num_tiles))
 
 
+def vl_config(hf: HFConfig) -> ModelConfig:
+    """MllamaConfig -> the text decoder's ModelConfig with the image encoder's as multimodal.vision."""
+    text = config(HFConfig(hf.require("text_config"), hf.architecture))
+    vision = vision_config(HFConfig(hf.require("vision_config"), hf.architecture))
+    return text.replace(multimodal=dataclasses.replace(text.multimodal, vision=vision))
+
+
+def vl_params(w: Weights, cfg: ModelConfig) -> dict:
+    """The live model's names (model.vision_model., model.language_model., lm_head) or those
+    save_pretrained writes and the Hub holds (vision_model., language_model.model., language_model.lm_head)."""
+    saved = w.has("language_model.lm_head.weight")
+    p, text, head = ("", "language_model.model.", "language_model.lm_head.weight") if saved else (
+        "model.", "model.language_model.", "lm_head.weight")
+    return {"vision": vision_params(w, cfg.multimodal.vision, f"{p}vision_model."),
+            "projector": linear(w, f"{p}multi_modal_projector"), "text": params(w, cfg, text, head)}
+
+
+def vl_hf_config(cfg: ModelConfig) -> dict:
+    """image_token_index: the first id past the vocabulary, as Llama 3.2 Vision numbers its <|image|>."""
+    return dict(model_type="mllama", text_config=hf_config(cfg), vision_config=vision_hf_config(cfg.multimodal.vision),
+                image_token_index=cfg.vocab_size)
+
+
 ARCHITECTURES = {
     "MllamaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config),
     "MllamaVisionModel": Converter(TiledVisionEncoder, vision_config, vision_params, hf_config=vision_hf_config),
+    "MllamaForConditionalGeneration": Converter(VisionLanguageModel, vl_config, vl_params, ignore=llama.IGNORE,
+                                                hf_config=vl_hf_config),
 }
