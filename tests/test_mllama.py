@@ -7,6 +7,9 @@ TiledVisionEncoder against MllamaVisionModel. Both: VisionLanguageModel against
 MllamaForConditionalGeneration, and its cached decoding (image keys/values projected once) against
 its full forward. Tolerance: max-abs 1e-4 against HF, 3e-5 between tfm paths.
 """
+import dataclasses
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,8 +20,9 @@ torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 mm = pytest.importorskip("transformers.models.mllama.modeling_mllama")
 
+from tfm.config import ModelConfig  # noqa: E402
 from tfm.convert import from_hf, to_hf  # noqa: E402
-from tfm.models import DecoderLM, VisionLanguageModel  # noqa: E402
+from tfm.models import DecoderLM  # noqa: E402
 
 TOL = 1e-4
 V, D, B, T = 96, 32, 2, 7
@@ -223,3 +227,19 @@ def test_cached_decoding_projects_the_images_once_and_equals_the_full_forward(vi
     diff = max_abs(np.concatenate(steps, axis=1), full)
     print(f"cached vs full max-abs {diff:.2e}")
     assert diff < 3e-5
+
+
+def test_multimodal_config_round_trips_and_refuses_what_it_cannot_build(vision_language):
+    cfg = vision_language[1]
+    assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg  # nested vision config too
+    base = dict(vocab_size=V, d_model=D, num_heads=4, num_layers=4, d_ff=48)
+    bad = {"must lie in": dict(multimodal=dict(cross_attention_layers=(4,))),
+           "looped": dict(scan_layers=True, multimodal=dict(cross_attention_layers=(1,))),
+           "tie_embeddings": dict(multimodal=dict(extra_tokens=8)),
+           "set max_num_tiles": dict(multimodal=dict(num_global_layers=2)),
+           "tiled vision encoder": dict(multimodal=dict(vision=dict(base, image_size=8, patch_size=4)))}
+    for message, fields in bad.items():
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(**{**base, **fields})
+    with pytest.raises(ValueError, match="no layer would read them"):
+        DecoderLM(ModelConfig(**base)).apply({}, jnp.zeros((1, 2), jnp.int32), memory=jnp.zeros((1, 3, D)))
