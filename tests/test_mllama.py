@@ -204,7 +204,8 @@ def test_vision_language_model_matches_mllama_for_conditional_generation_and_exp
     directory = to_hf(cfg, params, tmp_path / "mllama", architecture="MllamaForConditionalGeneration")
     exported = max_abs(ours, hf_run(tr.MllamaForConditionalGeneration.from_pretrained(
         directory, attn_implementation="eager").eval()))
-    print(f"end to end: max-abs imported {imported:.2e}, exported {exported:.2e} (logits up to {np.abs(ours).max():.1f})")
+    print(f"end to end: max-abs imported {imported:.2e}, exported {exported:.2e} "
+          f"(logits up to {np.abs(ours).max():.1f})")
     assert imported < TOL and exported < TOL
 
 

@@ -137,7 +137,8 @@ class MultimodalConfig:
         if value is None:
             return cls()
         if not isinstance(value, Mapping):
-            raise ValueError(f"ModelConfig.multimodal must be a MultimodalConfig or a dict of its fields, got {value!r}")
+            raise ValueError(f"ModelConfig.multimodal must be a MultimodalConfig or a dict of its fields, "
+                             f"got {value!r}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(names))
         if unknown:
@@ -360,7 +361,8 @@ class ModelConfig:
         for name in ("cross_attention_layers", "intermediate_layers"):
             layers = getattr(mm, name)
             if layers and layers[-1] >= self.num_layers:
-                raise ValueError(f"ModelConfig.multimodal.{name}={layers} must lie in [0, num_layers={self.num_layers})")
+                raise ValueError(f"ModelConfig.multimodal.{name}={layers} must lie in "
+                                 f"[0, num_layers={self.num_layers})")
         if mm.cross_attention_layers and (self.scan_layers or self.parallel_block or self.norm_position != "pre"):
             raise ValueError("ModelConfig.multimodal.cross_attention_layers need a looped (scan_layers=False), "
                              "sequential (parallel_block=False), pre-norm stack")
@@ -368,7 +370,8 @@ class ModelConfig:
             raise ValueError("ModelConfig.multimodal.vision must be a tiled vision encoder (multimodal.max_num_tiles "
                              "> 0) read by cross_attention_layers of this decoder")
         if mm.extra_tokens and self.tie_embeddings:
-            raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need tie_embeddings=False")
+            raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need "
+                             "tie_embeddings=False")
         if mm.max_num_tiles and (not self.image_size or self.scan_layers):
             raise ValueError("ModelConfig.multimodal.max_num_tiles describes a tiled vision encoder: it needs "
                              "image_size and looped layers (scan_layers=False)")

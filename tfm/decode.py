@@ -27,8 +27,7 @@ StepFn = Callable[[dict, jax.Array], Tuple[jax.Array, dict]]
 def init_cache(model: nn.Module, params, batch_size: int, cache_len: int, encoded=None,
                inputs_segment_ids=None) -> dict:
     """An empty cache of `cache_len` positions; for EncoderDecoder it also holds the cross-attention
-    keys/values projected once from `encoded` [B, S, D], and so for a DecoderLM with cross-attention
-    layers (config.multimodal) given `encoded` (its memory, the image features)."""
+    keys/values projected once from `encoded` [B, S, D]."""
     dummy = jnp.zeros((batch_size, cache_len), jnp.int32)
     if isinstance(model, EncoderDecoder):
         if encoded is None:
@@ -36,7 +35,7 @@ def init_cache(model: nn.Module, params, batch_size: int, cache_len: int, encode
         _, state = model.apply({"params": params}, dummy, encoded, inputs_segment_ids, decode=True,
                                mutable=["cache"], method=EncoderDecoder.decode)
     else:
-        _, state = model.apply({"params": params}, dummy, memory=encoded, decode=True, mutable=["cache"])
+        _, state = model.apply({"params": params}, dummy, decode=True, mutable=["cache"])
     return state["cache"]
 
 

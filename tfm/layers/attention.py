@@ -106,8 +106,8 @@ class Attention(nn.Module):
             softcap=cfg.attn_logit_softcap, bias=bias, scale=None if cfg.scale_attention else 1.0,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
-            block_sizes=cfg.attention_block_sizes)
+            impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl,
+            chunk_size=cfg.attention_chunk_size, block_sizes=cfg.attention_block_sizes)
         return out(o)  # [B, T, D]
 
     def _cross_kv(self, key, value, memory, memory_segment_ids, decode):

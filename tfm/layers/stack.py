@@ -51,7 +51,8 @@ class Stack(nn.Module):
         if cfg.scan_layers:
             unit = block if period == 1 else functools.partial(BlockGroup, block=block)
             scanned = nn.scan(
-                unit, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},
+                unit, variable_axes={"params": 0, "cache": 0, "losses": 0},
+                split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast, length=self.num_layers // period, metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = scanned(cfg, name="layers", **kw)(x, inputs)
         else:

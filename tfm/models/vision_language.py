@@ -24,8 +24,10 @@ class VisionLanguageModel(nn.Module):
     cross_attention_mask [B, T, I, X]: which image tiles each token sees (None = all; a token that
     sees none attends to all and its cross-attention layers' feed-forward output is zeroed, as HF).
     Without images the cross-attention layers are skipped, except in decode mode once the cache
-    holds the images' keys and values: pass the images on the call that makes the cache (see
-    `DecoderLM`), and on every step the new tokens' cross_attention_mask rows.
+    holds the images' keys and values: make the cache with the images (`model.apply(params, dummy
+    [B, L], images, aspect_ratio_ids, aspect_ratio_mask, decode=True, mutable=["cache"])`, which runs
+    the image encoder once), then step without them, passing the new tokens' cross_attention_mask
+    rows (None: all tiles).
     """
 
     config: ModelConfig
