@@ -127,6 +127,66 @@ class MlaConfig(_FieldGroup):
             raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MultimodalConfig:
+    """Image-text settings (ModelConfig.multimodal) of Llama 3.2 Vision (Hugging Face's Mllama).
+
+    A text decoder reads the first two: the decoder layers at `cross_attention_layers` attend to
+    image features instead of to the text (no self-attention), with q/k RMSNorm and tanh gates
+    (zero at init) on their attention and feed-forward outputs; the token table has
+    `extra_tokens` rows past vocab_size (image tokens, embedded, never predicted).
+    A tiled vision encoder reads the rest: images come as up to `max_num_tiles` tiles whose
+    layout `aspect_ratio_id` (1..max_aspect_ratio_id; 0 = none) picks gated tile embeddings;
+    `num_global_layers` gated layers follow the ModelConfig's num_layers local ones, and the
+    outputs of the local layers at `intermediate_layers` join the final features.
+    A vision-language model (tfm.models.vision_language) is the text decoder's ModelConfig with
+    `vision`, the tiled encoder's ModelConfig (or a dict of its fields), whose features it projects
+    to d_model for the cross-attention layers.
+    """
+
+    cross_attention_layers: Tuple[int, ...] = ()
+    extra_tokens: int = 0
+    max_num_tiles: int = 0  # 0 = not a tiled vision encoder
+    max_aspect_ratio_id: int = 0
+    num_global_layers: int = 0
+    intermediate_layers: Tuple[int, ...] = ()
+    vision: Union["ModelConfig", dict, None] = None
+
+    def __post_init__(self):
+        if isinstance(self.vision, Mapping):
+            object.__setattr__(self, "vision", ModelConfig.from_dict(self.vision))
+        for name in ("cross_attention_layers", "intermediate_layers"):
+            value = tuple(getattr(self, name))
+            if len(set(value)) != len(value) or any(not isinstance(i, int) or i < 0 for i in value):
+                raise ValueError(f"ModelConfig.multimodal.{name}={value!r} must be distinct layer indices >= 0")
+            object.__setattr__(self, name, tuple(sorted(value)))
+        for name in ("extra_tokens", "max_num_tiles", "max_aspect_ratio_id", "num_global_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelConfig.multimodal.{name} must be >= 0, got {getattr(self, name)}")
+        tiled = (self.max_aspect_ratio_id, self.num_global_layers, self.intermediate_layers)
+        if any(tiled) and not self.max_num_tiles:
+            raise ValueError("ModelConfig.multimodal: max_aspect_ratio_id, num_global_layers and "
+                             "intermediate_layers describe a tiled vision encoder; set max_num_tiles")
+        if self.max_num_tiles and self.max_aspect_ratio_id < 1:
+            raise ValueError("ModelConfig.multimodal.max_num_tiles needs max_aspect_ratio_id >= 1")
+
+    @classmethod
+    def coerce(cls, value) -> "MultimodalConfig":
+        """A MultimodalConfig from itself, a mapping of its fields, or None (the defaults: text only)."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"ModelConfig.multimodal must be a MultimodalConfig or a dict of its fields, "
+                             f"got {value!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"ModelConfig.multimodal has no field(s) {unknown}; its fields are {names}")
+        return cls(**value)
+
+
 # ModelConfig's flat RoPE fields before `rope` grouped them (configs recorded then still load).
 LEGACY_ROPE_FIELDS = {"rope_theta": "theta", "rope_scaling": "scaling", "rope_scaling_factor": "factor",
                       "rope_original_max_len": "original_max_len", "rope_low_freq_factor": "low_freq_factor",
@@ -241,6 +301,9 @@ class ModelConfig:
     image_size: int = 0  # 0 = a text model
     patch_size: int = 16
     num_channels: int = 3
+    # Llama 3.2 Vision: cross-attention layers of a decoder, tiles of a vision encoder (a dict of
+    # MultimodalConfig's fields is accepted); the default is none of either.
+    multimodal: Union[MultimodalConfig, dict, None] = None
 
     # Numerics and memory
     dtype: str = "float32"  # computation dtype; params are float32
@@ -347,6 +410,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.patch_size={self.patch_size} must divide image_size={self.image_size}")
             if self.num_channels < 1:
                 raise ValueError(f"ModelConfig.num_channels must be >= 1, got {self.num_channels}")
+        self._check_multimodal()
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} outside the vocabulary [0, {self.vocab_size})")
 
@@ -418,6 +482,27 @@ class ModelConfig:
             if getattr(self, name) % len(pattern):
                 raise ValueError(f"ModelConfig.attention_pattern of length {len(pattern)} does not divide "
                                  f"{name}={getattr(self, name)}")
+
+    def _check_multimodal(self):
+        mm = MultimodalConfig.coerce(self.multimodal)
+        object.__setattr__(self, "multimodal", mm)
+        for name in ("cross_attention_layers", "intermediate_layers"):
+            layers = getattr(mm, name)
+            if layers and layers[-1] >= self.num_layers:
+                raise ValueError(f"ModelConfig.multimodal.{name}={layers} must lie in "
+                                 f"[0, num_layers={self.num_layers})")
+        if mm.cross_attention_layers and (self.scan_layers or self.parallel_block or self.norm_position != "pre"):
+            raise ValueError("ModelConfig.multimodal.cross_attention_layers need a looped (scan_layers=False), "
+                             "sequential (parallel_block=False), pre-norm stack")
+        if mm.vision is not None and not (mm.vision.multimodal.max_num_tiles and mm.cross_attention_layers):
+            raise ValueError("ModelConfig.multimodal.vision must be a tiled vision encoder (multimodal.max_num_tiles "
+                             "> 0) read by cross_attention_layers of this decoder")
+        if mm.extra_tokens and self.tie_embeddings:
+            raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need "
+                             "tie_embeddings=False")
+        if mm.max_num_tiles and (not self.image_size or self.scan_layers):
+            raise ValueError("ModelConfig.multimodal.max_num_tiles describes a tiled vision encoder: it needs "
+                             "image_size and looped layers (scan_layers=False)")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of layer `layer` (None = global) under attention_pattern."""

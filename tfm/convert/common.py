@@ -266,12 +266,12 @@ class Stack:
 
 def model_params(w: Weights, cfg, *, embedding: str, stacks: Mapping[str, Stack],
                  head: Optional[str] = "lm_head.weight", tied: Sequence[str] = (), **extra) -> dict:
-    """The param tree every family shares: the token embedding `embedding` [V, D] (`tied`: copies of
+    """The param tree every family shares: the token embedding `embedding` [V (+ extra tokens), D] (`tied`: copies of
     it the checkpoint may hold, e.g. each side's embed_tokens), the family's `extra` top-level params
     (input norms and positions, output bias, heads), each stack's layers (scanned or not, in groups of
     cfg.pattern_period) with its final norm, and the output projection `head` (tied to the embedding
     under cfg.tie_embeddings; None = no output projection)."""
-    embed = w(embedding, (cfg.vocab_size, cfg.d_model))
+    embed = w(embedding, (cfg.vocab_size + cfg.multimodal.extra_tokens, cfg.d_model))
     for key in tied:
         w.tied(key, embed, "the shared embedding")
     out = {"embed": {"embedding": embed}, **extra, **stack_params(w, cfg, stacks)}

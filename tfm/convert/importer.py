@@ -16,8 +16,8 @@ from tfm.config import ModelConfig
 from tfm.convert.common import ConversionError, HFConfig, Weights
 from tfm.convert.loading import from_directory, from_model
 from tfm.convert.registry import CONVERTERS, SUPPORTED
-from tfm.models import EncoderDecoder
-from tfm.models.vision import VisionEncoder
+from tfm.models import EncoderDecoder, VisionLanguageModel
+from tfm.models.vision import TiledVisionEncoder, VisionEncoder
 
 
 def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jnp.float32,
@@ -72,6 +72,13 @@ def _check_tree(model: nn.Module, config: ModelConfig, params: dict, source: str
     args = (tokens, tokens) if isinstance(model, EncoderDecoder) else (tokens,)
     if isinstance(model, VisionEncoder):
         args = (jax.ShapeDtypeStruct((1, config.image_size, config.image_size, config.num_channels), jnp.float32),)
+    if isinstance(model, (TiledVisionEncoder, VisionLanguageModel)):
+        vision = config.multimodal.vision or config
+        X, size = vision.multimodal.max_num_tiles, vision.image_size
+        args = (jax.ShapeDtypeStruct((1, 1, X, size, size, vision.num_channels), jnp.float32),
+                jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1, X), jnp.int32))
+        if isinstance(model, VisionLanguageModel):
+            args = (tokens,) + args
     init = lambda *args: nn.meta.unbox(model.init(jax.random.PRNGKey(0), *args)["params"])
     expected = jax.eval_shape(init, *args)
     flat = lambda tree: {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}

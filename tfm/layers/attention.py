@@ -11,6 +11,7 @@ from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.norms import Norm
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
+from tfm.ops.masks import NEG_INF
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the
 # batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
@@ -40,18 +41,25 @@ class Attention(nn.Module):
     leaves it empty: call the model once with a [B, max_len] dummy to size it.
     Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES (cross-attention:
     MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
+
+    qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
+    attending (Mllama's cross-attention layers); cached keys are the normed ones.
     """
 
     config: ModelConfig
     causal: bool = False
     cross: bool = False
     layer_index: int = 0  # the layer's place in the stack: its kind under config.attention_pattern
+    qk_norm: bool = False
 
     @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
-                 kv_positions=None, relative_table=None, deterministic: bool = True, decode: bool = False):
+                 kv_positions=None, relative_table=None, kv_mask=None, deterministic: bool = True,
+                 decode: bool = False):
         """positions [B, T] are the query positions (RoPE, causal, window, ALiBi, relative bias).
-        relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention)."""
+        relative_table [buckets, N]: the stack's shared T5 relative position bias (self-attention).
+        kv_mask [B, T, M] bool, M dividing S: whether each query sees each of M equal runs of keys (the
+        image tiles of Mllama's cross-attention, which no segment ids describe; attends with impl "xla")."""
         cfg = self.config
         N, H = cfg.num_heads, cfg.head_dim
         Hv = H if cfg.mla is None else cfg.mla.value_dim
@@ -76,6 +84,12 @@ class Attention(nn.Module):
         scale = H ** -0.5 if cfg.scale_attention else 1.0
         if cfg.mla is not None:
             scale *= cfg.mla.softmax_scale_factor
+        if kv_mask is not None:
+            (B, T, M), S = kv_mask.shape, k.shape[1]
+            if S % M:
+                raise ValueError(f"kv_mask has {M} entries per query, which does not divide the {S} keys")
+            seen = jnp.repeat(kv_mask.astype(bool), S // M, axis=-1)  # [B, T, S]
+            bias = jnp.broadcast_to(jnp.where(seen, 0.0, NEG_INF)[:, None], (B, cfg.num_heads, T, S))
         dropout = 0.0 if deterministic else cfg.attention_dropout
         o = dot_product_attention(
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -87,8 +101,9 @@ class Attention(nn.Module):
             softcap=cfg.attn_logit_softcap, bias=bias, scale=scale,
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions else cfg.attention_impl, chunk_size=cfg.attention_chunk_size,
-            block_sizes=cfg.attention_block_sizes, context_strategy=cfg.context_strategy)
+            impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl,
+            chunk_size=cfg.attention_chunk_size, block_sizes=cfg.attention_block_sizes,
+            context_strategy=cfg.context_strategy)
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
         out = Einsum("BTNH,NHD->BTD", (N, Hv, cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
                      use_bias=out_bias, dtype=compute_dtype(cfg))
@@ -102,11 +117,16 @@ class Attention(nn.Module):
         return Einsum(spec, shape, axes, axes[-out_dims:], use_bias=use_bias, dtype=compute_dtype(cfg), name=name)
 
     def _heads(self, name: str, heads: int, use_bias=None):
-        """The projection [B, L, D] -> [B, L, heads, H] named `name`."""
+        """The projection [B, L, D] -> [B, L, heads, H] named `name`; with qk_norm, queries and keys are
+        normalised per head (`query_norm`, `key_norm`) before any position is applied."""
         cfg = self.config
         head_axis = "heads" if heads == cfg.num_heads and name == "query" else "kv_heads"
-        return self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
-                                ("embed", head_axis, "head_dim"), name, use_bias)
+        project = self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
+                                   ("embed", head_axis, "head_dim"), name, use_bias)
+        if not (self.qk_norm and name in ("query", "key")):
+            return project
+        norm = Norm(cfg, "head_dim", name=f"{name}_norm")
+        return lambda h: norm(project(h))
 
     def _self_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
         """q [B, T, N, H]; k, v [B, S, K, H] (S = the cache length when decoding), their segment ids and positions."""

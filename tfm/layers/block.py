@@ -1,6 +1,7 @@
 """The one transformer block every family is built from."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
-from tfm.layers.common import constrain
+from tfm.layers.common import constrain, param_init
 from tfm.layers.feedforward import Mlp, MoeMlp
 from tfm.layers.norms import Norm
 
@@ -18,14 +19,19 @@ from tfm.layers.norms import Norm
 class BlockInputs:
     """What a Block reads besides x, each optional: segment_ids [B, T] and positions [B, T] of the
     queries; memory [B, S, D] and memory_segment_ids [B, S] for cross-attention; relative_table
-    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers). A pytree, so a scan
-    broadcasts it to every layer."""
+    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers); memory_mask [B, T, M]
+    (gated cross-attention layers): whether each query sees each of M equal runs of the memory (the
+    image tiles); self_mask [B, T, T] bool: which keys each query sees in self-attention, on top of
+    the segment ids (Mllama's tiled vision encoder, whose padding rule they cannot describe). A pytree,
+    so a scan broadcasts it to every layer."""
 
     segment_ids: Optional[jnp.ndarray] = None
     positions: Optional[jnp.ndarray] = None
     memory: Optional[jnp.ndarray] = None
     memory_segment_ids: Optional[jnp.ndarray] = None
     relative_table: Optional[jnp.ndarray] = None
+    memory_mask: Optional[jnp.ndarray] = None
+    self_mask: Optional[jnp.ndarray] = None
 
 
 class Block(nn.Module):
@@ -33,6 +39,11 @@ class Block(nn.Module):
     parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
     kind under config.attention_pattern.
+
+    gated: tanh gates (pi/4 at init) scale the attention and feed-forward outputs (`attn_gate`,
+    `ffn_gate`; Mllama's global vision layers). In a causal stack the layers at
+    config.multimodal.cross_attention_layers are Mllama's gated cross-attention layers instead
+    (see `_gated_cross`).
 
     `inputs` is a `BlockInputs` (segment ids, positions, cross-attention memory, relative table).
     Returns (x, None) so it can be scanned over layers.
@@ -45,6 +56,7 @@ class Block(nn.Module):
     deterministic: bool = True
     decode: bool = False
     dense_ffn: bool = False  # a dense feed-forward in a MoE model (its first config.dense_layers layers)
+    gated: bool = False
 
     @nn.compact
     def __call__(self, x, inputs: BlockInputs):
@@ -52,22 +64,28 @@ class Block(nn.Module):
         drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
         pre = cfg.norm_position == "pre"
         seg, pos = inputs.segment_ids, inputs.positions
+        if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
+            return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
         def sublayer(x, name, fn):
             """Residual around fn, with the norm before (pre) or after (post) it."""
             norm = Norm(cfg, name=f"{name}_norm")
             y = drop(fn(norm(x) if pre else x))
+            if self.gated:
+                y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
             return x + y if pre else norm(x + y)
 
         self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
         attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                     relative_table=inputs.relative_table, deterministic=deterministic,
-                                     decode=decode)
+                                     relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
+                                     deterministic=deterministic, decode=decode)
         if cfg.num_experts and not self.dense_ffn:
             ffn = MoeMlp(cfg, name="ffn")
         else:
             ffn = Mlp(cfg.replace(d_ff=cfg.dense_d_ff) if cfg.dense_d_ff else cfg, name="ffn")
         if cfg.parallel_block:
+            if self.gated:
+                raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
             h = Norm(cfg, name="attn_norm")(x)
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
             x = x + drop(attend(h)) + drop(ffn(h_ffn, deterministic))
@@ -80,3 +98,34 @@ class Block(nn.Module):
                     deterministic=deterministic, decode=decode))
             x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
         return constrain(x, ("batch", "length", "embed")), None
+
+    def _gated_cross(self, x, inputs: BlockInputs, drop):
+        """x + tanh(a) * cross_attn(n1 x), then + tanh(b) * ffn(n2 x): no self-attention, q/k norms on the
+        cross-attention, gates a and b zero at init (Llama 3.2 Vision). A query whose memory_mask row
+        is all False attends to the whole memory and its feed-forward output is zeroed (as HF's Mllama).
+        Without memory (and no cached one) the layer is the identity, as HF skips it for text alone."""
+        cfg = self.config
+        cached = "cross_attn" in self.variables.get("cache", {})
+        if inputs.memory is None and not cached and not self.is_initializing():
+            return x
+        memory = inputs.memory
+        if memory is None and not cached:  # init: the params only
+            memory = jnp.zeros((x.shape[0], 1, cfg.d_model), x.dtype)
+        gate = lambda name: self._gate(name, 0.0, x.dtype)
+        mask, seen = inputs.memory_mask, None
+        if mask is not None:
+            seen = mask.astype(bool).any(-1)  # [B, T]
+            mask = mask.astype(bool) | ~seen[..., None]
+        attn = Attention(self.config, cross=True, qk_norm=True, name="cross_attn")
+        h = attn(Norm(cfg, name="cross_norm")(x), memory, kv_mask=mask, deterministic=self.deterministic,
+                 decode=self.decode)
+        x = x + gate("cross_gate") * drop(h)
+        h = (MoeMlp if cfg.num_experts else Mlp)(cfg, name="ffn")(Norm(cfg, name="ffn_norm")(x), self.deterministic)
+        if seen is not None:
+            h = h * seen[..., None].astype(h.dtype)
+        return x + gate("ffn_gate") * drop(h)
+
+    def _gate(self, name: str, init: float, dtype):
+        """tanh of the scalar parameter `name` (initialised to `init`)."""
+        g = self.param(name, param_init(nn.initializers.constant(init), ()), (), jnp.float32)
+        return jnp.tanh(g).astype(dtype)

@@ -19,6 +19,13 @@ REMAT_POLICIES = {
 }
 
 
+def remat_block(config: ModelConfig):
+    """Block, or Block under config.remat_policy."""
+    if config.remat_policy == "none":
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not config.scan_layers)
+
+
 class Stack(nn.Module):
     """num_layers Blocks: [B, T, D] -> [B, T, D]. Scanned layers are stacked on a leading
     "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ...
@@ -31,14 +38,13 @@ class Stack(nn.Module):
     num_layers: int
     causal: bool = False
     cross: bool = False
+    gated: bool = False  # tanh-gated Blocks (see Block)
 
     @nn.compact
     def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
         cfg = self.config
-        block = Block
-        if cfg.remat_policy != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers)
-        kw = dict(causal=self.causal, cross=self.cross, deterministic=deterministic, decode=decode)
+        block = remat_block(cfg)
+        kw = dict(causal=self.causal, cross=self.cross, deterministic=deterministic, decode=decode, gated=self.gated)
         period = cfg.pattern_period
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
@@ -68,10 +74,12 @@ class BlockGroup(nn.Module):
     cross: bool = False
     deterministic: bool = True
     decode: bool = False
+    gated: bool = False
 
     @nn.compact
     def __call__(self, x, inputs: BlockInputs):
-        kw = dict(causal=self.causal, cross=self.cross, deterministic=self.deterministic, decode=self.decode)
+        kw = dict(causal=self.causal, cross=self.cross, deterministic=self.deterministic, decode=self.decode,
+                  gated=self.gated)
         for j in range(self.config.pattern_period):
             x, _ = self.block(self.config, layer_index=j, name=f"layer_{j}", **kw)(x, inputs)
         return x, None

@@ -23,21 +23,31 @@ class DecoderLM(nn.Module):
     With "classification" in config.heads (GPT-1's supervised head W_y) the output's cls_logits
     [B, num_labels] fp32 are read from the final hidden state at cls_positions [B] (default: the
     last position, T - 1); in decode mode they stay None.
+
+    With config.multimodal.cross_attention_layers (Llama 3.2 Vision's text model) those layers
+    attend to memory [B, S, D] (projected image features), through memory_mask [B, T, M] (which of
+    M equal runs of the memory, the image tiles, each token sees; None = all). Without memory they
+    are skipped. In decode mode the cache holds the memory's keys and values, projected once when
+    the cache is made: pass memory then, and memory_mask (the new tokens' rows) on every step.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, positions=None, cls_positions=None, deterministic: bool = True,
-                 decode: bool = False, logits: bool = True):
+    def __call__(self, tokens, segment_ids=None, positions=None, cls_positions=None, memory=None, memory_mask=None,
+                 deterministic: bool = True, decode: bool = False, logits: bool = True):
         cfg = self.config
         check_inputs(cfg, tokens, segment_ids=segment_ids, positions=positions)
+        if (memory is not None or memory_mask is not None) and not cfg.multimodal.cross_attention_layers:
+            raise ValueError("DecoderLM got memory / memory_mask but ModelConfig.multimodal.cross_attention_layers "
+                             "is empty: no layer would read them")
         start = DecodePosition(name="decode_position")(tokens.shape[1]) if decode else None
         positions = default_positions(tokens, positions, start)
         embed = token_embed(cfg, "embed")
         x = InputEmbedding(cfg, embed, name="input")(tokens, positions, deterministic=deterministic)
         x = Stack(cfg, cfg.num_layers, causal=True, name="decoder")(
-            x, BlockInputs(segment_ids=segment_ids, positions=positions), deterministic, decode)
+            x, BlockInputs(segment_ids=segment_ids, positions=positions, memory=memory, memory_mask=memory_mask),
+            deterministic, decode)
         out = OutputLogits(cfg, embed, name="output")(x, logits)  # LMOutput
         if "classification" not in cfg.heads or decode:
             return out

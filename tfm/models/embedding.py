@@ -16,14 +16,15 @@ from tfm.models.outputs import LMOutput, Unembedding  # noqa: F401  (Unembedding
 
 def token_embed(config: ModelConfig, name: str) -> Embed:
     stddev = config.d_model ** -0.5 if config.scale_embeddings else 0.02
-    return Embed(config.vocab_size, config.d_model, dtype=compute_dtype(config), stddev=stddev, name=name)
+    rows = config.vocab_size + config.multimodal.extra_tokens
+    return Embed(rows, config.d_model, dtype=compute_dtype(config), stddev=stddev, name=name)
 
 
 def check_inputs(config: ModelConfig, tokens, name: str = "tokens", **same_shape):
     """Clear errors for bad token ids, lengths beyond learned positions and mismatched shapes."""
     if tokens.ndim != 2:
         raise ValueError(f"{name} must be [batch, length]; got shape {tokens.shape}")
-    check_token_ids(tokens, config.vocab_size, name)
+    check_token_ids(tokens, config.vocab_size + config.multimodal.extra_tokens, name)
     longest = config.max_len - config.position_offset
     if config.position == "learned" and tokens.shape[1] > longest:
         offset = f" less position_offset={config.position_offset}" if config.position_offset else ""

@@ -5,7 +5,7 @@ changes. They are pytrees, so they pass through `jit`, `eval_shape` and `jax.tre
 
   LMOutput        DecoderLM, EncoderDecoder
   EncoderOutput   EncoderModel (BERT family: pretraining, classification, span, embeddings)
-  VisionOutput    VisionEncoder (ViT)
+  VisionOutput    VisionEncoder (ViT), TiledVisionEncoder (Llama 3.2 Vision)
   Unembedding     the output layer before its matmul, for `fused_cross_entropy`
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ class EncoderOutput:
 
 @struct.dataclass
 class VisionOutput:
-    """hidden [B, 1 + P, D]; pooled [B, D] ("pooler"); logits [B, num_labels] ("classification")."""
+    """hidden [B, 1 + P, D] (TiledVisionEncoder: [B, I, X, 1 + P, D * (1 + n)], see there); pooled [B, D]
+    ("pooler"); logits [B, num_labels] ("classification")."""
 
     hidden: Array
     pooled: Optional[Array] = None

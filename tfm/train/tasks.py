@@ -14,6 +14,9 @@ Batches are dicts of fixed-shape arrays with the batch on dim 0:
   (DecoderLM + head, GPT-1)   weights, cls_positions: task loss + lm_weight * LM loss.
   ImageClassificationTask     images [B, H, W, C]; label [B]; optional weights [B].
   (VisionEncoder, ViT)
+  ImageTextTask               LMTask's entries (inputs may hold the image tokens past V) and
+  (VisionLanguageModel)       images [B, I, X, H, W, C], aspect_ratio_ids [B, I], aspect_ratio_mask
+                              [B, I, X]; optional cross_attention_mask [B, T, I, X].
   ContrastiveTask             query_ids, query_mask, doc_ids, doc_mask [B, T]: InfoNCE over
   (EncoderModel + mean_pool)  in-batch negatives (E5-style sentence embeddings).
 
@@ -198,6 +201,22 @@ class LMTask(Task):
     def id_fields(self, config, batch):
         V = config.vocab_size
         return [IdField("inputs", V), IdField("targets", V, "weights"),
+                *learned_position_fields(config, "positions")]
+
+
+class ImageTextTask(LMTask):
+    """Next-token loss of text conditioned on images (`tfm.models.vision_language.VisionLanguageModel`,
+    Llama 3.2 Vision): LMTask's batch plus the images and their tile layout."""
+
+    def model_kwargs(self, batch):
+        return {**super().model_kwargs(batch), "images": batch["images"], "aspect_ratio_ids": batch["aspect_ratio_ids"],
+                "aspect_ratio_mask": batch["aspect_ratio_mask"],
+                "cross_attention_mask": batch.get("cross_attention_mask")}
+
+    def id_fields(self, config, batch):
+        layouts = config.multimodal.vision.multimodal.max_aspect_ratio_id + 1
+        return [IdField("inputs", config.vocab_size + config.multimodal.extra_tokens),
+                IdField("targets", config.vocab_size, "weights"), IdField("aspect_ratio_ids", layouts),
                 *learned_position_fields(config, "positions")]
 
 
