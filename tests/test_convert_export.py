@@ -45,6 +45,13 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", ModelConfig(
         **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
         experts_per_token=2, router_aux_loss_coef=0.001, sliding_window=4), "AutoModelForCausalLM"),
+    # Per-head q/k norm; with 4 experts top-2 and renormalised gates for Qwen3-MoE.
+    "qwen3": ("Qwen3ForCausalLM", ModelConfig(**LLAMA, head_dim=12, rope=dict(theta=1e6), attention_bias=False,
+                                              ffn_bias=False, qk_norm=True, tie_embeddings=False),
+              "AutoModelForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", ModelConfig(
+        **LLAMA, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, qk_norm=True, num_experts=4,
+        experts_per_token=2, router_aux_loss_coef=0.001, tie_embeddings=False), "AutoModelForCausalLM"),
     # Multi-head latent attention with a full-rank query, value heads narrower than query/key heads;
     # layer 0 dense, layer 1 DeepSeekMoE (sigmoid scores + balancing bias, 2 of 4 groups, 2 shared experts).
     "deepseek_v3": ("DeepseekV3ForCausalLM", ModelConfig(

@@ -137,6 +137,15 @@ DECODERS = {
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         max_position_embeddings=64, **EAGER)),
+    # Per-head q/k RMSNorm before RoPE, head_dim != D / N, GQA.
+    "qwen3": lambda: tr.Qwen3ForCausalLM(tr.Qwen3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, **EAGER)),
+    # The same attention with 6 experts top-2, gates renormalised (norm_topk_prob).
+    "qwen3_moe": lambda: tr.Qwen3MoeForCausalLM(tr.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=64, **EAGER)),
     # Multi-head latent attention: query and kv latents, value head 6 != query/key head 8 + 4,
     # interleaved RoPE on the 4-dim part, YaRN with mscale_all_dim (the softmax factor), biases on.
     # Layer 0 dense, layer 1 DeepSeekMoE: 8 sigmoid-scored experts with the (perturbed) balancing
@@ -179,6 +188,8 @@ def test_decoder_logits(decoder, source):
     if name == "deepseek_v3":
         assert cfg.mla.softmax_scale_factor > 1 and (cfg.head_dim, cfg.rope.dim, cfg.mla.value_dim) == (12, 4, 6)
         assert (cfg.dense_layers, cfg.dense_d_ff, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_groups) == (1, 48, 8, 16, 4)
+    if name in ("qwen3", "qwen3_moe"):
+        assert cfg.qk_norm and cfg.num_experts == (6 if name == "qwen3_moe" else 0)
     if name == "qwen2_moe":
         assert (cfg.num_experts, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_norm_topk) == (4, 24, 40, False)
     if name == "llama":

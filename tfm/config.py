@@ -241,6 +241,7 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
+    qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3)
     # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
     mla: Union[MlaConfig, dict, None] = None
     value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]

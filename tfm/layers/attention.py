@@ -43,7 +43,7 @@ class Attention(nn.Module):
     MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
 
     qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
-    attending (Mllama's cross-attention layers); cached keys are the normed ones.
+    attending (Mllama's cross-attention layers; config.qk_norm: every layer, Qwen3); cached keys are the normed ones.
     """
 
     config: ModelConfig
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         head_axis = "heads" if heads == cfg.num_heads and name == "query" else "kv_heads"
         project = self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
                                    ("embed", head_axis, "head_dim"), name, use_bias)
-        if not (self.qk_norm and name in ("query", "key")):
+        if not ((self.qk_norm or cfg.qk_norm) and name in ("query", "key")):
             return project
         norm = Norm(cfg, "head_dim", name=f"{name}_norm")
         return lambda h: norm(project(h))
