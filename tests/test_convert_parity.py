@@ -154,7 +154,8 @@ DECODERS = {
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
         first_k_dense_replace=1, moe_intermediate_size=8, n_routed_experts=8, n_group=4, topk_group=2,
-        num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=2.5, attention_bias=True, max_position_embeddings=64, rope_interleave=True,
+        num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=2.5, attention_bias=True,
+        max_position_embeddings=64, rope_interleave=True,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 100.0}, **EAGER)),
     # 4 experts top-2 with un-normalised gates, a shared expert wider than the experts, q/k/v biases.
@@ -187,7 +188,8 @@ def test_decoder_logits(decoder, source):
         assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2 and cfg.moe_impl == "ragged"
     if name == "deepseek_v3":
         assert cfg.mla.softmax_scale_factor > 1 and (cfg.head_dim, cfg.rope.dim, cfg.mla.value_dim) == (12, 4, 6)
-        assert (cfg.dense_layers, cfg.dense_d_ff, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_groups) == (1, 48, 8, 16, 4)
+        moe = (cfg.dense_layers, cfg.dense_d_ff, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_groups)
+        assert moe == (1, 48, 8, 16, 4)
     if name in ("qwen3", "qwen3_moe"):
         assert cfg.qk_norm and cfg.num_experts == (6 if name == "qwen3_moe" else 0)
     if name == "qwen2_moe":
