@@ -81,9 +81,11 @@ def test_sort_by_expert_groups_pairs_stably():
 
 @pytest.mark.parametrize("mesh_cfg, parallelism", [(MeshConfig(expert=4), "expert"),
                                                    (MeshConfig(data=2, expert=4), "data+expert"),
+                                                   (MeshConfig(expert=2, tensor=2), "expert+tensor"),
                                                    (MeshConfig(data=4), "data")])
 def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
-    """Tokens travel to their experts' devices (E 8 over 4 devices, 2 each) under skewed routing:
+    """Tokens travel to their experts' devices (E 8 over 4 devices, 2 each; or over 2, with the expert
+    weights' F split over tensor outside the layer) under skewed routing:
     values and gradients equal the one-device ragged layer; the compiled step moves tokens by
     all-to-all and never gathers the expert weights. Data parallel alone: no token leaves its device."""
     cfg, params, x, cotangent = _skewed_case(num_experts=8, batch=8)
