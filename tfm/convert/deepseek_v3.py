@@ -23,8 +23,7 @@ import numpy as np
 
 from tfm.config import MlaConfig, ModelConfig
 from tfm.convert import llama, mixtral
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, dense, linear, model_params,
-                                norm)
+from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, dense, model_params, norm
 from tfm.models import DecoderLM
 
 # The latent norms are built by HF without an eps, so they use RMSNorm's default; tfm has one eps.
@@ -99,8 +98,7 @@ def ffn(w: Weights, p: str, cfg: ModelConfig, dense: bool) -> dict:
     out = mixtral.moe_ffn(w, p, cfg, hub_block="mlp", hub_names=("gate_proj", "up_proj", "down_proj"))
     out["score_bias"] = w(f"{p}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
     if cfg.shared_expert_d_ff:
-        out["shared_expert"] = {name: linear(w, f"{p}.mlp.shared_experts.{hf_name}_proj", bias=False)
-                                for name, hf_name in (("wi_gate", "gate"), ("wi_up", "up"), ("wo", "down"))}
+        out["shared_expert"] = llama.swiglu(w, f"{p}.mlp.shared_experts", bias=False)
     return out
 
 

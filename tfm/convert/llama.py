@@ -30,10 +30,14 @@ def config(hf: HFConfig, default_theta: float = 10_000.0, **extra) -> ModelConfi
     return ModelConfig(**{**kw, **extra})
 
 
+def swiglu(w: Weights, prefix: str, bias: bool) -> dict:
+    """`prefix.{gate,up,down}_proj` -> an Mlp's wi_gate, wi_up, wo (also the MoE families' shared experts)."""
+    return {"wi_gate": linear(w, f"{prefix}.gate_proj", bias), "wi_up": linear(w, f"{prefix}.up_proj", bias),
+            "wo": linear(w, f"{prefix}.down_proj", bias)}
+
+
 def dense_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    b = cfg.ffn_bias
-    return {"wi_gate": linear(w, f"{p}.mlp.gate_proj", b), "wi_up": linear(w, f"{p}.mlp.up_proj", b),
-            "wo": linear(w, f"{p}.mlp.down_proj", b)}
+    return swiglu(w, f"{p}.mlp", cfg.ffn_bias)
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mixtral, qwen2
-from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, linear
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
 from tfm.models import DecoderLM
 
 
@@ -28,9 +28,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 def moe_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
     out = mixtral.moe_ffn(w, p, cfg, hub_block="mlp", hub_names=("gate_proj", "up_proj", "down_proj"))
-    q = f"{p}.mlp.shared_expert"
-    out["shared_expert"] = {name: linear(w, f"{q}.{hf_name}_proj", bias=False)
-                            for name, hf_name in (("wi_gate", "gate"), ("wi_up", "up"), ("wo", "down"))}
+    out["shared_expert"] = llama.swiglu(w, f"{p}.mlp.shared_expert", bias=False)
     out["shared_expert_gate"] = {"kernel": w(f"{p}.mlp.shared_expert_gate.weight", (1, cfg.d_model))[0]}  # [D]
     return out
 

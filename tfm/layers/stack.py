@@ -49,7 +49,7 @@ class Stack(nn.Module):
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
             inputs = inputs.replace(relative_table=table)
-        dense = cfg.dense_layers if cfg.num_experts else 0  # a MoE model's first, dense layers: never scanned
+        dense = cfg.dense_layers  # a MoE model's first, dense layers (0 without experts): never scanned
         for i in range(dense if cfg.scan_layers else self.num_layers):
             x, _ = block(cfg, layer_index=i, dense_ffn=i < dense, name=f"layer_{i}", **kw)(x, inputs)
         if cfg.scan_layers:
