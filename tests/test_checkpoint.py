@@ -119,8 +119,8 @@ def test_only_orphaned_tensorstore_completions_are_silenced(monkeypatch):
     from tfm.train import checkpoint
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    checkpoint._ignore_orphaned_read_completions()
-    checkpoint._ignore_orphaned_read_completions()  # installed once, not stacked
+    checkpoint._ignore_orphaned_reads()
+    checkpoint._ignore_orphaned_reads()  # installed once, not stacked
     loop = asyncio.new_event_loop()
     loop.close()
 
@@ -134,3 +134,36 @@ def test_only_orphaned_tensorstore_completions_are_silenced(monkeypatch):
     report(loop.call_soon, print)             # same message, not from a cross-thread completion
     report(lambda: 1 / 0)
     assert [type(u.exc_value).__name__ for u in seen] == ["RuntimeError", "ZeroDivisionError"]
+
+
+def _suspended_read(name):
+    """A started, unfinished coroutine shaped like orbax's array read: it turns whatever ends its
+    await (the GeneratorExit of being garbage-collected, too) into an Exception."""
+    async def read(future):
+        try:
+            await future
+        except BaseException as e:
+            raise Exception("Encountered error while reading array index") from e
+    read.__qualname__ = read.__name__ = name
+    import asyncio
+    coroutine = read(asyncio.Future(loop=asyncio.new_event_loop()))
+    coroutine.send(None)
+    return coroutine
+
+
+def test_only_unfinished_orbax_reads_collected_after_a_failure_are_silenced(monkeypatch):
+    """A sibling read coroutine of a failed restore, collected unfinished, printed a traceback for
+    each array into the CLI's one-line error; the same from any other coroutine still reaches
+    the hook."""
+    import gc
+    import sys
+    from tfm.train import checkpoint
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    checkpoint._ignore_orphaned_reads()
+    for name in ("_read_array_index_and_device_put", "_write_array"):
+        coroutine = _suspended_read(name)
+        del coroutine
+        gc.collect()
+    assert [u.object.__qualname__ for u in seen] == ["_write_array"]
+    assert isinstance(seen[0].exc_value.__cause__, GeneratorExit)

@@ -68,18 +68,25 @@ class DataStateArgs(ocp.args.CheckpointArgs):
     state: Any = None
 
 
-def _is_orphaned_read_completion(unraisable) -> bool:
-    """A tensorstore read finishing after the asyncio loop that awaited it was closed (orbax
-    closes it when a sibling read of the same checkpoint fails): nobody wants its result."""
+def _is_orphaned_read(unraisable) -> bool:
+    """Leftovers of a checkpoint read that failed, which nobody wants any more: a tensorstore read
+    finishing after the asyncio loop that awaited it was closed (orbax closes it when a sibling
+    read of the same checkpoint fails), or a sibling orbax read coroutine garbage-collected
+    unfinished (orbax turns the GeneratorExit that closes it into an Exception)."""
     frames, tb = [], unraisable.exc_traceback
     while tb is not None:
         frames.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
-    return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            and "call_soon_threadsafe" in frames)
+    error = unraisable.exc_value
+    late_completion = (unraisable.exc_type is RuntimeError and str(error) == "Event loop is closed"
+                       and "call_soon_threadsafe" in frames)
+    coroutine = getattr(unraisable, "object", None)
+    closed_read = (getattr(coroutine, "__qualname__", "") == "_read_array_index_and_device_put"
+                   and isinstance(getattr(error, "__cause__", None), GeneratorExit))
+    return late_completion or closed_read
 
 
-def _ignore_orphaned_read_completions() -> None:
+def _ignore_orphaned_reads() -> None:
     """Installs (once) an unraisable-exception hook that drops those completions, which tensorstore
     reports from its own threads at any time after the failed read, even into the one-line
     error of the command line; every other unraisable exception reaches the previous hook."""
@@ -88,7 +95,7 @@ def _ignore_orphaned_read_completions() -> None:
         return
 
     def hook(unraisable):
-        if not _is_orphaned_read_completion(unraisable):
+        if not _is_orphaned_read(unraisable):
             previous(unraisable)
 
     hook._tfm_orphaned_reads = True
@@ -161,7 +168,7 @@ class Checkpointer:
     def _state_metadata(self, step: Optional[int]):
         """The saved train state's metadata tree at `step`; CheckpointError if there is no such
         step, CorruptCheckpointError if its files cannot be read."""
-        _ignore_orphaned_read_completions()
+        _ignore_orphaned_reads()
         if step is None or step not in self.all_steps():
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
                                   f"(available: {self.all_steps()})")
