@@ -25,9 +25,11 @@ StepFn = Callable[[dict, jax.Array], Tuple[jax.Array, dict]]
 
 
 def init_cache(model: nn.Module, params, batch_size: int, cache_len: int, encoded=None,
-               inputs_segment_ids=None) -> dict:
+               inputs_segment_ids=None, **conditioning) -> dict:
     """An empty cache of `cache_len` positions; for EncoderDecoder it also holds the cross-attention
-    keys/values projected once from `encoded` [B, S, D]."""
+    keys/values projected once from `encoded` [B, S, D], and for a VisionLanguageModel those of the
+    images in `conditioning` (images, aspect_ratio_ids, aspect_ratio_mask: the image encoder runs
+    once here, and the decoding steps read only the cache)."""
     dummy = jnp.zeros((batch_size, cache_len), jnp.int32)
     if isinstance(model, EncoderDecoder):
         if encoded is None:
@@ -35,7 +37,7 @@ def init_cache(model: nn.Module, params, batch_size: int, cache_len: int, encode
         _, state = model.apply({"params": params}, dummy, encoded, inputs_segment_ids, decode=True,
                                mutable=["cache"], method=EncoderDecoder.decode)
     else:
-        _, state = model.apply({"params": params}, dummy, decode=True, mutable=["cache"])
+        _, state = model.apply({"params": params}, dummy, decode=True, mutable=["cache"], **conditioning)
     return state["cache"]
 
 
@@ -125,16 +127,18 @@ def generate(step: StepFn, cache: dict, prompt: jax.Array, max_new_tokens: int, 
     return out
 
 
-def sample_lm(model: DecoderLM, params, prompt, max_new_tokens: int, rng, **kwargs) -> jax.Array:
-    """DecoderLM continuation of prompt [B, P] (P >= 1) -> [B, max_new_tokens]; kwargs as in
-    `generate`. max_new_tokens=0 returns the empty continuation [B, 0] without running the model."""
+def sample_lm(model: DecoderLM, params, prompt, max_new_tokens: int, rng, conditioning: Optional[dict] = None,
+              **kwargs) -> jax.Array:
+    """DecoderLM (or VisionLanguageModel) continuation of prompt [B, P] (P >= 1) -> [B, max_new_tokens];
+    conditioning: the images the continuation sees (`init_cache`); kwargs as in `generate`.
+    max_new_tokens=0 returns the empty continuation [B, 0] without running the model."""
     if not hasattr(max_new_tokens, "__index__") or max_new_tokens < 0:
         raise ValueError(f"sample_lm: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if jnp.ndim(prompt) != 2 or jnp.shape(prompt)[1] == 0:
         raise ValueError(f"sample_lm: prompt must be token ids [batch, length >= 1], got shape {jnp.shape(prompt)}")
     if max_new_tokens == 0:
         return jnp.zeros((jnp.shape(prompt)[0], 0), jnp.int32)
-    cache = init_cache(model, params, prompt.shape[0], prompt.shape[1] + max_new_tokens)
+    cache = init_cache(model, params, prompt.shape[0], prompt.shape[1] + max_new_tokens, **(conditioning or {}))
     return generate(step_fn(model, params), cache, prompt, max_new_tokens, rng, **kwargs)
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from tfm.train.optim import param_path
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the configured model."""
@@ -111,16 +113,9 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _key(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
 def _paths(tree) -> dict:
     """{"params/decoder/…/kernel": leaf}, the same for dataclass and dict trees."""
-    return {"/".join(map(_key, p)): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {param_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def check_compatible(saved_metadata, abstract_state, where: str) -> None:

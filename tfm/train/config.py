@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 from tfm.parallel.mesh import MeshConfig
@@ -56,6 +57,9 @@ class OptimizerConfig:
     end_lr_factor: float = 0.0       # linear/cosine/bert_linear: final lr = peak * end_lr_factor
     noam_d_model: Optional[int] = None
     clip_grad_norm: Optional[float] = 1.0
+    frozen: Optional[str] = None     # regex matched at the start of parameter paths
+                                     # ("text/decoder/layer_0/ffn/wo/kernel"): those are never updated
+                                     # and hold no optimizer state (must match some, not all)
 
     def __post_init__(self):
         check = lambda ok, field, what: _require(ok, "OptimizerConfig", field, getattr(self, field), what)
@@ -72,6 +76,13 @@ class OptimizerConfig:
         check(0 <= self.end_lr_factor <= 1, "end_lr_factor", "in [0, 1]")
         check(self.noam_d_model is None or self.noam_d_model >= 1, "noam_d_model", "None or >= 1")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "None or > 0")
+        check(self.frozen is None or (isinstance(self.frozen, str) and self.frozen), "frozen",
+              "None or a non-empty regular expression")
+        if self.frozen is not None:
+            try:
+                re.compile(self.frozen)
+            except re.error as e:
+                raise ValueError(f"OptimizerConfig.frozen={self.frozen!r} is not a regular expression ({e})") from None
         read = set(OPTIMIZER_READS[self.name]) | set(SCHEDULE_READS[self.schedule])
         refuse_unread(self, _READ_SOMETIMES, read, f"with name={self.name!r} and schedule={self.schedule!r} "
                       f"(they read {sorted(read)}; another optimizer or schedule may)")

@@ -1,6 +1,7 @@
 """Optax optimizers and learning-rate schedules from `OptimizerConfig`."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import jax
@@ -88,7 +89,8 @@ def balancing_step(rate: float) -> optax.GradientTransformation:
 
 def make_optimizer(cfg: OptimizerConfig, num_train_steps: int, balance_rate: Optional[float] = None):
     """(optax transformation with global-norm clipping, schedule). With balance_rate, parameters
-    named BALANCED take `balancing_step(balance_rate)` instead (no clipping, decay or moments)."""
+    named BALANCED take `balancing_step(balance_rate)` instead (no clipping, decay or moments);
+    parameters cfg.frozen matches are never updated and hold no optimizer state."""
     lr = make_schedule(cfg, num_train_steps)
     if not cfg.bias_correction:
         decay = [optax.add_decayed_weights(cfg.weight_decay, _decay_mask(cfg))] if cfg.name == "adamw" else []
@@ -109,8 +111,44 @@ def make_optimizer(cfg: OptimizerConfig, num_train_steps: int, balance_rate: Opt
         opt = optax.sgd(lr)
     if cfg.clip_grad_norm:
         opt = optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), opt)
+    branches = {"learn": opt}
     if balance_rate is not None:
-        label = lambda path, _: "balance" if getattr(path[-1], "key", None) == BALANCED else "learn"
-        opt = optax.multi_transform({"learn": opt, "balance": balancing_step(balance_rate)},
-                                    lambda params: jax.tree_util.tree_map_with_path(label, params))
+        branches["balance"] = balancing_step(balance_rate)
+    if cfg.frozen:
+        branches["frozen"] = optax.set_to_zero()
+    if len(branches) > 1:
+        opt = optax.multi_transform(branches, _labeller(cfg.frozen, balance_rate is not None))
     return opt, lr
+
+
+def _key(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def param_path(path) -> str:
+    """"text/decoder/layer_0/ffn/wo/kernel" for a jax key path (dict, dataclass or list entries)."""
+    return "/".join(map(_key, path))
+
+
+def _labeller(frozen: Optional[str], balance: bool):
+    """params -> the tree of multi_transform labels: "frozen" where `frozen` matches the start of
+    the parameter's path, "balance" for BALANCED leaves (with balancing on), else "learn"."""
+    pattern = re.compile(frozen) if frozen else None
+
+    def label(path, _):
+        if pattern is not None and pattern.match(param_path(path)):
+            return "frozen"
+        return "balance" if balance and getattr(path[-1], "key", None) == BALANCED else "learn"
+
+    def labels(params):
+        tree = jax.tree_util.tree_map_with_path(label, params)
+        names = jax.tree.leaves(tree)
+        if pattern is not None and names.count("frozen") in (0, len(names)):
+            example = param_path(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+            raise ValueError(f"OptimizerConfig.frozen={frozen!r} matches {'no' if 'frozen' not in names else 'every'} "
+                             f"parameter; it is matched at the start of paths such as {example!r}")
+        return tree
+    return labels
