@@ -113,11 +113,10 @@ class TiledVisionEncoder(nn.Module):
         x = embed_patches(cfg, images.reshape(B * I * X, size, size, C), use_bias=False)
         x = x.reshape(B * I, X, L - 1, D)
         x = x + gate("pre_tile_gate") * layout("pre_tile", (X, D), (None, "embed"))[:, :, None]
-        scaled = nn.initializers.normal(D ** -0.5)  # [CLS] and positions initialised as Mllama's, N(0, 1/D)
-        cls = table("cls", (D,), ("embed",), scaled).astype(dt)
+        cls = table("cls", (D,), ("embed",), nn.initializers.normal(0.02)).astype(dt)
         x = jnp.concatenate([jnp.broadcast_to(cls, (B * I, X, 1, D)), x], axis=2)  # [BI, X, L, D]
         g = gate("position_gate")
-        x = x + (1 - g) * table("position", (L, D), ("length", "embed"), scaled).astype(dt)
+        x = x + (1 - g) * table("position", (L, D), ("length", "embed"), nn.initializers.normal(0.02)).astype(dt)
         x = x + g * layout("tile_position", (X, L, D), (None, "length", "embed"))
         x = Norm(cfg, name="pre_norm")(x)
         Lp = tile_mask_padding(L)
