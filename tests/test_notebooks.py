@@ -12,7 +12,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOTEBOOKS = ("01_transformer_from_blocks", "02_translation", "03_bert", "04_flash_attention", "05_sharding")
+NOTEBOOKS = ("01_transformer_from_blocks", "02_translation", "03_bert", "04_flash_attention", "05_sharding",
+             "06_captioning")
 TIMEOUT_S = 300  # per cell; a whole notebook takes about a minute on two CPU cores
 
 

@@ -33,6 +33,14 @@ class Scene:
     place: str   # one of PLACES
 
     @property
+    def row(self) -> str:
+        return self.place.split()[0]
+
+    @property
+    def column(self) -> str:
+        return self.place.split()[1]
+
+    @property
     def caption(self) -> str:
         plural = "s" if self.count > 1 else ""
         return f"{COUNTS[self.count - 1]} {self.colour} {self.shape}{plural} in the {self.place}"

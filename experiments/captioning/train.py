@@ -23,6 +23,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from matplotlib.figure import Figure  # not pyplot: a notebook's inline backend stays as it is
 
 from experiments import common
 from experiments.captioning import scenes
@@ -36,7 +37,7 @@ from tfm.train import train_and_evaluate as train_loop
 from tfm.train.init_from import InitFromParams, checkpoint_params
 
 CAPTION_LEN = scenes.CAPTION_WORDS + 1  # tokens in and out: bos + words, words + eos
-ATTRIBUTES = ("count", "colour", "shape", "place")
+ATTRIBUTES = ("count", "colour", "shape", "row", "column")  # the place is "<row> <column>"
 GRID = 4  # captions.png shows GRID x GRID held-out scenes
 
 
@@ -93,7 +94,7 @@ def chance_scores() -> dict:
     """What a captioner that never sees the image can expect at best: every caption is equally likely."""
     return {"caption_accuracy": 1 / (len(scenes.COUNTS) * len(scenes.COLOURS) * len(scenes.SHAPES) * len(scenes.PLACES)),
             "count_accuracy": 1 / len(scenes.COUNTS), "colour_accuracy": 1 / len(scenes.COLOURS),
-            "shape_accuracy": 1 / len(scenes.SHAPES), "place_accuracy": 1 / len(scenes.PLACES)}
+            "shape_accuracy": 1 / len(scenes.SHAPES), "row_accuracy": 1 / 2, "column_accuracy": 1 / 2}
 
 
 def caption(model, params, tok, batch: dict) -> list[str]:
@@ -108,10 +109,8 @@ def caption(model, params, tok, batch: dict) -> list[str]:
 
 def save_grid(path: str, images, hypotheses: list[str], truth: list[scenes.Scene], n: int, title: str) -> None:
     """A PNG of the first n x n scenes, each titled with its caption (green: exact, red: wrong)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(n, n, figsize=(2.4 * n, 2.6 * n))
+    fig = Figure(figsize=(2.4 * n, 2.6 * n))
+    axes = fig.subplots(n, n)
     for ax, image, h, s in zip(np.ravel(axes), images, hypotheses, truth):
         ax.imshow(np.clip(image + 0.5, 0, 1))
         ax.set_title(h.replace(" in the ", "\nin the ") or "(empty)", fontsize=8,
@@ -120,7 +119,6 @@ def save_grid(path: str, images, hypotheses: list[str], truth: list[scenes.Scene
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 def _init_hook(settings: CaptionSettings):

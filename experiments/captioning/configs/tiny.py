@@ -35,11 +35,11 @@ def get_config(variant: str = ""):
     c.eval_scenes = 256
     c.use_images = variant != "text_only"
     c.batch_size = 32
-    c.num_train_steps = 600
+    c.num_train_steps = 1500
     c.optimizer.update(name="adamw", learning_rate=2e-3, warmup_steps=50, schedule="cosine", weight_decay=0.01)
     c.log_every = 100
-    c.eval_every = 200
-    c.checkpoint_every = 200
+    c.eval_every = 500
+    c.checkpoint_every = 500
     if variant == "llama32":
         c.init_from = "/tmp/tfm_caption_text"
         c.optimizer.frozen = FROZEN_TEXT
