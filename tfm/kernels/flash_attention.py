@@ -27,8 +27,11 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from tfm.ops import sparsity as sparsity_lib
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
@@ -112,6 +115,7 @@ class _Config(NamedTuple):
     block_kv: int
     driver: str          # "loop" | "grid"
     interpret: bool
+    sparsity: Optional[sparsity_lib.Pattern] = None  # block lists (`visible_tiles`) drive the loops
 
 
 def _div(x, d: int):
@@ -145,6 +149,47 @@ def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int):
         if not cfg.causal:
             lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_q)
     return lo, hi
+
+
+def visible_tiles(cfg: _Config, nq: int, nk: int) -> np.ndarray:
+    """bool [nq, nk]: the (block_q x block_kv) tiles holding a visible (query, key) pair as far as the
+    static masks tell (causal, window, key padding, sparsity; segment ids are data, not consulted).
+    Each term alone is exact, and so is a pattern with causal (a tile straddling the diagonal holds an
+    i == j pair, which every pattern sees); a pattern with a window too may add tiles where the two
+    meet in no pair (visited, fully masked: correct, not minimal)."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_first, k_first = np.arange(nq)[:, None] * bq, np.arange(nk)[None, :] * bk
+    lo, hi = q_first - (k_first + bk - 1), q_first + bq - 1 - k_first  # every i - j of a tile: [lo, hi]
+    seen = np.ones((nq, nk), bool)
+    if cfg.causal:
+        seen &= hi >= 0
+    if cfg.window is not None:
+        seen &= (lo < cfg.window) & (cfg.causal or hi > -cfg.window)
+    if cfg.kv_len is not None:
+        seen &= k_first < cfg.kv_len
+    if cfg.sparsity is not None:
+        seen &= cfg.sparsity.tiles(bq, bk, nq, nk, nq * bq, nk * bk)
+    return seen
+
+
+def block_lists(seen: np.ndarray):
+    """For seen [n, m] bool: index int32 [n, M] (row r's true columns first, in order; M a power of two)
+    and count int32 [n, 1]. The loop kernels visit index[r, :count[r]] only."""
+    count = seen.sum(axis=1)
+    width = pl.next_power_of_2(max(1, int(count.max(initial=0))))
+    index = np.argsort(~seen, axis=1, kind="stable")[:, :width]
+    if index.shape[1] < width:
+        index = np.pad(index, ((0, 0), (0, width - index.shape[1])))
+    return index.astype(np.int32), count[:, None].astype(np.int32)
+
+
+def _visits(lists, lo, hi):
+    """Loop bounds and the block visited at step t: the range [lo, hi) or, with block lists
+    (index_ref [M], count_ref [1] of this row), the listed blocks."""
+    if lists is None:
+        return lo, hi, lambda t: t
+    index_ref, count_ref = lists
+    return jnp.int32(0), count_ref[0], lambda t: index_ref[t]
 
 
 # --------------------------------------------------------------------------------------
@@ -183,6 +228,8 @@ def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
     if cfg.window is not None:
         distance = rows - cols if cfg.causal else jnp.abs(rows - cols)
         visible = conj(distance < cfg.window)
+    if cfg.sparsity is not None and (pattern := cfg.sparsity.in_tile(rows, cols)) is not None:
+        visible = conj(pattern)
     if q_seg is not None:
         visible = conj((q_seg == kv_seg) & (kv_seg != 0))
     elif cfg.kv_len is not None:
@@ -229,18 +276,21 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, c
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], outputs, scratch.
+# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [block index, count],
+# outputs, scratch.
 # --------------------------------------------------------------------------------------
 
 def _split_refs(refs, cfg: _Config, num_main: int):
-    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, rest)."""
+    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, rest)."""
     main, refs = refs[:num_main], refs[num_main:]
-    q_seg_ref = kv_seg_ref = slope_ref = None
+    q_seg_ref = kv_seg_ref = slope_ref = lists = None
     if cfg.segments:
         (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
     if cfg.alibi:
         slope_ref, refs = refs[0], refs[1:]
-    return main, q_seg_ref, kv_seg_ref, slope_ref, refs
+    if cfg.sparsity is not None:
+        lists, refs = tuple(refs[:2]), refs[2:]
+    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, refs
 
 
 def _load(ref, *idx):
@@ -249,14 +299,14 @@ def _load(ref, *idx):
 
 def _fwd_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, q_seg, slope = q_ref[...], _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
 
-    def body(j, carry):
-        start = pl.multiple_of(j * bk, bk)
+    def body(t, carry):
+        start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         kv_seg = _load(kv_seg_ref, slice(None), rows)
         return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq, start, q_seg, kv_seg,
@@ -269,7 +319,7 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
 
 def _fwd_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, _, rest = _split_refs(refs, cfg, 3)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
     qi, j = pl.program_id(2), pl.program_id(3)
@@ -295,16 +345,16 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
 
 def _dq_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref,) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dq_ref,) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_seg, slope = _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
 
-    def body(j, dq):
-        start = pl.multiple_of(j * bk, bk)
+    def body(t, dq):
+        start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         k = k_ref[rows, :]
         _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq, start, q_seg,
@@ -316,7 +366,7 @@ def _dq_loop_kernel(*refs, cfg: _Config):
 
 def _dq_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, _, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi, j = pl.program_id(2), pl.program_id(3)
@@ -350,19 +400,19 @@ def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, k
 def _dkv_loop_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
     k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
     T = q_ref.shape[0] // G
     kj = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], _load(kv_seg_ref, ...)
-    lo, hi = q_block_range(kj, cfg, bq, bk, T // bq)
+    lo, hi, block = _visits(lists, *q_block_range(kj, cfg, bq, bk, T // bq))
 
     def head(g, carry):
         slope = _load(slope_ref, pl.ds(g, 1), slice(None))
 
-        def body(i, carry):
-            start = pl.multiple_of(i * bq, bq)
+        def body(t, carry):
+            start = pl.multiple_of(block(t) * bq, bq)
             rows = pl.ds(pl.multiple_of(g * T + start, bq), bq)
             q_seg = _load(q_seg_ref, pl.ds(start, bq), slice(None))
             return _dkv_accumulate(*carry, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :],
@@ -377,7 +427,7 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
 
 def _dkv_grid_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, _, rest = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     dk_ref, dv_ref, dk_acc, dv_acc = rest
     bq, bk = cfg.block_q, cfg.block_kv
@@ -435,8 +485,9 @@ def _clamp(idx, lo, hi, count):
     return jnp.clip(jnp.clip(idx, lo, jnp.maximum(hi - 1, lo)), 0, count - 1)
 
 
-def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec):
-    """Optional operands and their specs, in kernel ref order."""
+def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, seen=None):
+    """Optional operands and their specs, in kernel ref order. seen() -> [n, m]: the visible tiles, row
+    r for grid step (., ., r) of the loop driver (with sparsity, `block_lists` of it are two operands)."""
     args, specs = [], []
     if cfg.segments:
         args += [q_seg, kv_seg]
@@ -444,6 +495,11 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     if cfg.alibi:
         args.append(slopes)
         specs.append(slope_spec)
+    if cfg.sparsity is not None:
+        index, count = block_lists(seen())
+        args += [jnp.asarray(index), jnp.asarray(count)]
+        specs += [pl.BlockSpec((None, index.shape[1]), lambda b, h, r: (r, 0)),
+                  pl.BlockSpec((None, 1), lambda b, h, r: (r, 0))]
     return args, specs
 
 
@@ -484,7 +540,8 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
         kernel = _fwd_grid_kernel
         scratch = (_vmem((cfg.block_q, 1)), _vmem((cfg.block_q, 1)), _vmem((cfg.block_q, H)))  # m, l, acc
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    seen = lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, seen)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
@@ -496,7 +553,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
 
 def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
     """-> dq [B, N, T, H]."""
-    H = q.shape[3]
+    T, H = q.shape[2:]
     grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg)
     if cfg.driver == "loop":
         scratch, kernel = (), _dq_loop_kernel
@@ -504,7 +561,8 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
         scratch, kernel = (_vmem((cfg.block_q, H)),), _dq_grid_kernel
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
     row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    seen = lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, seen)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=grid, in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
@@ -545,7 +603,8 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, q_block(j, i), 0)),
                      pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j)))
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i: (h * G + g, 0, 0))
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+    seen = lambda: visible_tiles(cfg, nq, nk).T  # row j: the query blocks key block j is seen from
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, seen)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     q_arg, do_arg, lse_arg, delta_arg = args
     return pl.pallas_call(
@@ -609,12 +668,14 @@ def _backend_name(backend: Optional[str]) -> str:
 
 def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
                     window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
-                    scale: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
-                    backend: Optional[str] = None, interpret: Optional[bool] = None):
+                    sparsity: Optional[sparsity_lib.Pattern] = None, scale: Optional[float] = None,
+                    block_sizes: Optional[BlockSizes] = None, backend: Optional[str] = None,
+                    interpret: Optional[bool] = None):
     """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton; q, k, v in GPU_DTYPES)
     or "cpu"; default the JAX default backend. interpret: run the Pallas interpreter; default on CPU.
+    sparsity (`tfm.ops.sparsity`): the loops visit only the tiles of `visible_tiles` (loop driver only).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -650,8 +711,15 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
     cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
                   groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
-                  interpret=interpret)
+                  interpret=interpret, sparsity=sparsity)
     cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
+    if sparsity is not None:
+        if cfg.driver == "grid":
+            raise ValueError("sparse attention patterns run the loop driver (GPU, CPU interpret); the TPU grid "
+                             "driver takes no block lists yet: use impl='xla' or 'chunked' there")
+        if isinstance(sparsity, sparsity_lib.BigBird):
+            sparsity.check_tiles(bq, bk)
+            sparsity.check_tiles(bq_bwd, bk_bwd)
     to_kernel = lambda x, length: _pad(_pad(x, 1, length), 3, Hp).transpose(0, 2, 1, 3)  # [B, N|K, L, Hp]
     o = _flash(to_kernel(q, Tp), to_kernel(k, Sp), to_kernel(v, Sp), q_seg, kv_seg, slopes, cfg, cfg_bwd, backend)
     return o.transpose(0, 2, 1, 3)[:, :T, :, :H]

@@ -24,12 +24,14 @@ _CPU_XLA_MAX_LOGIT_BYTES = 1 << 30
 
 def choose_impl(q, k, *, dropout_rate: float = 0.0, positions_given: bool = False, causal: bool = False,
                 window: Optional[int] = None, softcap: Optional[float] = None, alibi: bool = False,
-                segments: bool = False) -> str:
+                segments: bool = False, sparse: bool = False) -> str:
     """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the current mesh's platform,
     given the mask features the call uses."""
     if dropout_rate > 0.0 or positions_given:
         return "xla"  # only xla implements dropout and explicit (KV-cache) positions
     platform = current_platform()
+    if sparse:  # sparsity patterns: the loop-driver kernels (GPU) skip empty tiles; elsewhere xla
+        return "pallas" if platform == "gpu" and q.dtype.name in GPU_DTYPES else "xla"
     if platform == "gpu":
         if q.dtype.name not in GPU_DTYPES:
             return "xla"  # the Triton kernels and cuDNN take bf16/fp16 only
