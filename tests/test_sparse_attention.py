@@ -1,6 +1,7 @@
 """Sparse attention patterns (tfm.ops.sparsity) through the one entry point: the Pallas kernels (interpret
-mode) against the xla reference with the same mask materialised, and the tiles the kernels visit against a
-brute-force count of the non-empty tiles of that mask.
+mode; the loop driver of GPU/CPU, and the TPU grid driver with its scalar-prefetched block lists) against the
+xla reference with the same mask materialised, and the tiles the kernels visit against a brute-force count of
+the non-empty tiles of that mask.
 
 Each case: output and dq, dk, dv, fp32, max-abs <= 1e-5 (output) and 1e-4 (gradients).
 """
@@ -27,10 +28,12 @@ class Case:
     window: Optional[int] = None
     key_padding: bool = False
     blocks: fa.BlockSizes = fa.BlockSizes(8, 8)
+    backend: Optional[str] = None  # "tpu": the grid driver (flash_attention called directly)
 
 
 CASES = {
-    "strided_causal_uneven_tiles": Case(sparsity.Strided(8), causal=True, blocks=fa.BlockSizes(8, 16, 16, 8)),
+    "strided_causal_uneven_tiles_mqa_grid_driver": Case(sparsity.Strided(8), N=2, K=1, causal=True,
+                                                       blocks=fa.BlockSizes(8, 16, 16, 8), backend="tpu"),
     "fixed_bidirectional_gqa": Case(sparsity.Fixed(16, summary=3), N=4, K=2),
     "bigbird_key_padding": Case(sparsity.BigBird(16, window=1, globals=1, random=1, seed=3), T=128, S=112,
                                 key_padding=True, blocks=fa.BlockSizes(16, 16)),
@@ -54,8 +57,11 @@ def _inputs(case: Case):
 
 def _run(case: Case, impl: str):
     def loss(q, k, v, ct):
-        o = attention.dot_product_attention(q, k, v, impl=impl, block_sizes=case.blocks if impl == "pallas" else None,
-                                            **_mask_args(case))
+        if impl == "pallas" and case.backend is not None:
+            o = fa.flash_attention(q, k, v, block_sizes=case.blocks, backend=case.backend, **_mask_args(case))
+        else:
+            o = attention.dot_product_attention(q, k, v, impl=impl, **_mask_args(case),
+                                                block_sizes=case.blocks if impl == "pallas" else None)
         return jnp.sum(o * ct), o
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*_inputs(case))
@@ -89,7 +95,7 @@ def test_pattern_matches_xla_and_visits_only_non_empty_tiles(name):
         brute = _brute_force_tiles(case, bq, bk)
         np.testing.assert_array_equal(seen, brute)
         assert seen.sum() < 0.75 * nq * nk  # the pattern is sparse at this tiling
-        index, count = fa.block_lists(seen)  # what the loops iterate: row r visits index[r, :count[r]]
+        index, count = fa.block_lists(seen)  # what the kernels visit: row r, index[r, :count[r]]
         assert count.sum() == brute.sum()
         for r in range(nq):
             np.testing.assert_array_equal(index[r, :count[r, 0]], np.flatnonzero(brute[r]))
@@ -134,8 +140,6 @@ def test_patterns_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="tiles that divide it"):
         attention.dot_product_attention(q, q, q, sparsity=sparsity.BigBird(4), impl="pallas",
                                         block_sizes=fa.BlockSizes(8, 8))
-    with pytest.raises(ValueError, match="loop driver"):
-        fa.flash_attention(q, q, q, sparsity=sparsity.Strided(4), backend="tpu", interpret=True)
     with pytest.raises(ValueError, match="sparsity must be one of"):
         sparsity.coerce({"kind": "butterfly"})
     assert sparsity.coerce({"kind": "fixed", "stride": 8, "summary": 2}) == sparsity.Fixed(8, 2)
