@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tfm.kernels import flash_attention as fa
-from tfm.ops import attention, sparsity
+from tfm.ops import attention, select, sparsity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +143,12 @@ def test_patterns_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="sparsity must be one of"):
         sparsity.coerce({"kind": "butterfly"})
     assert sparsity.coerce({"kind": "fixed", "stride": 8, "summary": 2}) == sparsity.Fixed(8, 2)
+
+
+@pytest.mark.parametrize("platform, dtype, impl", [("cpu", jnp.float32, "xla"), ("tpu", jnp.float32, "pallas"),
+                                                   ("gpu", jnp.bfloat16, "pallas"), ("gpu", jnp.float32, "xla")])
+def test_auto_picks_the_kernels_for_a_pattern_where_they_run(monkeypatch, platform, dtype, impl):
+    monkeypatch.setattr(select, "current_platform", lambda: platform)
+    monkeypatch.setattr(select, "cudnn_present", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), dtype)
+    assert select.choose_impl(q, q, sparse=True) == impl
