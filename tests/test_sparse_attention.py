@@ -1,7 +1,8 @@
 """Sparse attention patterns (tfm.ops.sparsity) through the one entry point: the Pallas kernels (interpret
 mode; the loop driver of GPU/CPU, and the TPU grid driver with its scalar-prefetched block lists) against the
-xla reference with the same mask materialised, and the tiles the kernels visit against a brute-force count of
-the non-empty tiles of that mask.
+xla reference with the same mask materialised (and, for BigBird, the chunked backend, which masks every
+chunk: its padding of S to a chunk multiple must not resize a BigBird table), and the tiles the kernels visit
+against a brute-force count of the non-empty tiles of that mask.
 
 Each case: output and dq, dk, dv, fp32, max-abs <= 1e-5 (output) and 1e-4 (gradients).
 """
@@ -29,14 +30,15 @@ class Case:
     key_padding: bool = False
     blocks: fa.BlockSizes = fa.BlockSizes(8, 8)
     backend: Optional[str] = None  # "tpu": the grid driver (flash_attention called directly)
+    chunked: bool = False  # also the chunked backend (chunks of 32 keys, each masked, none skipped)
 
 
 CASES = {
     "strided_causal_uneven_tiles_mqa_grid_driver": Case(sparsity.Strided(8), N=2, K=1, causal=True,
                                                        blocks=fa.BlockSizes(8, 16, 16, 8), backend="tpu"),
     "fixed_bidirectional_gqa": Case(sparsity.Fixed(16, summary=3), N=4, K=2),
-    "bigbird_key_padding": Case(sparsity.BigBird(16, window=1, globals=1, random=1, seed=3), T=128, S=112,
-                                key_padding=True, blocks=fa.BlockSizes(16, 16)),
+    "bigbird_key_padding": Case(sparsity.BigBird(16, window=1, globals=1, random=1, seed=3), T=128, S=104,
+                                key_padding=True, blocks=fa.BlockSizes(16, 16), chunked=True),
     "longformer_causal_ragged": Case(sparsity.Longformer(window=9, globals=5), T=60, S=60, causal=True),
 }
 
@@ -60,7 +62,7 @@ def _run(case: Case, impl: str):
         if impl == "pallas" and case.backend is not None:
             o = fa.flash_attention(q, k, v, block_sizes=case.blocks, backend=case.backend, **_mask_args(case))
         else:
-            o = attention.dot_product_attention(q, k, v, impl=impl, **_mask_args(case),
+            o = attention.dot_product_attention(q, k, v, impl=impl, **_mask_args(case), chunk_size=32,
                                                 block_sizes=case.blocks if impl == "pallas" else None)
         return jnp.sum(o * ct), o
 
@@ -82,10 +84,11 @@ def _brute_force_tiles(case: Case, block_q: int, block_kv: int) -> np.ndarray:
 def test_pattern_matches_xla_and_visits_only_non_empty_tiles(name):
     case = CASES[name]
     (_, o_ref), g_ref = _run(case, "xla")
-    (_, o), g = _run(case, "pallas")
-    np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-5)
-    for label, a, b in zip("qkv", g, g_ref):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f"d{label}")
+    for impl in ("pallas", "chunked") if case.chunked else ("pallas",):
+        (_, o), g = _run(case, impl)
+        np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-5, err_msg=impl)
+        for label, a, b in zip("qkv", g, g_ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f"{impl} d{label}")
     for bq, bk in (case.blocks.block_q, case.blocks.block_kv), case.blocks.backward:  # forward, backward tiles
         nq, nk = -(-case.T // bq), -(-case.S // bk)
         cfg = fa._Config(causal=case.causal, window=case.window, softcap=None, scale=1.0,
@@ -135,8 +138,8 @@ def test_patterns_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="explicit positions"):
         attention.dot_product_attention(q, q, q, sparsity=sparsity.Strided(4), q_positions=jnp.arange(16)[None],
                                         kv_positions=jnp.arange(16)[None])
-    with pytest.raises(ValueError, match="implemented by impl 'xla' and 'pallas'"):
-        attention.dot_product_attention(q, q, q, sparsity=sparsity.Strided(4), impl="chunked")
+    with pytest.raises(ValueError, match="not 'cudnn'"):
+        attention.dot_product_attention(q, q, q, sparsity=sparsity.Strided(4), impl="cudnn")
     with pytest.raises(ValueError, match="tiles that divide it"):
         attention.dot_product_attention(q, q, q, sparsity=sparsity.BigBird(4), impl="pallas",
                                         block_sizes=fa.BlockSizes(8, 8))

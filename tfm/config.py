@@ -250,7 +250,7 @@ class ModelConfig:
     # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
     linformer_length: Optional[int] = None
     # Sparse self-attention on every layer (tfm.ops.sparsity; not cross-attention): a pattern or a dict
-    # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; attention_impl xla, pallas or auto.
+    # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; any attention_impl but cudnn.
     attention_sparsity: Union[sparsity_lib.Pattern, dict, None] = None
     # Longformer (HF LongformerModel): the rows of the global tokens attend to every key through their own
     # projections query_global, key_global, value_global; needs a Longformer attention_sparsity.
@@ -519,9 +519,9 @@ class ModelConfig:
         except ValueError as e:
             raise ValueError(f"ModelConfig.attention_sparsity: {e}") from None
         pattern = self.attention_sparsity
-        if pattern is not None and self.attention_impl not in ("xla", "pallas", "auto"):
-            raise ValueError(f"ModelConfig.attention_sparsity runs on attention_impl 'xla', 'pallas' or 'auto', "
-                             f"not {self.attention_impl!r}")
+        if pattern is not None and self.attention_impl == "cudnn":
+            raise ValueError("ModelConfig.attention_sparsity runs on attention_impl 'xla', 'chunked', 'pallas' or "
+                             "'auto', not 'cudnn'")
         if pattern is not None and self.linformer_length is not None:
             raise ValueError("ModelConfig.attention_sparsity: Linformer's projected keys have no positions to pattern")
         if self.global_projections and not (isinstance(pattern, sparsity_lib.Longformer) and pattern.globals):

@@ -15,9 +15,9 @@ Masking is described, never materialised by the caller:
   bias            float [B|1, N, T, S] added to the logits (T5's relative position bias);
                   impl="xla" only.
   sparsity        a `tfm.ops.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
-                  Longformer), ANDed with the rest; impl "xla" (materialised) or "pallas" (the
-                  kernels visit only the tiles it leaves non-empty). Not with explicit positions
-                  (cached decoding) nor context parallelism.
+                  Longformer), ANDed with the rest; impl "xla" (materialised), "chunked" (masked
+                  per chunk) or "pallas" (the kernels visit only the tiles it leaves non-empty).
+                  Not with explicit positions (cached decoding) nor context parallelism.
 A row with no visible key outputs 0 (never NaN).
 
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
@@ -102,8 +102,8 @@ def dot_product_attention(
                                   causal=causal, window=window, softcap=softcap,
                                   alibi=alibi_slopes is not None, segments=kv_segment_ids is not None,
                                   sparse=sparsity is not None)
-    if sparsity is not None and impl not in ("xla", "pallas"):
-        raise ValueError(f"sparse attention patterns are implemented by impl 'xla' and 'pallas', not {impl!r}")
+    if sparsity is not None and impl == "cudnn":
+        raise ValueError("sparse attention patterns are implemented by impl 'xla', 'chunked' and 'pallas', not 'cudnn'")
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention dropout is implemented only by impl='xla', not {impl!r}")
     if bias is not None:
@@ -127,4 +127,4 @@ def dot_product_attention(
     if impl == "xla":
         return xla.attention(q, k, v, bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                              sparsity=sparsity, **common)
-    return chunked.attention(q, k, v, chunk_size=chunk_size, **common)
+    return chunked.attention(q, k, v, chunk_size=chunk_size, sparsity=sparsity, **common)
