@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tfm.kernels import flash_attention as fa
+from tfm.models import presets
 from tfm.ops import attention, select, sparsity
 
 
@@ -155,3 +156,12 @@ def test_auto_picks_the_kernels_for_a_pattern_where_they_run(monkeypatch, platfo
     monkeypatch.setattr(select, "cudnn_present", lambda: True)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), dtype)
     assert select.choose_impl(q, q, sparse=True) == impl
+
+
+def test_model_config_takes_a_pattern_by_its_fields():
+    cfg = presets.tiny("encoder", attention_sparsity={"kind": "bigbird", "block": 16, "random": 2, "seed": 7})
+    assert cfg.attention_sparsity == sparsity.BigBird(16, window=1, globals=1, random=2, seed=7)
+    with pytest.raises(ValueError, match="ModelConfig.attention_sparsity: sparsity must be one of"):
+        presets.tiny("encoder", attention_sparsity={"kind": "butterfly"})
+    with pytest.raises(ValueError, match="Linformer"):
+        presets.tiny("encoder", attention_sparsity=sparsity.Strided(4), linformer_length=8)
