@@ -41,7 +41,8 @@ def test_longformer_model_matches_hf(longformer, impl):
     with torch.no_grad():
         ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), global_attention_mask=torch.tensor(global_mask))
     out = jax.jit(EncoderModel(cfg).apply)({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(mask))
-    diffs = {"hidden": max_abs(out.hidden, ref.last_hidden_state, mask), "pooled": max_abs(out.pooled, ref.pooler_output)}
+    diffs = {"hidden": max_abs(out.hidden, ref.last_hidden_state, mask),
+             "pooled": max_abs(out.pooled, ref.pooler_output)}
     print(f"LongformerModel[{impl}] max-abs {diffs}")
     assert max(diffs.values()) < TOL, diffs
 

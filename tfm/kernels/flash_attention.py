@@ -120,7 +120,7 @@ class _Config(NamedTuple):
     block_kv: int
     driver: str          # "loop" | "grid"
     interpret: bool
-    sparsity: Optional[sparsity_lib.Pattern] = None  # block lists (`visible_tiles`) drive the loops
+    sparsity: Optional[sparsity_lib.Pattern] = None  # its block lists (`visible_tiles`) pick the blocks
 
 
 def _div(x, d: int):
@@ -179,7 +179,7 @@ def visible_tiles(cfg: _Config, nq: int, nk: int) -> np.ndarray:
 
 def block_lists(seen: np.ndarray):
     """For seen [n, m] bool: index int32 [n, M] (row r's true columns first, in order; M a power of two)
-    and count int32 [n, 1]. The loop kernels visit index[r, :count[r]] only."""
+    and count int32 [n, 1]. The kernels visit index[r, :count[r]] of block row r only."""
     count = seen.sum(axis=1)
     width = pl.next_power_of_2(max(1, int(count.max(initial=0))))
     index = np.argsort(~seen, axis=1, kind="stable")[:, :width]
