@@ -11,7 +11,9 @@ torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 
 from test_convert_parity import max_abs, padding_mask, randomize  # noqa: E402
-from tfm.convert import from_hf  # noqa: E402
+from tfm.convert import ConversionError, from_hf  # noqa: E402
+from tfm.convert import longformer as longformer_convert  # noqa: E402
+from tfm.convert.common import HFConfig  # noqa: E402
 from tfm.kernels.flash_attention import BlockSizes  # noqa: E402
 from tfm.models import EncoderModel  # noqa: E402
 from tfm.ops.sparsity import Longformer  # noqa: E402
@@ -53,3 +55,18 @@ def test_global_projections_are_refused_without_longformer_globals(longformer):
         cfg.replace(attention_sparsity=Longformer(window=4, globals=0))
     with pytest.raises(ValueError, match="not 'cudnn'"):
         cfg.replace(attention_impl="cudnn", attention_dropout=0.0)
+
+
+def test_saved_checkpoint_converts_to_the_same_params(longformer, tmp_path):
+    hf, (cfg, params, _) = longformer
+    hf.save_pretrained(tmp_path)
+    saved_cfg, saved_params, _ = from_hf(str(tmp_path))
+    assert saved_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, saved_params, params)
+
+
+def test_per_layer_windows_that_differ_are_refused():
+    fields = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37,
+                  attention_window=[4, 6])
+    with pytest.raises(ConversionError, match="differs between layers"):
+        longformer_convert.config(HFConfig(fields, "LongformerModel"))

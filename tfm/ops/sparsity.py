@@ -19,8 +19,9 @@ Patterns (positions are absolute, query i and key j):
                            (numpy's default_rng(seed), one table shared by every layer, head and
                            batch row). The kernels need tiles dividing `block`.
   Longformer(window, globals)  Beltagy et al. 2020: |i - j| < window, or i or j among the first
-                           `globals` tokens (global rows attend everywhere, every row to global
-                           columns). HF's attention_window w is window = w // 2 + 1.
+                           `globals` tokens of the row (global rows attend everywhere, every row to
+                           global columns; packed segments each get none of their own). HF's
+                           attention_window w is window = w // 2 + 1.
 With causal=True the paper's autoregressive forms follow (the pattern ANDed with j <= i).
 """
 from __future__ import annotations
