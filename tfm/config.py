@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from tfm.kernels.flash_attention import BlockSizes
+from tfm.ops import sparsity as sparsity_lib
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 from tfm.ops.context import STRATEGIES as CONTEXT_STRATEGIES
 
@@ -248,6 +249,12 @@ class ModelConfig:
     # Linformer (encoders): keys and values projected along the length to this many rows (one learned
     # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
     linformer_length: Optional[int] = None
+    # Sparse self-attention on every layer (tfm.ops.sparsity; not cross-attention): a pattern or a dict
+    # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; any attention_impl but cudnn.
+    attention_sparsity: Union[sparsity_lib.Pattern, dict, None] = None
+    # Longformer (HF LongformerModel): the rows of the global tokens attend to every key through their own
+    # projections query_global, key_global, value_global; needs a Longformer attention_sparsity.
+    global_projections: bool = False
     attention_impl: str = "xla"
     attention_chunk_size: int = 128
     # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
@@ -367,6 +374,7 @@ class ModelConfig:
         if self.attention_dropout > 0 and self.attention_impl != "xla":
             raise ValueError("ModelConfig.attention_dropout > 0 needs attention_impl='xla'")
         object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))
+        self._check_sparsity()
         if self.attention_block_sizes is not None and self.attention_impl not in ("pallas", "auto"):
             raise ValueError(f"ModelConfig.attention_block_sizes is used by attention_impl 'pallas' or "
                              f"'auto' only; attention_impl={self.attention_impl!r} would ignore it")
@@ -504,6 +512,23 @@ class ModelConfig:
         if mm.max_num_tiles and (not self.image_size or self.scan_layers):
             raise ValueError("ModelConfig.multimodal.max_num_tiles describes a tiled vision encoder: it needs "
                              "image_size and looped layers (scan_layers=False)")
+
+    def _check_sparsity(self):
+        try:
+            object.__setattr__(self, "attention_sparsity", sparsity_lib.coerce(self.attention_sparsity))
+        except ValueError as e:
+            raise ValueError(f"ModelConfig.attention_sparsity: {e}") from None
+        pattern = self.attention_sparsity
+        if pattern is not None and self.attention_impl == "cudnn":
+            raise ValueError("ModelConfig.attention_sparsity runs on attention_impl 'xla', 'chunked', 'pallas' or "
+                             "'auto', not 'cudnn'")
+        if pattern is not None and self.linformer_length is not None:
+            raise ValueError("ModelConfig.attention_sparsity: Linformer's projected keys have no positions to pattern")
+        if self.global_projections and not (isinstance(pattern, sparsity_lib.Longformer) and pattern.globals):
+            raise ValueError("ModelConfig.global_projections needs attention_sparsity=Longformer(..., globals >= 1)")
+        if self.global_projections and (self.mla is not None or self.position in ("rope", "alibi", "relative")):
+            raise ValueError("ModelConfig.global_projections (Longformer) projects plain heads without positions in "
+                             "attention: not with mla, nor position rope/alibi/relative")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of layer `layer` (None = global) under attention_pattern."""

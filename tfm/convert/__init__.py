@@ -6,7 +6,8 @@
     tfm.convert.to_hf(config, params, "out/")   # config.json + model.safetensors for transformers
 
 One mapping module per architecture (bert, gpt2, llama, mixtral, marian, openai_gpt, mistral,
-qwen2, gptj, gpt_neox, bloom, mpt, roberta, distilbert, t5, bart, vit, mllama), each a `Converter`;
+qwen2, gptj, gpt_neox, bloom, mpt, roberta, distilbert, t5, bart, vit, mllama, longformer), each a
+`Converter`;
 `registry` lists them (`CONVERTERS`), `importer` holds `from_hf`, `export` `to_hf`; `common` holds
 the shared layouts, param tree and error reporting, `loading` reads models and directories.
 Config fields tfm cannot reproduce raise `ValueError` (`ConversionError`) naming the field;

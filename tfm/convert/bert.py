@@ -49,14 +49,16 @@ def pooler_if_saved(cfg: ModelConfig, w: Weights) -> ModelConfig:
     return cfg if saved else cfg.replace(heads=())
 
 
-def encoder_params(w: Weights, cfg: ModelConfig, p: str, token_types: bool = True, **extra) -> dict:
+def encoder_params(w: Weights, cfg: ModelConfig, p: str, token_types: bool = True, layer_params=layer,
+                   **extra) -> dict:
     """Word and position embeddings (`p`embeddings.*), their LayerNorm and the BERT encoder
-    (`p`encoder.layer.{i}); RoBERTa's and BERT's, DistilBERT's with its names."""
+    (`p`encoder.layer.{i}, each read by `layer_params`); RoBERTa's and BERT's, DistilBERT's with its names,
+    Longformer's with its global projections."""
     inputs = {"position": {"embedding": w(f"{p}embeddings.position_embeddings.weight", (cfg.max_len, cfg.d_model))}}
     if token_types:
         inputs["token_type"] = {"embedding": w(f"{p}embeddings.token_type_embeddings.weight")}
     inputs["norm"] = norm(w, f"{p}embeddings.LayerNorm", cfg.norm)
-    encoder = Stack(lambda i: layer(w, f"{p}encoder.layer.{i}", cfg), cfg.num_layers)
+    encoder = Stack(lambda i: layer_params(w, f"{p}encoder.layer.{i}", cfg), cfg.num_layers)
     return model_params(w, cfg, embedding=f"{p}embeddings.word_embeddings.weight", stacks={"encoder": encoder},
                         head=None, input=inputs, **extra)
 

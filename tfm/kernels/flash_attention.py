@@ -15,6 +15,11 @@ that share the same per-tile math:
         accumulators live in VMEM scratch, and empty blocks are skipped with `pl.when`
         and their index maps clamped so no DMA is issued for them.
 
+The visible blocks are a range per block row (causal, window) or, with a sparsity pattern
+(`tfm.ops.sparsity`), block lists: `visible_tiles` -> `block_lists`, index [n, M] and count [n]
+per row. The loop driver loops over index[r, :count[r]]; the grid driver's block axis has M
+steps, step t loading block index[r, t] (scalar-prefetched) and computing while t < count[r].
+
 Forward: online softmax with fp32 accumulators, saving the log-sum-exp [B, N, T]. Backward
 (`jax.custom_vjp`): recomputes the probabilities per tile; one kernel for dQ, one for dK/dV,
 which iterates over the G query heads of its key/value head so K and V are never repeated.
@@ -27,8 +32,11 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from tfm.ops import sparsity as sparsity_lib
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
@@ -112,6 +120,7 @@ class _Config(NamedTuple):
     block_kv: int
     driver: str          # "loop" | "grid"
     interpret: bool
+    sparsity: Optional[sparsity_lib.Pattern] = None  # its block lists (`visible_tiles`) pick the blocks
 
 
 def _div(x, d: int):
@@ -145,6 +154,47 @@ def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int):
         if not cfg.causal:
             lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_q)
     return lo, hi
+
+
+def visible_tiles(cfg: _Config, nq: int, nk: int) -> np.ndarray:
+    """bool [nq, nk]: the (block_q x block_kv) tiles holding a visible (query, key) pair as far as the
+    static masks tell (causal, window, key padding, sparsity; segment ids are data, not consulted).
+    Each term alone is exact, and so is a pattern with causal (a tile straddling the diagonal holds an
+    i == j pair, which every pattern sees); a pattern with a window too may add tiles where the two
+    meet in no pair (visited, fully masked: correct, not minimal)."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_first, k_first = np.arange(nq)[:, None] * bq, np.arange(nk)[None, :] * bk
+    lo, hi = q_first - (k_first + bk - 1), q_first + bq - 1 - k_first  # every i - j of a tile: [lo, hi]
+    seen = np.ones((nq, nk), bool)
+    if cfg.causal:
+        seen &= hi >= 0
+    if cfg.window is not None:
+        seen &= (lo < cfg.window) & (cfg.causal or hi > -cfg.window)
+    if cfg.kv_len is not None:
+        seen &= k_first < cfg.kv_len
+    if cfg.sparsity is not None:
+        seen &= cfg.sparsity.tiles(bq, bk, nq, nk, nq * bq, nk * bk)
+    return seen
+
+
+def block_lists(seen: np.ndarray):
+    """For seen [n, m] bool: index int32 [n, M] (row r's true columns first, in order; M a power of two)
+    and count int32 [n, 1]. The kernels visit index[r, :count[r]] of block row r only."""
+    count = seen.sum(axis=1)
+    width = pl.next_power_of_2(max(1, int(count.max(initial=0))))
+    index = np.argsort(~seen, axis=1, kind="stable")[:, :width]
+    if index.shape[1] < width:
+        index = np.pad(index, ((0, 0), (0, width - index.shape[1])))
+    return index.astype(np.int32), count[:, None].astype(np.int32)
+
+
+def _visits(lists, lo, hi):
+    """Loop bounds and the block visited at step t: the range [lo, hi) or, with block lists
+    (index_ref [M], count_ref [1] of this row), the listed blocks."""
+    if lists is None:
+        return lo, hi, lambda t: t
+    index_ref, count_ref = lists
+    return jnp.int32(0), count_ref[0], lambda t: index_ref[t]
 
 
 # --------------------------------------------------------------------------------------
@@ -183,6 +233,8 @@ def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
     if cfg.window is not None:
         distance = rows - cols if cfg.causal else jnp.abs(rows - cols)
         visible = conj(distance < cfg.window)
+    if cfg.sparsity is not None and (pattern := cfg.sparsity.in_tile(rows, cols)) is not None:
+        visible = conj(pattern)
     if q_seg is not None:
         visible = conj((q_seg == kv_seg) & (kv_seg != 0))
     elif cfg.kv_len is not None:
@@ -229,18 +281,32 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, c
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], outputs, scratch.
+# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [block index, count],
+# outputs, scratch; the grid driver takes the block lists first instead (TPU scalar prefetch).
 # --------------------------------------------------------------------------------------
 
 def _split_refs(refs, cfg: _Config, num_main: int):
-    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, rest)."""
+    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, rest)."""
+    q_seg_ref = kv_seg_ref = slope_ref = lists = None
+    if cfg.sparsity is not None and cfg.driver == "grid":
+        lists, refs = tuple(refs[:2]), refs[2:]
     main, refs = refs[:num_main], refs[num_main:]
-    q_seg_ref = kv_seg_ref = slope_ref = None
     if cfg.segments:
         (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
     if cfg.alibi:
         slope_ref, refs = refs[0], refs[1:]
-    return main, q_seg_ref, kv_seg_ref, slope_ref, refs
+    if cfg.sparsity is not None and cfg.driver == "loop":
+        lists, refs = tuple(refs[:2]), refs[2:]
+    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, refs
+
+
+def _grid_step(row, step, lists, lo, hi):
+    """Grid driver: (whether grid step `step` of block row `row` computes, the block it computes): the
+    range [lo, hi), or with block lists (index_ref [n, M], count_ref [n]) the row's step-th listed block."""
+    if lists is None:
+        return (step >= lo) & (step < hi), step
+    index_ref, count_ref = lists
+    return step < count_ref[row], index_ref[row, step]
 
 
 def _load(ref, *idx):
@@ -249,14 +315,14 @@ def _load(ref, *idx):
 
 def _fwd_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, q_seg, slope = q_ref[...], _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
 
-    def body(j, carry):
-        start = pl.multiple_of(j * bk, bk)
+    def body(t, carry):
+        start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         kv_seg = _load(kv_seg_ref, slice(None), rows)
         return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq, start, q_seg, kv_seg,
@@ -269,42 +335,42 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
 
 def _fwd_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, rest = _split_refs(refs, cfg, 3)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
-    qi, j = pl.program_id(2), pl.program_id(3)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, pl.num_programs(3))
+    qi, t = pl.program_id(2), pl.program_id(3)
+    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3)))
 
-    @pl.when(j == 0)
+    @pl.when(t == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, _NEG_INF, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when((j >= lo) & (j < hi))
+    @pl.when(active)
     def _step():
         carry = _fwd_tile((m_ref[...], l_ref[...], acc_ref[...]), q_ref[...], k_ref[...], v_ref[...],
                           qi * bq, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
                           _load(slope_ref, ...), cfg)
         m_ref[...], l_ref[...], acc_ref[...] = carry
 
-    @pl.when(j == pl.num_programs(3) - 1)
+    @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
         _fwd_finish(m_ref[...], l_ref[...], acc_ref[...], o_ref, lse_ref)
 
 
 def _dq_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref,) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dq_ref,) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_seg, slope = _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk)
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
 
-    def body(j, dq):
-        start = pl.multiple_of(j * bk, bk)
+    def body(t, dq):
+        start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         k = k_ref[rows, :]
         _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq, start, q_seg,
@@ -316,17 +382,17 @@ def _dq_loop_kernel(*refs, cfg: _Config):
 
 def _dq_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
-    qi, j = pl.program_id(2), pl.program_id(3)
-    lo, hi = kv_block_range(qi, cfg, bq, bk, pl.num_programs(3))
+    qi, t = pl.program_id(2), pl.program_id(3)
+    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3)))
 
-    @pl.when(j == 0)
+    @pl.when(t == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when((j >= lo) & (j < hi))
+    @pl.when(active)
     def _step():
         k = k_ref[...]
         _, ds = _ds_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
@@ -334,7 +400,7 @@ def _dq_grid_kernel(*refs, cfg: _Config):
                          _load(slope_ref, ...), cfg)
         acc_ref[...] += _dot(ds.astype(k.dtype), k)
 
-    @pl.when(j == pl.num_programs(3) - 1)
+    @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
         dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
@@ -350,19 +416,19 @@ def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, k
 def _dkv_loop_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
     k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
     T = q_ref.shape[0] // G
     kj = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], _load(kv_seg_ref, ...)
-    lo, hi = q_block_range(kj, cfg, bq, bk, T // bq)
+    lo, hi, block = _visits(lists, *q_block_range(kj, cfg, bq, bk, T // bq))
 
     def head(g, carry):
         slope = _load(slope_ref, pl.ds(g, 1), slice(None))
 
-        def body(i, carry):
-            start = pl.multiple_of(i * bq, bq)
+        def body(t, carry):
+            start = pl.multiple_of(block(t) * bq, bq)
             rows = pl.ds(pl.multiple_of(g * T + start, bq), bq)
             q_seg = _load(q_seg_ref, pl.ds(start, bq), slice(None))
             return _dkv_accumulate(*carry, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :],
@@ -377,21 +443,21 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
 
 def _dkv_grid_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, rest = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, rest = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     dk_ref, dv_ref, dk_acc, dv_acc = rest
     bq, bk = cfg.block_q, cfg.block_kv
-    kj, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    lo, hi = q_block_range(kj, cfg, bq, bk, pl.num_programs(4))
-    first = (g == 0) & (i == 0)
-    last = (g == pl.num_programs(3) - 1) & (i == pl.num_programs(4) - 1)
+    kj, g, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    active, i = _grid_step(kj, t, lists, *q_block_range(kj, cfg, bq, bk, pl.num_programs(4)))
+    first = (g == 0) & (t == 0)
+    last = (g == pl.num_programs(3) - 1) & (t == pl.num_programs(4) - 1)
 
     @pl.when(first)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when((i >= lo) & (i < hi))
+    @pl.when(active)
     def _step():
         dk_acc[...], dv_acc[...] = _dkv_accumulate(
             dk_acc[...], dv_acc[...], q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
@@ -435,8 +501,22 @@ def _clamp(idx, lo, hi, count):
     return jnp.clip(jnp.clip(idx, lo, jnp.maximum(hi - 1, lo)), 0, count - 1)
 
 
-def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec):
-    """Optional operands and their specs, in kernel ref order."""
+def _lists(cfg: _Config, seen):
+    """Block lists (index [n, M], count [n, 1]; `block_lists`) of the tiles seen() -> [n, m] bool, or None
+    without a sparsity pattern (the kernels then skip by the causal/window ranges)."""
+    return None if cfg.sparsity is None else block_lists(seen())
+
+
+def _listed(prefetch, row, step):
+    """Grid driver index maps: the block of `row` that grid step `step` loads, from the scalar-prefetched
+    lists; steps past the row's count repeat its last block, so the pipeline issues no copy for them."""
+    index_ref, count_ref = prefetch
+    return index_ref[row, jnp.clip(step, 0, jnp.maximum(count_ref[row] - 1, 0))]
+
+
+def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None):
+    """Optional operands and their specs, in kernel ref order. The loop driver takes the block lists as
+    two operands, row r at its grid step (., ., r); the grid driver takes them as scalar prefetch (`_call`)."""
     args, specs = [], []
     if cfg.segments:
         args += [q_seg, kv_seg]
@@ -444,12 +524,36 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     if cfg.alibi:
         args.append(slopes)
         specs.append(slope_spec)
+    if lists is not None and cfg.driver == "loop":
+        index, count = lists
+        args += [jnp.asarray(index), jnp.asarray(count)]
+        specs += [pl.BlockSpec((None, index.shape[1]), lambda b, h, r: (r, 0)),
+                  pl.BlockSpec((None, 1), lambda b, h, r: (r, 0))]
     return args, specs
 
 
-def _query_major_specs(q_shape, S: int, cfg: _Config):
+def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
+          num_sequential: int):
+    """The pallas_call of `kernel` as a function of its operands. With block lists the grid driver takes
+    them first, as TPU scalar prefetch (index [n, M] and count [n] in SMEM, read by the index maps)."""
+    params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential)
+    kernel = functools.partial(kernel, cfg=cfg)
+    if lists is None or cfg.driver == "loop":
+        return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                              scratch_shapes=scratch, compiler_params=params, interpret=cfg.interpret, name=name)
+    from jax.experimental.pallas import tpu as pltpu
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                                        scratch_shapes=scratch)
+    call = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec, compiler_params=params,
+                          interpret=cfg.interpret, name=name)
+    index, count = lists
+    return functools.partial(call, jnp.asarray(index), jnp.asarray(count[:, 0]))
+
+
+def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
     """Grid and BlockSpecs shared by the forward and dQ calls: the grid runs over query blocks
-    (the TPU "grid" driver adds a sequential key-block axis that skips masked-out blocks).
+    (the TPU "grid" driver adds a sequential key-block axis that skips masked-out blocks, or with
+    block lists steps through the listed ones).
     -> grid, q_map, kv_spec, (q_seg_spec, kv_seg_spec), slope_spec."""
     B, N, T, H = q_shape
     G, bq, bk = cfg.groups, cfg.block_q, cfg.block_kv
@@ -462,21 +566,23 @@ def _query_major_specs(q_shape, S: int, cfg: _Config):
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
         return (B, N, nq), q_map, kv_spec, seg_specs, slope_spec
 
-    def kv_block(i, j):
-        return _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+    def kv_block(i, j, prefetch):
+        return _listed(prefetch, i, j) if prefetch else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
 
-    q_map = lambda b, n, i, j: (b, n, i, 0)
-    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j: (b, _div(n, G), kv_block(i, j), 0))
-    seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, kv_block(i, j))))
-    slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j: (n, 0, 0))
-    return (B, N, nq, nk), q_map, kv_spec, seg_specs, slope_spec
+    q_map = lambda b, n, i, j, *prefetch: (b, n, i, 0)
+    kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j, *p: (b, _div(n, G), kv_block(i, j, p), 0))
+    seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *p: (b, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *p: (b, 0, kv_block(i, j, p))))
+    slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i, j, *p: (n, 0, 0))
+    steps = nk if lists is None else lists[0].shape[1]
+    return (B, N, nq, steps), q_map, kv_spec, seg_specs, slope_spec
 
 
 def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
     """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32."""
     B, N, T, H = q.shape
-    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg)
+    lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
+    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg, lists)
     out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T, 1), jnp.float32))
     if cfg.driver == "loop":
         scratch, kernel = (), _fwd_loop_kernel
@@ -484,34 +590,29 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
         kernel = _fwd_grid_kernel
         scratch = (_vmem((cfg.block_q, 1)), _vmem((cfg.block_q, 1)), _vmem((cfg.block_q, H)))  # m, l, acc
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
-        out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch_shapes=scratch,
-        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
-        interpret=cfg.interpret, name="flash_attention_fwd",
-    )(q, k, v, *extra_args)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
+    return _call(kernel, cfg, backend, lists, grid=grid, in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
+                 out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch=scratch,
+                 out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3,
+                 )(q, k, v, *extra_args)
 
 
 def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
     """-> dq [B, N, T, H]."""
-    H = q.shape[3]
-    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg)
+    T, H = q.shape[2:]
+    lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
+    grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg, lists)
     if cfg.driver == "loop":
         scratch, kernel = (), _dq_loop_kernel
     else:
         scratch, kernel = (_vmem((cfg.block_q, H)),), _dq_grid_kernel
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
     row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=grid, in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
-        out_specs=q_spec, scratch_shapes=scratch,
-        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
-        interpret=cfg.interpret, name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, *extra_args)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
+    return _call(kernel, cfg, backend, lists, grid=grid,
+                 in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs=q_spec,
+                 scratch=scratch, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="flash_attention_dq",
+                 num_sequential=len(grid) - 3)(q, k, v, do, lse, delta, *extra_args)
 
 
 def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
@@ -519,6 +620,7 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
     B, N, T, H = q.shape
     K, S, G, bq, bk = k.shape[1], k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
     nq, nk = T // bq, S // bk
+    lists = _lists(cfg, lambda: visible_tiles(cfg, nq, nk).T)  # row j: the query blocks key block j is seen from
     args = (q, do, lse, delta)
     if cfg.driver == "loop":
         # Query-side operands as [B, K, G*T, .] (a free reshape): one block per kv head.
@@ -532,29 +634,26 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
                      pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j)))
         slope_spec = pl.BlockSpec((None, G, 1), lambda b, h, j: (h, 0, 0))
     else:
-        grid, kernel = (B, K, nk, G, nq), _dkv_grid_kernel
+        grid, kernel = (B, K, nk, G, nq if lists is None else lists[0].shape[1]), _dkv_grid_kernel
         scratch = (_vmem((bk, H)), _vmem((bk, H)))
 
-        def q_block(j, i):
-            return _clamp(i, *q_block_range(j, cfg, bq, bk, nq), nq)
+        def q_block(j, i, prefetch):
+            return _listed(prefetch, j, i) if prefetch else _clamp(i, *q_block_range(j, cfg, bq, bk, nq), nq)
 
-        q_map = lambda b, h, j, g, i: (b, h * G + g, q_block(j, i), 0)
+        q_map = lambda b, h, j, g, i, *p: (b, h * G + g, q_block(j, i, p), 0)
         q_spec = pl.BlockSpec((None, None, bq, H), q_map)
         row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
-        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
-        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, q_block(j, i), 0)),
-                     pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j)))
-        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i: (h * G + g, 0, 0))
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec)
+        kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i, *p: (b, h, j, 0))
+        seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i, *p: (b, q_block(j, i, p), 0)),
+                     pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i, *p: (b, 0, j)))
+        slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i, *p: (h * G + g, 0, 0))
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     q_arg, do_arg, lse_arg, delta_arg = args
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
-        out_specs=(kv_spec, kv_spec), scratch_shapes=scratch,
-        compiler_params=_compiler_params(backend, cfg.interpret, len(grid), len(grid) - 3),
-        interpret=cfg.interpret, name="flash_attention_dkv",
-    )(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
+    return _call(kernel, cfg, backend, lists, grid=grid,
+                 in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
+                 out_specs=(kv_spec, kv_spec), scratch=scratch, out_shape=out_shape, name="flash_attention_dkv",
+                 num_sequential=len(grid) - 3)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
 
 
 # --------------------------------------------------------------------------------------
@@ -609,12 +708,14 @@ def _backend_name(backend: Optional[str]) -> str:
 
 def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
                     window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
-                    scale: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
-                    backend: Optional[str] = None, interpret: Optional[bool] = None):
+                    sparsity: Optional[sparsity_lib.Pattern] = None, scale: Optional[float] = None,
+                    block_sizes: Optional[BlockSizes] = None, backend: Optional[str] = None,
+                    interpret: Optional[bool] = None):
     """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton; q, k, v in GPU_DTYPES)
     or "cpu"; default the JAX default backend. interpret: run the Pallas interpreter; default on CPU.
+    sparsity (`tfm.ops.sparsity`): both drivers visit only the tiles of `visible_tiles`.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -650,8 +751,11 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
     cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
                   groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
-                  interpret=interpret)
+                  interpret=interpret, sparsity=sparsity)
     cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
+    if isinstance(sparsity, sparsity_lib.BigBird):
+        sparsity.check_tiles(bq, bk)
+        sparsity.check_tiles(bq_bwd, bk_bwd)
     to_kernel = lambda x, length: _pad(_pad(x, 1, length), 3, Hp).transpose(0, 2, 1, 3)  # [B, N|K, L, Hp]
     o = _flash(to_kernel(q, Tp), to_kernel(k, Sp), to_kernel(v, Sp), q_seg, kv_seg, slopes, cfg, cfg_bwd, backend)
     return o.transpose(0, 2, 1, 3)[:, :T, :, :H]

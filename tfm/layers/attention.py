@@ -44,6 +44,9 @@ class Attention(nn.Module):
 
     qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
     attending (Mllama's cross-attention layers; config.qk_norm: every layer, Qwen3); cached keys are the normed ones.
+
+    config.attention_sparsity patterns self-attention (tfm.ops.sparsity); with config.global_projections the
+    Longformer global rows are recomputed through their own projections (`_global_rows`).
     """
 
     config: ModelConfig
@@ -98,16 +101,33 @@ class Attention(nn.Module):
             window=None if self.cross else cfg.layer_window(self.layer_index),
             alibi_slopes=(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max)
                           if cfg.position == "alibi" and not self.cross else None),
-            softcap=cfg.attn_logit_softcap, bias=bias, scale=scale,
-            dropout_rate=dropout,
+            softcap=cfg.attn_logit_softcap, sparsity=None if self.cross else cfg.attention_sparsity, bias=bias,
+            scale=scale, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl,
             chunk_size=cfg.attention_chunk_size, block_sizes=cfg.attention_block_sizes,
             context_strategy=cfg.context_strategy)
+        if cfg.global_projections and not self.cross:
+            o = self._global_rows(x, o, q_segment_ids, kv_segment_ids, scale, dropout)
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
         out = Einsum("BTNH,NHD->BTD", (N, Hv, cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
                      use_bias=out_bias, dtype=compute_dtype(cfg))
         return out(o[..., :Hv])  # [B, T, D]
+
+    def _global_rows(self, x, o, q_segment_ids, kv_segment_ids, scale, dropout):
+        """Longformer's global rows (HF LongformerSelfAttention): o [B, T, N, H] with the rows of the first
+        `globals` tokens replaced by their attention to every key through `query_global`, `key_global` and
+        `value_global` ([B, g, N, H] queries: O(g S) logits)."""
+        cfg = self.config
+        g = min(cfg.attention_sparsity.globals, x.shape[1])
+        q = self._heads("query_global", cfg.num_heads)(x[:, :g])  # [B, g, N, H]
+        k, v = self._heads("key_global", cfg.num_kv_heads)(x), self._heads("value_global", cfg.num_kv_heads)(x)
+        o_global = dot_product_attention(
+            q, k, v, q_segment_ids=None if q_segment_ids is None else q_segment_ids[:, :g],
+            kv_segment_ids=kv_segment_ids, scale=scale, dropout_rate=dropout,
+            dropout_rng=self.make_rng("dropout") if dropout > 0 else None, impl=cfg.attention_impl,
+            block_sizes=cfg.attention_block_sizes, context_strategy=cfg.context_strategy)
+        return o.at[:, :g].set(o_global.astype(o.dtype))
 
     def _projection(self, spec: str, shape, axes, name: str, use_bias=None):
         """An Einsum with the layer's dtype; bias on its output dims when use_bias (default attention_bias)."""
@@ -120,7 +140,7 @@ class Attention(nn.Module):
         """The projection [B, L, D] -> [B, L, heads, H] named `name`; with qk_norm, queries and keys are
         normalised per head (`query_norm`, `key_norm`) before any position is applied."""
         cfg = self.config
-        head_axis = "heads" if heads == cfg.num_heads and name == "query" else "kv_heads"
+        head_axis = "heads" if heads == cfg.num_heads and name in ("query", "query_global") else "kv_heads"
         project = self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
                                    ("embed", head_axis, "head_dim"), name, use_bias)
         if not ((self.qk_norm or cfg.qk_norm) and name in ("query", "key")):

@@ -14,6 +14,10 @@ Masking is described, never materialised by the caller:
   softcap         logits -> softcap * tanh(logits / softcap), after scaling, before ALiBi.
   bias            float [B|1, N, T, S] added to the logits (T5's relative position bias);
                   impl="xla" only.
+  sparsity        a `tfm.ops.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
+                  Longformer), ANDed with the rest; impl "xla" (materialised), "chunked" (masked
+                  per chunk) or "pallas" (the kernels visit only the tiles it leaves non-empty).
+                  Not with explicit positions (cached decoding) nor context parallelism.
 A row with no visible key outputs 0 (never NaN).
 
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels.flash_attention import BlockSizes
-from tfm.ops import chunked, context, cudnn, pallas, select, shard, xla
+from tfm.ops import chunked, context, cudnn, pallas, select, shard, sparsity as sparsity_lib, xla
 from tfm.ops.masks import alibi_slopes, check_attention_inputs, visibility
 
 __all__ = ["IMPLEMENTATIONS", "alibi_slopes", "dot_product_attention", "visibility"]
@@ -51,6 +55,7 @@ def dot_product_attention(
     window: Optional[int] = None,
     alibi_slopes: Optional[jax.Array] = None,
     softcap: Optional[float] = None,
+    sparsity: Optional[sparsity_lib.Pattern] = None,
     bias: Optional[jax.Array] = None,
     scale: Optional[float] = None,
     dropout_rate: float = 0.0,
@@ -80,18 +85,25 @@ def dot_product_attention(
     B, T, N, H = q.shape
     S = k.shape[1]
     scale = H ** -0.5 if scale is None else scale
+    sparsity = sparsity_lib.coerce(sparsity)
+    if sparsity is not None and (q_positions is not None or kv_positions is not None):
+        raise ValueError("sparse attention patterns are described over a whole sequence; explicit positions "
+                         "(cached decoding) are not supported with them")
     if q_positions is None and kv_positions is None and shard.context_size() > 1:
-        if impl not in ("xla", "chunked", "auto") or bias is not None or dropout_rate > 0.0:
+        if impl not in ("xla", "chunked", "auto") or bias is not None or dropout_rate > 0.0 or sparsity:
             raise ValueError(f"context-parallel attention (a mesh splitting 'length' over 'context') computes "
                              f"each block blockwise in pure JAX: it takes impl xla/chunked/auto (got {impl!r}), "
-                             "no additive bias and no dropout")
+                             "no additive bias, no dropout and no sparsity pattern")
         return context.attention(q, k, v, strategy=context_strategy, causal=causal, q_segment_ids=q_segment_ids,
                                  kv_segment_ids=kv_segment_ids, window=window, alibi_slopes=alibi_slopes,
                                  softcap=softcap, scale=scale, chunk_size=chunk_size)
     if impl == "auto":
         impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None,
                                   causal=causal, window=window, softcap=softcap,
-                                  alibi=alibi_slopes is not None, segments=kv_segment_ids is not None)
+                                  alibi=alibi_slopes is not None, segments=kv_segment_ids is not None,
+                                  sparse=sparsity is not None)
+    if sparsity is not None and impl == "cudnn":
+        raise ValueError("sparse attention patterns are implemented by impl 'xla', 'chunked' and 'pallas', not 'cudnn'")
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention dropout is implemented only by impl='xla', not {impl!r}")
     if bias is not None:
@@ -106,12 +118,13 @@ def dot_product_attention(
         kernel_args = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
         if impl == "pallas":
-            return pallas.attention(q, k, v, block_sizes=block_sizes, **kernel_args)
+            return pallas.attention(q, k, v, block_sizes=block_sizes, sparsity=sparsity, **kernel_args)
         return cudnn.attention(q, k, v, **kernel_args)
     q_pos = jnp.arange(T)[None] if q_positions is None else q_positions
     kv_pos = jnp.arange(S)[None] if kv_positions is None else kv_positions
     common = dict(causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids, q_pos=q_pos,
                   kv_pos=kv_pos, window=window, slopes=alibi_slopes, softcap=softcap, scale=scale)
     if impl == "xla":
-        return xla.attention(q, k, v, bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng, **common)
-    return chunked.attention(q, k, v, chunk_size=chunk_size, **common)
+        return xla.attention(q, k, v, bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                             sparsity=sparsity, **common)
+    return chunked.attention(q, k, v, chunk_size=chunk_size, sparsity=sparsity, **common)

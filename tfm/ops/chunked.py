@@ -9,11 +9,23 @@ saved log-sum-exp), and it runs on every backend: the fallback for long sequence
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from tfm.ops.masks import NEG_INF, scores, visibility
+from tfm.ops.sparsity import Pattern
+
+
+class ChunkConfig(NamedTuple):
+    """The static settings of the chunked passes (hashable: a custom_vjp nondiff argument)."""
+    causal: bool
+    window: Optional[int]
+    softcap: Optional[float]
+    scale: float
+    sparsity: Optional[Pattern] = None
+    lengths: Optional[tuple] = None  # (T, S) the sparsity pattern is laid over (the unpadded lengths)
 
 
 def _pad_axis(x, axis, multiple, value=0):
@@ -34,9 +46,9 @@ def _chunks(x, chunk, axis=1):
 
 def _chunk_logits(qg, kc, kv_pos_c, kv_seg_c, q_pos, q_seg, slopes, cfg):
     """Masked logits [B, K, G, T, c] and visibility for one key chunk."""
-    causal, window, softcap, scale = cfg
-    s = scores(qg, kc, scale, softcap, slopes, q_pos, kv_pos_c)
-    visible = visibility(q_pos, kv_pos_c, q_seg, kv_seg_c, causal=causal, window=window)[:, None, None]
+    s = scores(qg, kc, cfg.scale, cfg.softcap, slopes, q_pos, kv_pos_c)
+    visible = visibility(q_pos, kv_pos_c, q_seg, kv_seg_c, causal=cfg.causal, window=cfg.window,
+                         sparsity=cfg.sparsity, lengths=cfg.lengths)[:, None, None]
     return jnp.where(visible, s, NEG_INF), visible
 
 
@@ -85,7 +97,7 @@ def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
     """o [B, T, K, G, H] for query groups qg [B, T, K, G, H] and k, v [B, S, K, H] (S a multiple
-    of chunk), positions and segment ids [B, T] / [B, S]; cfg = (causal, window, softcap, scale)."""
+    of chunk), positions and segment ids [B, T] / [B, S]; cfg a ChunkConfig."""
     return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)[0]
 
 
@@ -103,7 +115,7 @@ def block_grads(dq, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, 
     """Flash-style backward over keys k, v [B, S, K, H], chunk keys at a time: each chunk's
     probabilities recomputed from the saved lse [B, K, G, T]. Returns dq (fp32, added to the
     given one) and this block's dk, dv [B, S, K, H] (fp32)."""
-    causal, window, softcap, scale = cfg
+    softcap, scale = cfg.softcap, cfg.scale
     do32 = do.astype(jnp.float32)
     xs = (_chunks(k, chunk), _chunks(v, chunk), _chunks(kv_pos, chunk), _chunks(kv_seg, chunk))
 
@@ -138,8 +150,9 @@ grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
-              chunk_size):
-    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], keys in chunks of chunk_size."""
+              chunk_size, sparsity=None):
+    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], keys in chunks of chunk_size (every chunk
+    computed: a sparsity pattern masks, only the kernels skip)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     chunk = min(chunk_size, S)
@@ -151,7 +164,7 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     kv_seg = _pad_axis(jnp.broadcast_to(kv_seg, (B, S)), 1, chunk)
     kv_pos = _pad_axis(jnp.broadcast_to(kv_pos, (B, S)), 1, chunk)
     q_pos = jnp.broadcast_to(q_pos, (B, T))
-    cfg = (causal, window, softcap, scale)
+    cfg = ChunkConfig(causal, window, softcap, scale, sparsity, (T, S))
     qg = q.reshape(B, T, K, N // K, H)
     o = grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
     return o.reshape(B, T, N, H)

@@ -201,7 +201,7 @@ def attention(q, k, v, *, strategy: str, causal: bool, q_segment_ids=None, kv_se
                          f"{2 * size} (two chunks per device); got T={T}, S={S}")
     if kv_segment_ids is None:
         kv_segment_ids = jnp.ones((B, S), jnp.int32)
-    cfg = (causal, window, softcap, scale)
+    cfg = chunked.ChunkConfig(causal, window, softcap, scale)
     skip = causal and T == S  # self-attention: a ring step's invisible half is skipped
     body = _ring if strategy == "ring" else _gathered
 

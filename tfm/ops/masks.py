@@ -13,11 +13,15 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 
 
-def visibility(q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, window: Optional[int]):
+def visibility(q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, window: Optional[int], sparsity=None,
+               lengths=None):
     """Boolean [B, T, S] (or broadcastable): may query t see key s.
 
-    q_pos [B|1, T], kv_pos [B|1, S] ints; q_seg / kv_seg int [B, T] / [B, S] or None.
+    q_pos [B|1, T], kv_pos [B|1, S] ints; q_seg / kv_seg int [B, T] / [B, S] or None; sparsity a
+    `tfm.ops.sparsity` pattern or None, laid over `lengths` (T, S) (default: these positions' lengths;
+    a BigBird table is sized by them, so a chunk of keys passes the whole lengths).
     """
+    T, S = lengths or (q_pos.shape[1], kv_pos.shape[1])
     q_pos, kv_pos = q_pos[:, :, None], kv_pos[:, None, :]
     visible = jnp.ones(jnp.broadcast_shapes(q_pos.shape, kv_pos.shape), bool)
     if causal:
@@ -25,6 +29,8 @@ def visibility(q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, window: Optional[i
     if window is not None:
         distance = q_pos - kv_pos if causal else jnp.abs(q_pos - kv_pos)
         visible &= distance < window
+    if sparsity is not None:
+        visible &= sparsity.visible(q_pos, kv_pos, T, S)
     if kv_seg is not None:
         visible = visible & (kv_seg[:, None, :] != 0)
         if q_seg is not None:

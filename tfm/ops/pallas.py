@@ -15,7 +15,7 @@ from tfm.parallel.mesh import current_platform
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
               window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
-              scale: float, block_sizes: Optional[flash_attention.BlockSizes] = None,
+              sparsity=None, scale: float, block_sizes: Optional[flash_attention.BlockSizes] = None,
               backend: Optional[str] = None, interpret: Optional[bool] = None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
@@ -29,7 +29,7 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
     def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes):
         return flash_attention.flash_attention(
             q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale,
+            window=window, alibi_slopes=alibi_slopes, softcap=softcap, sparsity=sparsity, scale=scale,
             block_sizes=block_sizes, backend=backend, interpret=interpret)
 
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)

@@ -8,7 +8,8 @@ neither), no ALiBi (a [1, N, T, S] bias) and no segment ids (a [B, 1, T, S] mask
 is unmeasured), head dim a multiple of 8 up to 128. Elsewhere on GPU the Pallas kernels, except
 float32, which the Triton kernels refuse: xla. Without the cuDNN library (a compile-only H100 in
 `tfm.preflight`, where JAX cannot lower cuDNN calls) the Pallas kernels. TPU is unmeasured: the
-Pallas kernels.
+Pallas kernels. A sparsity pattern: the Pallas kernels on TPU and bf16/fp16 GPU (they alone skip
+its empty tiles); elsewhere the rules above (never cuDNN).
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ _CPU_XLA_MAX_LOGIT_BYTES = 1 << 30
 
 def choose_impl(q, k, *, dropout_rate: float = 0.0, positions_given: bool = False, causal: bool = False,
                 window: Optional[int] = None, softcap: Optional[float] = None, alibi: bool = False,
-                segments: bool = False) -> str:
+                segments: bool = False, sparse: bool = False) -> str:
     """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the current mesh's platform,
     given the mask features the call uses."""
     if dropout_rate > 0.0 or positions_given:
         return "xla"  # only xla implements dropout and explicit (KV-cache) positions
     platform = current_platform()
+    if sparse and (platform == "tpu" or (platform == "gpu" and q.dtype.name in GPU_DTYPES)):
+        return "pallas"  # only the kernels skip a pattern's empty tiles (cuDNN takes no pattern)
     if platform == "gpu":
         if q.dtype.name not in GPU_DTYPES:
             return "xla"  # the Triton kernels and cuDNN take bf16/fp16 only

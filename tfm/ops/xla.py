@@ -12,16 +12,17 @@ from tfm.ops.masks import NEG_INF, scores, visibility
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
-              dropout_rate, dropout_rng, bias=None):
+              dropout_rate, dropout_rng, bias=None, sparsity=None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H]. q_pos [B|1, T], kv_pos [B|1, S];
-    bias [B|1, N, T, S] is added to the logits."""
+    bias [B|1, N, T, S] is added to the logits; sparsity (`tfm.ops.sparsity`) is materialised [T, S]."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
     s = scores(qg, k, scale, softcap, slopes, q_pos, kv_pos)  # [B, K, G, T, S]
     if bias is not None:
         s = s + bias.astype(jnp.float32).reshape(bias.shape[0], K, N // K, T, k.shape[1])
-    visible = visibility(q_pos, kv_pos, q_seg, kv_seg, causal=causal, window=window)[:, None, None]
+    visible = visibility(q_pos, kv_pos, q_seg, kv_seg, causal=causal, window=window,
+                         sparsity=sparsity)[:, None, None]
     s = jnp.where(visible, s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1) * visible  # fully masked rows -> 0
     if dropout_rate > 0.0:
