@@ -6,19 +6,26 @@ paper's scale (sharding, memory, expert parallelism), not for reproducing DeepSe
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/deepseek_v3.py --workdir=/gcs/BUCKET/lm/dsv3
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/deepseek_v3.py --target=v5p-512 --noeval
 Train:     4096 tokens, global batch 15360 sequences (the paper's batch after its ramp from
-           3072; 63M tokens) as MICROBATCHES passes of one sequence per chip; bf16 compute with
-           fp32 parameters and AdamW (the paper's lr 2.2e-4, weight decay 0.1, b2 0.95, clip 1.0);
+           3072; 63M tokens) in passes of one sequence per chip (microbatches = batch / chips);
+           bf16 compute, fp32 parameters and AdamW (the paper's lr 2.2e-4, weight decay 0.1,
+           b2 0.95, clip 1.0);
            FSDP over every chip and expert parallelism over `expert` = 8 (each chip sends its tokens
            to the experts' chips by all-to-all: `tfm.parallel.experts`); the MoE layers scanned,
            each layer rematerialised from its input; auxiliary-loss-free balancing (the bias).
-Hardware:  see PREFLIGHT below (filled from benchmarks/RESULTS.md, "DeepSeek-V3 and Kimi K2").
+Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5p slice tried, and
+           larger slices do not help. libtpu refuses the step for HLO temporaries of 164.64 G on
+           v5p-512 (fsdp 32 x expert 8), 137.64 G on v5p-1024, 120.68 G on v5p-2048 (95.74 G of
+           HBM): for one 4096-token sequence per chip, the padded all-to-all buffers
+           [n, N*k, D] (~5 GiB per expert shard n) and ~2 GiB per MoE layer that full remat does
+           not remove; MLA's up-projections are also unsharded. Details and the rows for
+           expert = 2, 4, 16: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to a CPU smoke run (a tiny DeepSeek-V3: MLA, dense + routed + shared experts).
 """
 from experiments.lm.configs import gpt2_small
 
-CHIPS = 256          # the slice the defaults target (v5p-512)
+CHIPS = 256          # chips the default microbatches assume (v5p-512); elsewhere set microbatches = BATCH / chips
 BATCH = 15_360       # sequences per step
 EXPERT_SHARDS = 8    # mesh `expert` axis: the padded all-to-all buffers grow with it ([n, N*k, D])
 TINY_MOE = dict(d_model=32, num_heads=4, num_layers=3, d_ff=16, head_dim=16, max_len=64, dense_layers=1,
