@@ -17,7 +17,10 @@ Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5
            v5p-512 (fsdp 32 x expert 8), 137.64 G on v5p-1024, 120.68 G on v5p-2048 (95.74 G of
            HBM): for one 4096-token sequence per chip, the padded all-to-all buffers
            [n, N*k, D] (~5 GiB per expert shard n) and ~2 GiB per MoE layer that full remat does
-           not remove; MLA's up-projections are also unsharded. Details and the rows for
+           not remove; MLA's up-projections are also unsharded. 7 layers (3 dense + 4 MoE) fit
+           v5p-512 at 54.30 GiB per chip (compile 678 s; collectives all-to-all x9, all-gather
+           x80, all-reduce x56, collective-permute x11; no MFU: the cost model returned a
+           negative time). Details and the rows for
            expert = 2, 4, 16: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.

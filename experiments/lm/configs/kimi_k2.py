@@ -4,8 +4,8 @@ trained on lm1b as a stand-in corpus: for running tfm at this scale, not for rep
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/kimi_k2.py --workdir=/gcs/BUCKET/lm/k2
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/kimi_k2.py --target=v5p-1024 --noeval
-Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) as MICROBATCHES
-           passes of one sequence per chip; bf16 compute, fp32 parameters and AdamW (K2 trained
+Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) in passes of
+           one sequence per chip (microbatches = batch / chips); bf16 compute, fp32 parameters and AdamW (K2 trained
            with MuonClip, which tfm does not have; lr 2e-4, weight decay 0.1); FSDP over every chip
            and expert parallelism over `expert` = 8; scanned MoE layers, full remat; see deepseek_v3.py.
 Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5p slice tried.
