@@ -105,6 +105,8 @@ def test_gpt2_small_and_llama_counts():
     (dict(position="rope", num_kv_heads=2, mla=dict(rope_dim=4)), r"num_kv_heads=2 must equal num_heads=4"),
     (dict(position="rope", mla=dict(rope_dim=3)), r"mla.rope_dim must be even"),
     (dict(position="rope", mla=dict(rope_dim=4, kv_rnk=2)), r"mla has no field\(s\) \['kv_rnk'\]"),
+    (dict(router_seq_aux_loss_coef=1e-4), r"router_seq_aux_loss_coef=0.0001 must be >= 0 and needs num_experts > 0"),
+    (dict(num_experts=4, router_seq_aux_loss_coef=-1.0), r"router_seq_aux_loss_coef=-1.0 must be >= 0"),
 ])
 def test_bad_configs_raise_clear_errors(changes, match):
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ import pytest
 
 from experiments import common
 from experiments.lm import train
-from experiments.lm.configs import gpt2_small, llama, tiny
+from experiments.lm.configs import deepseek_v3, gpt2_small, kimi_k2, llama, llama2, tiny
 from experiments.lm.settings import LMSettings
 from tfm import decode
 from tfm.train import LMTask
@@ -41,7 +41,7 @@ def test_top_k_one_equals_greedy(result):
 
 
 def test_every_config_loads():
-    for module in (tiny, gpt2_small, llama):
+    for module in (tiny, gpt2_small, llama, llama2, deepseek_v3, kimi_k2):
         for arg in ("", "runlocal"):
             c = module.get_config(arg)
             common.resolve(c, LMSettings, LMTask).model(c.vocab_size)

@@ -272,6 +272,8 @@ class ModelConfig:
     moe_impl: str = "ragged"  # "ragged": sort by expert + grouped matmuls, dropless; "einsum": one-hot slots
     capacity_factor: Optional[float] = None  # moe_impl="einsum" slots per expert; None = dropless (C = T)
     router_aux_loss_coef: float = 0.01
+    # DeepSeek-V3's sequence-wise balance loss (eq. 17-20): alpha * sum_e f_e P_e per sequence (batch row), averaged
+    router_seq_aux_loss_coef: float = 0.0
     router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
     shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
@@ -390,6 +392,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
                                  f"(moe_impl={self.moe_impl!r} is dropless)")
         self._check_routing()
+        if self.router_seq_aux_loss_coef < 0 or (self.router_seq_aux_loss_coef and not self.num_experts):
+            raise ValueError(f"ModelConfig.router_seq_aux_loss_coef={self.router_seq_aux_loss_coef} must be >= 0 "
+                             f"and needs num_experts > 0")
         if self.shared_expert_d_ff and not self.num_experts:
             raise ValueError(f"ModelConfig.shared_expert_d_ff={self.shared_expert_d_ff} needs num_experts > 0")
         unknown_heads = set(self.heads) - set(HEADS)

@@ -64,7 +64,7 @@ def top_k_gates(logits, config: ModelConfig, score_bias=None):
     aux_loss is the Switch/Mixtral load-balancing loss E * sum_e fraction_routed_e * mean_score_e.
     """
     E, k = config.num_experts, config.experts_per_token
-    scores = jax.nn.softmax(logits, axis=-1) if config.router_score == "softmax" else jax.nn.sigmoid(logits)
+    scores = router_scores(logits, config)
     choice = scores if score_bias is None else scores + jax.lax.stop_gradient(score_bias)
     if config.router_groups > 1:
         choice = _best_groups_only(choice, config.router_groups, config.router_group_top)
@@ -77,6 +77,24 @@ def top_k_gates(logits, config: ModelConfig, score_bias=None):
     fraction = jax.nn.one_hot(experts, E, dtype=jnp.float32).mean(axis=lead)  # [k, E]
     aux_loss = E * jnp.sum(fraction * scores.mean(axis=lead)[None, :])
     return gates, experts.astype(jnp.int32), aux_loss
+
+
+def router_scores(logits, config: ModelConfig):
+    """logits [..., E] -> the router's scores [..., E]: softmax, or per-expert sigmoid (router_score)."""
+    return jax.nn.softmax(logits, axis=-1) if config.router_score == "softmax" else jax.nn.sigmoid(logits)
+
+
+def sequence_balance_loss(logits, experts, config: ModelConfig):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) without its coefficient: logits [B, T, E]
+    (fp32), experts [B, T, k] -> the mean over the B sequences (batch rows, padding and packed documents
+    included, as the batch-wise loss counts them) of sum_e f_e P_e, where f_e = E / (k T) * the tokens of
+    the sequence that chose e, and P_e = the sequence's mean of the normalised scores s_e / sum_j s_j."""
+    E, k, T = config.num_experts, experts.shape[-1], experts.shape[-2]
+    scores = router_scores(logits, config)
+    normalised = scores / scores.sum(-1, keepdims=True)  # [B, T, E]
+    chosen = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(-3, -2))  # [B, E] tokens per expert
+    fraction = chosen * (E / (k * T))
+    return jnp.mean(jnp.sum(fraction * normalised.mean(axis=-2), axis=-1))
 
 
 def _best_groups_only(choice, groups: int, top: int):
@@ -145,8 +163,9 @@ class MoeMlp(nn.Module):
     (Switch/GShard capacity_factor; None = C = T, dropless).
     shared_expert_d_ff > 0 adds an always-on Mlp of that width, under a per-token sigmoid gate
     (Qwen2-MoE) or ungated (shared_expert_gate=False: DeepSeek-V3). Routing: `top_k_gates`. Sows the
-    load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`, and with router_bias
-    the `balance_signal` of the experts' loads into `losses/router_balance`.
+    load-balancing loss (times router_aux_loss_coef) into `losses/moe_aux_loss`, with
+    router_seq_aux_loss_coef > 0 the `sequence_balance_loss` (times it) into `losses/moe_seq_aux_loss`,
+    and with router_bias the `balance_signal` of the experts' loads into `losses/router_balance`.
     """
 
     config: ModelConfig
@@ -177,6 +196,9 @@ class MoeMlp(nn.Module):
         else:
             y = self._einsum(x, gates, experts, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
+        if cfg.router_seq_aux_loss_coef:
+            seq_aux = sequence_balance_loss(logits, experts, cfg)
+            self.sow("losses", "moe_seq_aux_loss", cfg.router_seq_aux_loss_coef * seq_aux)
         if cfg.shared_expert_d_ff:
             shared = Mlp(cfg.replace(d_ff=cfg.shared_expert_d_ff), name="shared_expert")(x)  # [B, T, D]
             if cfg.shared_expert_gate:

@@ -1,0 +1,29 @@
+"""Kimi K2 (Moonshot AI 2025; about 1.04T parameters, 32B active per token): DeepSeek-V3's
+architecture with 384 routed experts, 64 heads and one dense layer (`tfm.models.presets.kimi_k2`),
+trained on lm1b as a stand-in corpus: for running tfm at this scale, not for reproducing K2.
+
+Command:   python -m experiments.lm.train --config=experiments/lm/configs/kimi_k2.py --workdir=/gcs/BUCKET/lm/k2
+Preflight: python -m experiments.preflight --config=experiments/lm/configs/kimi_k2.py --target=v5p-1024 --noeval
+Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) in passes of
+           one sequence per chip (microbatches = batch / chips); bf16 compute, fp32 parameters and AdamW (K2 trained
+           with MuonClip, which tfm does not have; lr 2e-4, weight decay 0.1); FSDP over every chip
+           and expert parallelism over `expert` = 8; scanned MoE layers, full remat; see deepseek_v3.py.
+Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5p slice tried.
+           v5p-1024 (fsdp 64 x expert 8): refused, HLO temporaries 108.93 G of 95.74 G. v5p-2048
+           (128 x 8, 16 microbatches): compiles in 540 s to 124.34 GiB per chip of 95 (state 30.54
+           GiB, 12.66 of it MLA's unsharded q_up + moments; temporaries 93.79 GiB, with 7 GiB
+           [n*N*k, D] all-to-all buffers); collectives all-to-all x9, all-gather x46, all-reduce
+           x36, collective-permute x114; no MFU (XLA's cost model returned a negative time).
+           Why, and what would fix it: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
+Runtime:   not run on hardware.
+Expected:  no published lm1b figure at this scale.
+`:runlocal` shrinks it to the same CPU smoke run as deepseek_v3.py:runlocal (with K2's vocabulary key).
+"""
+from experiments.lm.configs import deepseek_v3
+
+CHIPS = 512  # chips the default microbatches assume (v5p-1024); elsewhere set microbatches = 16384 / chips
+
+
+def get_config(arg: str = ""):
+    return deepseek_v3.get_config(arg, preset="kimi_k2", vocab_size=163_840, batch=16_384, chips=CHIPS,
+                                  learning_rate=2e-4)
