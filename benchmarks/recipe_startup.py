@@ -35,8 +35,8 @@ TINY_MODEL = {"model.overrides.d_model": 32, "model.overrides.num_heads": 2, "mo
 # Not the data pipeline: bounds the tiny step's own memory on a CPU (RoBERTa's microbatches of
 # 512 x 512 and their [rows, 80, 50,265] logits would take ~20 GB).
 CPU_STEP = {"roberta": {"microbatches": 64, "task.vocab_chunk": 4096}}
-# The generated documents (~280 tokens) are shorter than Wikipedia's: RoBERTa's 10,000 held-out
-# ones make no full held-out batch of 8,192 x 512 here, 30,000 make 1-2.
+# The generated documents are shorter than Wikipedia's: RoBERTa's 10,000 held-out ones make no full
+# held-out batch of 8,192 x 512 here (the recipe refuses to start, naming eval_documents); 30,000 do.
 DATA = {"roberta": {"eval_documents": 30_000}}
 
 
@@ -71,9 +71,10 @@ def first_step(recipe: str, corpus: str, workdir: str) -> dict:
             "peak_rss_bytes": peak * 1024}
 
 
-def recipe_rate(recipe: str, corpus: str, workdir: str, windows: int = 1) -> dict:
-    """Examples and real tokens per CPU second of the recipe's training stream (the vocabulary
-    in `workdir`) through `windows` shuffle windows after the first batch."""
+def recipe_rate(recipe: str, corpus: str, workdir: str, windows: int = 1, phase: int = 1) -> dict:
+    """Examples and real tokens per CPU second of the recipe's training stream in `phase` (1, or
+    2: BERT's 512 tokens) with the vocabulary in `workdir`, through `windows` shuffle windows
+    after the first batch."""
     config = RECIPES[recipe].get_config()
     for k, v in _data_overrides(recipe, corpus).items():
         config[k] = v
@@ -82,7 +83,9 @@ def recipe_rate(recipe: str, corpus: str, workdir: str, windows: int = 1) -> dic
     docs = pretrain.corpus(s, workdir)
     keys, _ = documents.hold_out(docs, s.eval_documents, seed=exp.train.seed)
     tok = pretrain.tokenizer(s, workdir, docs, keys)
-    phase, _ = pretrain.phases(s, exp.train.batch_size)
+    phase = pretrain.phases(s, exp.train.batch_size)[phase - 1]
+    if phase is None:
+        raise ValueError(f"{recipe} has one phase")
     stream = pretrain.train_stream(s, phase, docs, tok, keys, seed=exp.train.seed)
     next(stream)
     cpu, wall, rows, tokens = time.process_time(), time.perf_counter(), 0, 0
@@ -96,7 +99,7 @@ def recipe_rate(recipe: str, corpus: str, workdir: str, windows: int = 1) -> dic
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def recipes_table(names: list[str], corpus: str, work: str) -> None:
+def recipes_table(names: list[str], corpus: str, work: str, rates: bool = True) -> None:
     print("| recipe | corpus | peak RSS to step 1 (MB) | time to step 1 (s) | stream examples/s per core | "
           "tokens/s per core | rate run RSS (MB) |")
     print("|---|---|---|---|---|---|---|")
@@ -105,6 +108,10 @@ def recipes_table(names: list[str], corpus: str, work: str) -> None:
         if os.path.isdir(workdir):
             raise ValueError(f"{workdir} exists: remove it (a recipe restarts from its checkpoints)")
         first = first_step(name, corpus, workdir)
+        if not rates:
+            print(f"| {name} | {first['corpus_bytes'] / 2**30:.2f} GiB | {first['peak_rss_bytes'] / 2**20:.0f} | "
+                  f"{first['seconds_to_first_step']:.0f} | | | |", flush=True)
+            continue
         out = subprocess.run([sys.executable, "-m", "benchmarks.recipe_startup", "--rate", name,
                               "--corpus", corpus, "--work", work], capture_output=True, text=True, check=True)
         rate = json.loads(out.stdout.strip().splitlines()[-1])
@@ -120,11 +127,13 @@ def main() -> None:
     p.add_argument("--corpus", required=True, help="a plain-text corpus directory")
     p.add_argument("--work", default="/tmp/tfm_recipe_startup", help="the recipes' workdirs go here")
     p.add_argument("--rate", choices=sorted(RECIPES), help="only the stream rate of one recipe (internal)")
+    p.add_argument("--no-rates", action="store_true", help="the first steps only")
+    p.add_argument("--phase", type=int, default=1, choices=(1, 2), help="with --rate: the phase streamed")
     args = p.parse_args()
     if args.rate:
-        print(json.dumps(recipe_rate(args.rate, args.corpus, os.path.join(args.work, args.rate))))
+        print(json.dumps(recipe_rate(args.rate, args.corpus, os.path.join(args.work, args.rate), phase=args.phase)))
         return
-    recipes_table(args.recipes.split(","), args.corpus, args.work)
+    recipes_table(args.recipes.split(","), args.corpus, args.work, rates=not args.no_rates)
 
 
 if __name__ == "__main__":
