@@ -380,6 +380,24 @@ def test_wikipedia_on_mock_data(tmp_path):
     assert batch["input_ids"].shape == (4, 32) and (batch["input_ids"][:, 0] == tok.cls_id).all()
 
 
+def test_only_process_zero_trains_the_vocabulary(tmp_path, monkeypatch):
+    """Process 0 trains and writes vocab.txt; every other process reads that file (hosts with
+    vocabularies of their own would train on different ids) and, without it, fails naming the
+    shared workdir instead of training."""
+    settings = dataclasses.replace(common.settings_of(base.get_config(), BertSettings), vocab_size=150,
+                                   vocab_documents=40)
+    corpus = documents.Corpus([documents.TextDocuments(
+        [synthetic.write_text_corpus(tmp_path / "text", 60_000, seed=1)], chunk_bytes=20_000)])
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(ValueError, match="process 1 finds no .*vocab.txt, which process 0 trained"):
+        pretrain.tokenizer(settings, str(tmp_path / "w"), corpus)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    trained = pretrain.tokenizer(settings, str(tmp_path / "w"), corpus)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    read = pretrain.tokenizer(settings, str(tmp_path / "w"), corpus)
+    assert read._vocab == trained._vocab and 100 < trained.vocab_size <= 150
+
+
 def test_bad_settings_are_named(tmp_path):
     c = _tiny_config(tmp_path, num_train_steps=3, phase2_start_step=5)
     with pytest.raises(ValueError, match="phase2_start_step=5"):

@@ -1,5 +1,7 @@
 """Preemption and crashes: SIGKILL / SIGTERM mid-run then restart ends bitwise equal to an
-uninterrupted run; a NaN stops the run naming the step and deletes no checkpoint."""
+uninterrupted run (the BERT pretraining command too: the same streamed batches); a NaN stops
+the run naming the step and deletes no checkpoint."""
+import json
 import os
 import random
 import re
@@ -11,9 +13,11 @@ import numpy as np
 import pytest
 
 import train_job
+from tfm.data import synthetic
 
 STEPS = 10
 JOB = os.path.join(os.path.dirname(__file__), "train_job.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +32,21 @@ def _launch(workdir, sleep):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run_until(proc, step, sig, workdir):
+def _run_until(proc, step, sig, workdir, past_checkpoint=False):
     """Read the job's log and send `sig` at the first training step >= `step` by which a finished
-    checkpoint (saved in the background every 2 steps, the 2 newest kept) is on disk; returns the
-    log. Checking without waiting keeps the reader in step with the job, which goes on training."""
-    def saved():
-        return (workdir / "checkpoints").is_dir() and any(
-            d.name.isdigit() for d in (workdir / "checkpoints").iterdir())  # not orbax's *.tmp dirs
+    checkpoint (saved in the background) is on disk, and with `past_checkpoint` one past the
+    newest; returns the log. Checking without waiting keeps the reader in step with the job,
+    which goes on training."""
+    def saved():  # the newest finished checkpoint's step, 0 if none (not orbax's *.tmp dirs)
+        root = workdir / "checkpoints"
+        return max((int(d.name) for d in root.iterdir() if d.name.isdigit()), default=0) if root.is_dir() else 0
 
     log = []
     for line in proc.stdout:
         log.append(line)
         reached = re.match(r"step (\d+) train", line)
-        if reached and int(reached.group(1)) >= step and saved():
+        newest = saved() if reached and int(reached.group(1)) >= step else 0
+        if newest and (not past_checkpoint or newest < int(reached.group(1))):
             proc.send_signal(sig)
             break
     log += proc.stdout.readlines()
@@ -84,3 +90,66 @@ def test_nan_skip_option_drops_the_update(tmp_path):
     finite = [h["finite"] for h in result.history]
     assert finite == [1, 1, 1, 1, 0, 1]
     assert all(np.isfinite(v).all() for v in train_job.flat_params(result.state).values())
+
+
+BERT_STEPS = 14
+BERT_FLAGS = [  # base.py:runlocal on a plain-text corpus, tiny: the recipe's stream, many windows
+    "--config=experiments/bert/configs/base.py:runlocal", "--config.dataset=", "--config.chunk_bytes=5000",
+    "--config.shuffle_chunks=2", "--config.eval_documents=8", "--config.eval_batches=1",
+    "--config.vocab_documents=50", "--config.vocab_size=120", "--config.model.overrides.d_model=32",
+    "--config.model.overrides.num_heads=2", "--config.model.overrides.num_layers=1",
+    "--config.model.overrides.d_ff=64", "--config.model.overrides.max_len=64", "--config.max_seq_length=32",
+    "--config.max_predictions_per_seq=5", "--config.phase2_start_step=0", "--config.batch_size=8",
+    f"--config.num_train_steps={BERT_STEPS}", "--config.optimizer.warmup_steps=2", "--config.log_every=1",
+    "--config.eval_every=0", "--config.checkpoint_every=3", "--config.keep_checkpoints=10",
+    "--config.progress_bar=False"]
+TIMINGS = {"step_time", "tokens_per_s", "mfu"}
+
+
+def _pretrain(workdir, corpus, *flags, **kw):
+    """`experiments.bert.pretrain` on one CPU device, as a user runs it; the runs share JAX's
+    compilation cache (beside the corpus), so only the first compiles."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(corpus), "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return subprocess.Popen([sys.executable, "-m", "experiments.bert.pretrain", f"--workdir={workdir}",
+                             *BERT_FLAGS, f"--config.text_dirs={corpus}", *flags], cwd=ROOT, env=env,
+                            text=True, **kw)
+
+
+def _records(workdir):
+    """{(split, step): metrics without the timings} of workdir/metrics.jsonl."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {(r.pop("split"), r.pop("step")): {k: v for k, v in r.items() if k not in TIMINGS}
+                for r in map(json.loads, f)}
+
+
+def test_bert_pretraining_killed_mid_stream_resumes_with_the_same_batches(tmp_path):
+    """kill -9 of the BERT pretraining command after a checkpoint, then the same command: every
+    step's MLM/NSP losses and accuracies (the killed run's, those it redid too) and the final
+    held-out metrics equal an uninterrupted run's bit for bit (fp32, one CPU device), which
+    reads the vocabulary the killed run trained (WordPiece training is not deterministic). The
+    data state restored is the stream position (epoch, window, index) inside a shuffle window."""
+    corpus = synthetic.write_text_corpus(tmp_path / "text", 200_000, file_bytes=20_000, seed=3)
+    killed = _pretrain(tmp_path / "run", corpus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = _run_until(killed, 1, signal.SIGKILL, tmp_path / "run", past_checkpoint=True)
+    assert killed.returncode == -signal.SIGKILL, log[-3000:]
+    before = _records(tmp_path / "run")
+    assert ("train", BERT_STEPS) not in before, "the run finished before the kill"
+    reference = _pretrain(tmp_path / "ref", corpus, f"--config.vocab_path={tmp_path / 'run' / 'vocab.txt'}",
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    resumed = _pretrain(tmp_path / "run", corpus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0 and reference.wait(timeout=300) == 0, out[-3000:]
+    start = int(re.search(r"restored checkpoint at step (\d+)", out).group(1))
+    assert 1 <= start < BERT_STEPS
+    expected, after = _records(tmp_path / "ref"), _records(tmp_path / "run")
+    assert sorted(after) == sorted(expected) and len(expected) == BERT_STEPS + 1  # + the final eval
+    assert {"mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"} <= set(expected["train", 1])
+    for key, metrics in after.items():
+        assert metrics == expected[key], key
+    for key, metrics in before.items():
+        assert metrics == expected[key], key
+    with open(tmp_path / "run" / "checkpoints" / str(start) / "data" / "process_0-of-1.json") as f:
+        position = json.load(f)["inner"]
+    assert position["index"] > 0, position

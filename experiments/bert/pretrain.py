@@ -66,8 +66,9 @@ def corpus(settings: BertSettings, workdir: str) -> documents.Corpus:
 
 def tokenizer(settings: BertSettings, workdir: str, docs: documents.Corpus, exclude: frozenset = frozenset()):
     """The WordPiece (or byte-level BPE) vocabulary: settings.vocab_path, else the workdir's,
-    else trained on `vocab_documents` training documents (`documents.sample`, not those in
-    `exclude`); always left in the workdir (vocab.txt)."""
+    else trained by process 0 on `vocab_documents` training documents (`documents.sample`, not
+    those in `exclude`) and read back by every process (WordPiece training breaks ties in
+    hash order: two trainings of one sample differ); always left in the workdir (vocab.txt)."""
     if settings.tokenizer not in ("wordpiece", "byte_bpe"):
         raise ValueError(f"tokenizer must be 'wordpiece' or 'byte_bpe', got {settings.tokenizer!r}")
     wordpiece = settings.tokenizer == "wordpiece"
@@ -83,10 +84,17 @@ def tokenizer(settings: BertSettings, workdir: str, docs: documents.Corpus, excl
         if jax.process_index() == 0 and not (os.path.exists(path) and os.path.samefile(given, path)):
             shutil.copyfile(given, path)
         return tok
-    if os.path.exists(path):
-        return cls.load(path)
-    texts = (s for d in documents.sample(docs, settings.vocab_documents, exclude=exclude) for s in d)
-    return train(texts, settings.vocab_size, path=path if jax.process_index() == 0 else None)
+
+    def train_once():
+        if not os.path.exists(path):
+            texts = (s for d in documents.sample(docs, settings.vocab_documents, exclude=exclude) for s in d)
+            train(texts, settings.vocab_size, path=path)
+
+    common.on_first_process(train_once)
+    if not os.path.exists(path):
+        raise ValueError(f"process {jax.process_index()} finds no {path}, which process 0 trained: the "
+                         "workdir must be one filesystem every host sees (e.g. a gcsfuse mount)")
+    return cls.load(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +110,24 @@ def phases(settings: BertSettings, batch_size: int) -> tuple[Phase, Optional[Pha
         return first, None
     return first, Phase(settings.phase2_max_seq_length, settings.phase2_max_predictions_per_seq,
                         settings.phase2_batch_size or batch_size)
+
+
+def batch_shape(settings: BertSettings, phase: Phase) -> dict:
+    """The keywords the streamed and the held-out batches of `phase` share."""
+    s = settings
+    return dict(batch_size=phase.batch_size, max_seq_length=phase.max_seq_length,
+                max_predictions_per_seq=phase.max_predictions, masked_lm_prob=s.masked_lm_prob,
+                short_seq_prob=s.short_seq_prob, dupe_factor=s.dupe_factor,
+                whole_word_masking=s.whole_word_masking, next_sentence=s.next_sentence)
+
+
+def train_stream(settings: BertSettings, phase: Phase, docs: documents.Corpus, tok, exclude: frozenset, *,
+                 seed: int, process_index: int = 0, process_count: int = 1) -> streaming.PretrainingStream:
+    """This host's training batches of `phase`: its chunks of `docs` (less `exclude`, the
+    held-out keys), streamed."""
+    return streaming.PretrainingStream(docs, tok, exclude=exclude, shuffle_chunks=settings.shuffle_chunks,
+                                       seed=seed, process_index=process_index, process_count=process_count,
+                                       **batch_shape(settings, phase))
 
 
 class PhasedBatches:
@@ -204,15 +230,8 @@ def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] =
     _check_model(mcfg, s, max(first.max_seq_length, second.max_seq_length if second else 0))
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
-    def shape(phase: Phase) -> dict:  # the keywords the streamed and the held-out batches share
-        return dict(batch_size=phase.batch_size, max_seq_length=phase.max_seq_length,
-                    max_predictions_per_seq=phase.max_predictions, masked_lm_prob=s.masked_lm_prob,
-                    short_seq_prob=s.short_seq_prob, dupe_factor=s.dupe_factor,
-                    whole_word_masking=s.whole_word_masking, next_sentence=s.next_sentence)
-
-    def make(phase: Phase):  # this host's chunks of the corpus, streamed
-        return streaming.PretrainingStream(docs, tok, exclude=eval_keys, shuffle_chunks=s.shuffle_chunks,
-                                           seed=tcfg.seed, **shape(phase), **shard)
+    def make(phase: Phase):
+        return train_stream(s, phase, docs, tok, eval_keys, seed=tcfg.seed, **shard)
 
     batches = PhasedBatches(make, first, second, s.phase2_start_step or None)
     eval_sets = {}
@@ -220,7 +239,7 @@ def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] =
     def eval_batches(phase: Phase) -> list:
         if phase not in eval_sets:  # fixed masks: the same examples scored at every evaluation
             ds = pretraining.pretraining_dataset(eval_docs, tok, shuffle=False, num_epochs=1,
-                                                 seed=tcfg.seed + 1, **shape(phase), **shard)
+                                                 seed=tcfg.seed + 1, **batch_shape(s, phase), **shard)
             eval_sets[phase] = [b for _, b in zip(range(s.eval_batches), ds)]
             if not eval_sets[phase]:
                 raise ValueError(f"the {s.eval_documents} held-out documents give no full batch of "

@@ -162,7 +162,8 @@ class WordPieceTokenizer:
 def train_wordpiece(texts: Iterable[str], vocab_size: int, *,
                     path: str | os.PathLike | None = None) -> WordPieceTokenizer:
     """Trains a WordPiece vocabulary with [PAD]=0,[UNK]=1,[CLS]=2,[SEP]=3,[MASK]=4; saves
-    `vocab.txt` to `path` when given."""
+    `vocab.txt` to `path` when given. Not deterministic: the trainer breaks ties between equally
+    frequent pairs (and orders the alphabet) in hash order, so train once and share the file."""
     tok = hf.Tokenizer(hf.models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = hf.normalizers.BertNormalizer(lowercase=True, strip_accents=True)
     tok.pre_tokenizer = hf.pre_tokenizers.BertPreTokenizer()
