@@ -118,6 +118,14 @@ def test_a_frozen_pattern_that_cannot_mean_what_was_meant_is_refused(frozen, mes
         _frozen_run(frozen)
 
 
+def test_variants_and_runlocal_name_one_config():
+    assert tiny.get_config("runlocal").to_dict() == tiny.get_config("").to_dict()
+    assert tiny.get_config("llama32,runlocal").to_dict() == tiny.get_config("llama32").to_dict()
+    assert tiny.get_config("text_only").use_images is False and tiny.get_config("llama32").optimizer.frozen
+    with pytest.raises(ValueError, match="unknown"):
+        tiny.get_config("llama3")
+
+
 def test_llama32_recipe_starts_from_the_text_only_run_and_trains_only_the_image_side(tmp_path):
     """text_only for two steps, then llama32 from it: every frozen text parameter still equals the
     text-only run's, the cross-attention layers moved; both write their scores and the grid of captions."""

@@ -6,6 +6,8 @@ Variants:  ""          every parameter trained from scratch, images shown;
            "llama32"   Llama 3.2's recipe: the text decoder comes from the text_only run in
                        /tmp/tfm_caption_text (--config.init_from=DIR to use another) and stays
                        frozen; the image encoder, projector and cross-attention layers train.
+           Any of them may add ",runlocal" (e.g. `tiny.py:text_only,runlocal`), as other experiments'
+           CPU runs are named: this recipe is CPU-sized already, so it changes nothing.
 Hardware:  one CPU (2 shared cores); a few minutes per variant.
 Expected:  see experiments/captioning/README.md (measured held-out scores of all three).
 """
@@ -25,9 +27,10 @@ FROZEN_TEXT = "text/(?!decoder/layer_(" + "|".join(map(str, CROSS_ATTENTION_LAYE
 VARIANTS = ("", "text_only", "llama32")
 
 
-def get_config(variant: str = ""):
+def get_config(arg: str = ""):
+    variant = ",".join(part for part in arg.split(",") if part != "runlocal")
     if variant not in VARIANTS:
-        raise ValueError(f"captioning config variant {variant!r} unknown; choose from {VARIANTS}")
+        raise ValueError(f"captioning config variant {variant!r} unknown; choose from {VARIANTS} (each may add ',runlocal')")
     c = common.new_config(CaptionSettings, ImageTextTask)
     c.model.preset = "llama"
     c.model.overrides = TEXT
