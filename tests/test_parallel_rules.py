@@ -13,6 +13,8 @@ from tfm.models.presets import tiny
 from tfm.parallel import MeshConfig, flax_rules, logical_to_spec, make_mesh, make_rules, param_shardings
 from tfm.train import LMTask, TrainConfig, Trainer
 
+from parallel_cases import VARIANTS
+
 LM_BATCH = {"inputs": np.ones((8, 16), np.int32), "targets": np.ones((8, 16), np.int32)}
 
 
@@ -36,6 +38,7 @@ def test_rule_sets_combine_in_mesh_order():
     assert rules["batch"] == ("data", "fsdp", "expert")
     assert rules["embed"] == ("fsdp",) and rules["mlp"] == ("tensor",)
     assert "embed" not in dict(make_rules("fsdp", activations=True))
+    assert "latent" not in dict(make_rules("fsdp", activations=True))
     assert dict(make_rules("context", activations=True))["length"] == ("context",)
     assert "length" not in dict(make_rules("context"))  # a learned position table stays whole
     with pytest.raises(ValueError, match="unknown parallelism"):
@@ -52,7 +55,8 @@ def test_logical_to_spec_skips_used_and_indivisible_axes():
 
 def _specs(family, mesh_cfg, parallelism):
     cfg = TrainConfig(batch_size=8, mesh=mesh_cfg, parallelism=parallelism)
-    tr = Trainer(DecoderLM(tiny(family)), LMTask(), cfg).setup(LM_BATCH)
+    preset, overrides = VARIANTS.get(family, (family, {}))
+    tr = Trainer(DecoderLM(tiny(preset, **overrides)), LMTask(), cfg).setup(LM_BATCH)
     flat = lambda t: {jax.tree_util.keystr(p): s.spec
                       for p, s in jax.tree_util.tree_flatten_with_path(t)[0]}
     return flat(tr.param_shardings), flat(tr.state_shardings.opt_state)
@@ -73,6 +77,10 @@ EXPECTED = {
     ("decoder", MeshConfig(data=1, fsdp=4, tensor=2), "fsdp+tensor"): {
         "['ffn']['wi']['kernel']": P("fsdp", "tensor"), "['ffn']['wo']['kernel']": P("tensor", "fsdp"),
         "['embed']['embedding']": P("tensor", "fsdp")},
+    # MLA (q_rank 8, kv_rank 16): the up-projections [C, N, H] have no "embed"; "latent" takes `fsdp`
+    ("latent_attention", MeshConfig(data=1, fsdp=8), "fsdp"): {
+        "['q_up']['kernel']": P("fsdp"), "['key_up']['kernel']": P("fsdp"), "['value_up']['kernel']": P("fsdp"),
+        "['q_down']['kernel']": P("fsdp"), "['kv_norm']['scale']": P("fsdp")},
     ("moe", MeshConfig(data=2, expert=4), "data+expert"): {
         "['ffn']['wi_gate']": P("expert"), "['ffn']['wo']": P("expert"),
         "['ffn']['router']['kernel']": P()},

@@ -5,7 +5,9 @@ a rule set maps those names to mesh axes. Parallelism styles are rule sets, comb
 name, e.g. `make_rules("fsdp", "tensor")`:
 
   data    batch over `data`; params replicated.
-  fsdp    batch over `fsdp`; params and optimizer state sharded over `fsdp` on "embed".
+  fsdp    batch over `fsdp`; params and optimizer state sharded over `fsdp` on "embed", and on
+          "latent" (multi-head latent attention's compressed width) where "embed" is absent:
+          MLA's up-projections [C, N, H] have no "embed" dim.
   tensor  Megatron: "heads"/"kv_heads"/"mlp" over `tensor` — the QKV and up projections are
           column-parallel (output dim split), the attention-out and down projections
           row-parallel (input dim split); the vocab table and logits split on "vocab".
@@ -20,9 +22,9 @@ the batch axes, as "batch"), "cache_kv_heads"
 (as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
 a decode under a mesh keeps the cache sharded like the activations it came from.
 
-Parameter rules and activation rules differ in two places: "embed" is FSDP-sharded in
-parameters only (activations keep the model dim whole; their batch already uses `fsdp`), and
-"length" is split over `context` in activations only.
+Parameter rules and activation rules differ in two places: "embed" and "latent" are
+FSDP-sharded in parameters only (activations keep those widths whole; their batch already
+uses `fsdp`), and "length" is split over `context` in activations only.
 """
 from __future__ import annotations
 
@@ -34,13 +36,13 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "data": {"batch": ("data",)},
-    "fsdp": {"batch": ("fsdp",), "embed": ("fsdp",)},
+    "fsdp": {"batch": ("fsdp",), "embed": ("fsdp",), "latent": ("fsdp",)},
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
                "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
     "context": {"length": ("context",)},
 }
-_PARAM_ONLY = ("embed",)
+_PARAM_ONLY = ("embed", "latent")
 _ACTIVATION_ONLY = ("length",)
 
 
