@@ -72,8 +72,10 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
     plan = module.blueprint(config, len(devices))
     mesh = parallel.make_mesh(plan.train.mesh, devices)
     say(target.describe())
+    context = (f" (sequences split over context: context_strategy {plan.model.config.context_strategy})"
+               if mesh.shape["context"] > 1 and "context" in parallel.parse_parallelism(plan.train.parallelism) else "")
     say(f"mesh {dict(mesh.shape)}, parallelism {plan.train.parallelism}, "
-        f"attention_impl {plan.model.config.attention_impl}, scan_layers {plan.model.config.scan_layers}, "
+        f"attention_impl {plan.model.config.attention_impl}{context}, scan_layers {plan.model.config.scan_layers}, "
         f"remat {plan.model.config.remat_policy}, dtype {plan.model.config.dtype}")
     records = []
     for shape_name, batch in plan.batches.items():

@@ -51,7 +51,7 @@ class StepReport:
     estimate_seconds: Optional[float] = None
     estimate_note: str = ""
     mfu: Optional[float] = None     # model FLOPs / (chips x peak x estimate): an estimate
-    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"}
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes", "shapes"}
     kernels: list = dataclasses.field(default_factory=list)      # {"backend", "name", "shapes"}
     largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
     error: str = ""
@@ -137,9 +137,10 @@ def _split_instruction(line: str):
 
 
 def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
-    """(collectives {kind: {count, bytes}}, kernel calls, `top` largest arrays (bytes, shape,
-    opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's largest
-    element); instructions in a loop body count once."""
+    """(collectives {kind: {count, bytes, shapes}}, kernel calls, `top` largest arrays (bytes,
+    shape, opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's
+    largest element), `shapes` the distinct such arrays per device ("bf16[2,64,2,16]": the
+    blocks a ring passes on); instructions in a loop body count once."""
     shapes, collectives, kernels, sizes = {}, {}, [], {}
     fused = False  # inside a fusion's computation: its values live in registers, not in memory
     for line in text.splitlines():
@@ -154,9 +155,11 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
         nbytes, array = _largest_array(shape)
         kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
         if kind in COLLECTIVES:
-            entry = collectives.setdefault(kind, {"count": 0, "bytes": 0})
+            entry = collectives.setdefault(kind, {"count": 0, "bytes": 0, "shapes": []})
             entry["count"] += 1
             entry["bytes"] += nbytes
+            if array not in entry["shapes"]:
+                entry["shapes"].append(array)
         if opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', rest)
             backend = next((v for k, v in KERNEL_TARGETS.items() if target and target.group(1).startswith(k)), None)

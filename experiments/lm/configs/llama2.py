@@ -24,14 +24,16 @@ SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
           # 70b saves only each layer's input: its matmul outputs, kept for the backward as 7b's
           # are, would take 108 GiB per v5p chip and 229 GiB per H100 (preflight)
           "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672, remat_policy="full")}
+LONG_TOKENS, LONG_CONTEXT = 32_768, 4  # `:long`: each device holds 32k / 4 = 8k tokens of a sequence
 
 
 def get_config(arg: str = "7b"):
-    size, _, local = (arg or "7b").partition(",")
-    if size == "runlocal":
-        size, local = "7b", "runlocal"
+    variant, _, local = (arg or "7b").partition(",")
+    if variant == "runlocal":
+        variant, local = "7b", "runlocal"
+    size = "7b" if variant == "long" else variant
     if size not in SHAPES:
-        raise ValueError(f"llama2.py:{arg}: choose 7b or 70b (optionally ,runlocal)")
+        raise ValueError(f"llama2.py:{arg}: choose 7b, 70b or long (optionally ,runlocal)")
     c = gpt2_small.get_config()
     c.model.preset = "llama"
     c.model.overrides = dict(SHAPES[size], max_len=4096, rope=dict(theta=10_000.0), dtype="bfloat16",
@@ -42,7 +44,14 @@ def get_config(arg: str = "7b"):
                        weight_decay=0.1, b2=0.95)
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.parallelism = "fsdp"
+    if variant == "long":  # Llama-2-Long's continued pretraining shape: 32k tokens, RoPE base 500k
+        c.model.overrides.update(max_len=LONG_TOKENS, rope=dict(theta=500_000.0))
+        c.seq_len = LONG_TOKENS
+        c.batch_size = 64  # 2M tokens per step
+        c.mesh.context = LONG_CONTEXT
+        c.parallelism = "fsdp+context"
     if local == "runlocal":
         gpt2_small.shrink(c)
         c.model.overrides.update(num_kv_heads=4, attention_impl="xla", remat_policy="none")
+        c.mesh.context = 1  # one CPU device: the sequence stays whole
     return c
