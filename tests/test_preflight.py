@@ -138,7 +138,7 @@ def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
     device holds 2 rows x 64 of the 128 tokens; the ring passes its K/V block of [2 rows, 64
     tokens, 2 kv heads, 16] bf16 to the next device by collective-permute, and every parameter
     (each has an "embed" dim) is split over fsdp x context: a quarter of it per chip."""
-    cfg = tiny("llama", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16", attention_impl="auto")
+    cfg = tiny("llama", num_layers=1, num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16", attention_impl="auto")
     train = TrainConfig(batch_size=4, mesh=MeshConfig(data=1, fsdp=2, context=2), parallelism="fsdp+context",
                         num_train_steps=10)
     target = preflight.parse_target(target_name)
