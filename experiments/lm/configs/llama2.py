@@ -31,7 +31,8 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            Adam, 50.91 GiB temporaries), 39 collective-permutes, 20 all-gathers, 6 reduce-scatters;
            82 s. Without context parallelism (--config.mesh.context=1 --config.microbatches=8: fsdp 8,
            one whole 32k row per GPU, the flash kernels) it needs 106.99 GiB per GPU and does not
-           fit. benchmarks/RESULTS.md has the rest.
+           fit; on v5p-512 a whole 32k row per chip (--config.mesh.context=1 --config.batch_size=256)
+           needs 96.69 GiB of 95 GiB. benchmarks/RESULTS.md has the rest.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
 `:runlocal` shrinks either to a CPU smoke run on the generated corpus.
