@@ -156,6 +156,21 @@ def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
     assert report.state_bytes == (total - replicated) / 4 + replicated and replicated < 64
 
 
+def test_advice_names_context_parallelism_when_a_device_holds_one_sequence():
+    """Fewer rows cannot help a device that holds one row per pass: the advice splits the sequence."""
+    cfg = tiny("llama", remat_policy="full")
+    plain = TrainConfig(batch_size=8, mesh=MeshConfig(data=1, fsdp=8), parallelism="fsdp")
+    assert preflight.advice(plain, cfg, rows_per_device=4) == ["accumulate gradients: --config.microbatches=2",
+                                                               "or a smaller --config.batch_size"]
+    assert preflight.advice(plain, cfg, rows_per_device=1) == [
+        "each device holds one whole sequence per pass: split sequences over devices (context parallelism): "
+        "--config.parallelism=fsdp+context --config.mesh.context=4"]
+    split = TrainConfig(batch_size=2, mesh=MeshConfig(data=1, fsdp=2, context=4), parallelism="fsdp+context")
+    assert preflight.advice(split, cfg, rows_per_device=1) == [
+        "each device holds 1/4 of a sequence per pass: split sequences over more devices (context parallelism): "
+        "--config.parallelism=fsdp+context --config.mesh.context=8"]
+
+
 def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():
     """Outside the Trainer (no flax rules) the kernel still meets the mesh through shard_map:
     Mosaic refuses an unpartitioned kernel, so this compiling is the check."""

@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from tfm.parallel.rules import parse_parallelism
 from tfm.preflight.targets import GiB, Target
 from tfm.train.step import make_eval_step
 
@@ -267,16 +268,26 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     return reports
 
 
-def advice(train_config, model_config) -> list[str]:
-    """What would make a step that does not fit fit, from what the config does not do yet."""
+def advice(train_config, model_config, rows_per_device: Optional[int] = None) -> list[str]:
+    """What would make a step that does not fit fit, from what the config does not do yet.
+    `rows_per_device`: sequences each device holds per pass; at one, fewer rows cannot help, so
+    splitting each sequence over devices (context parallelism) is named instead."""
     tips = []
-    if "fsdp" not in train_config.parallelism:
+    styles = parse_parallelism(train_config.parallelism)
+    if "fsdp" not in styles:
         tips.append("shard parameters and optimizer state: --config.parallelism=fsdp (or data+fsdp) with "
                     "--config.mesh.fsdp=-1 --config.mesh.data=1")
     policy = getattr(model_config, "remat_policy", "none")
     if policy != "full":
         stronger = "dots_with_no_batch_dims_saveable' or 'full" if policy == "none" else "full"
         tips.append(f"rematerialise more (now {policy!r}): --config.model.overrides.remat_policy='{stronger}'")
+    if rows_per_device is not None and rows_per_device <= 1:
+        context = train_config.mesh.context if "context" in styles else 1
+        others = "+".join(s for s in styles if s != "context")
+        tips.append(f"each device holds {'one whole sequence' if context == 1 else f'1/{context} of a sequence'} "
+                    f"per pass: split sequences over {'' if context == 1 else 'more '}devices (context "
+                    f"parallelism): --config.parallelism={others}+context --config.mesh.context={max(4, 2 * context)}")
+        return tips
     tips.append(f"accumulate gradients: --config.microbatches={2 * train_config.microbatches}")
     tips.append("or a smaller --config.batch_size")
     return tips
