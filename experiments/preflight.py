@@ -50,8 +50,9 @@ def experiment_of(config_path: str):
     return importlib.import_module(EXPERIMENTS[name])
 
 
-def check_batch(trainer: Trainer, batch_size: int) -> None:
-    """ValueError unless the global batch (per microbatch) splits evenly over the batch axes."""
+def check_batch(trainer: Trainer, batch_size: int) -> int:
+    """Rows each device holds per pass; ValueError unless the global batch (per microbatch)
+    splits evenly over the batch axes."""
     axes = trainer.batch_sharding.spec[0]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     devices = math.prod(trainer.mesh.shape[a] for a in axes)
@@ -59,6 +60,7 @@ def check_batch(trainer: Trainer, batch_size: int) -> None:
     if per_pass % devices:
         raise ValueError(f"batch {batch_size} ({per_pass} per microbatch) does not split over the batch axes "
                          f"{'x'.join(axes)} = {devices} devices; use a multiple of {devices}")
+    return per_pass // devices
 
 
 def run_preflight(config, config_path: str, target_name: str, *, num_slices: int = 1,
@@ -72,20 +74,22 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
     plan = module.blueprint(config, len(devices))
     mesh = parallel.make_mesh(plan.train.mesh, devices)
     say(target.describe())
+    context = (f" (sequences split over context: context_strategy {plan.model.config.context_strategy})"
+               if mesh.shape["context"] > 1 and "context" in parallel.parse_parallelism(plan.train.parallelism) else "")
     say(f"mesh {dict(mesh.shape)}, parallelism {plan.train.parallelism}, "
-        f"attention_impl {plan.model.config.attention_impl}, scan_layers {plan.model.config.scan_layers}, "
+        f"attention_impl {plan.model.config.attention_impl}{context}, scan_layers {plan.model.config.scan_layers}, "
         f"remat {plan.model.config.remat_policy}, dtype {plan.model.config.dtype}")
     records = []
     for shape_name, batch in plan.batches.items():
         trainer = Trainer(plan.model, plan.task, plan.train, mesh)
-        check_batch(trainer, next(iter(batch.values())).shape[0])
+        rows = check_batch(trainer, next(iter(batch.values())).shape[0])
         trainer.setup(batch)
         say(f"{shape_name}: batch {next(iter(batch.values())).shape}, {trainer.num_params / 1e6:.1f}M parameters")
         for report in preflight.check_step(trainer, batch, target, with_eval=with_eval):
             for line in preflight.format_report(report, target.chip):
                 say("  " + line)
             if not report.fits:
-                for tip in preflight.advice(plan.train, plan.model.config):
+                for tip in preflight.advice(plan.train, plan.model.config, rows):
                     say(f"    to fit: {tip}")
             records.append({"recipe": config_path, "shape": shape_name, "parameters": trainer.num_params,
                             **dataclasses.asdict(report)})

@@ -45,3 +45,7 @@ def test_every_config_loads():
         for arg in ("", "runlocal"):
             c = module.get_config(arg)
             common.resolve(c, LMSettings, LMTask).model(c.vocab_size)
+    for arg in ("long", "long,runlocal"):  # context parallelism: the sequence split over `context`
+        c = llama2.get_config(arg)
+        assert c.parallelism == "fsdp+context" and c.mesh.context == (1 if "runlocal" in arg else 4)
+        assert common.resolve(c, LMSettings, LMTask).model(c.vocab_size).max_len >= c.seq_len

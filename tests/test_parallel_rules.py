@@ -41,6 +41,8 @@ def test_rule_sets_combine_in_mesh_order():
     assert "latent" not in dict(make_rules("fsdp", activations=True))
     assert dict(make_rules("context", activations=True))["length"] == ("context",)
     assert "length" not in dict(make_rules("context"))  # a learned position table stays whole
+    assert dict(make_rules("fsdp", "context"))["embed"] == ("fsdp", "context")  # state split over both
+    assert "embed" not in dict(make_rules("context", activations=True))
     with pytest.raises(ValueError, match="unknown parallelism"):
         make_rules("pipeline")
 

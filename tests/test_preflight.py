@@ -92,7 +92,8 @@ def test_collectives_and_largest_arrays_are_read_from_the_compiled_program():
     compiled = f.lower(jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=split((None, "x"))),
                        jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=split(("x",)))).compile()
     collectives, kernels, largest = preflight.read_hlo(compiled.as_text())
-    assert collectives == {"all-reduce": {"count": 1, "bytes": 16 * 32 * 4}} and kernels == []
+    assert collectives == {"all-reduce": {"count": 1, "bytes": 16 * 32 * 4, "shapes": ["f32[16,32]"]}}
+    assert kernels == []
     assert largest[0][0] == 16 * 32 * 4
 
 
@@ -129,6 +130,45 @@ def test_sharded_pallas_train_step_compiles_for_the_accelerator(target_name, bac
         assert report.estimate_seconds > 0 and 0 < report.mfu < 1
     else:
         assert report.estimate_seconds is None and "no cost model" in report.estimate_note
+
+
+@pytest.mark.parametrize("target_name", ["v5p-8", "h100-4"])
+def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
+    """fsdp 2 x context 2, ring attention: a Llama decoder's train step compiled for 4 chips. Each
+    device holds 2 rows x 64 of the 128 tokens; the ring passes its K/V block of [2 rows, 64
+    tokens, 2 kv heads, 16] bf16 to the next device by collective-permute, and every parameter
+    (each has an "embed" dim) is split over fsdp x context: a quarter of it per chip."""
+    cfg = tiny("llama", num_layers=1, num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16", attention_impl="auto")
+    train = TrainConfig(batch_size=4, mesh=MeshConfig(data=1, fsdp=2, context=2), parallelism="fsdp+context",
+                        num_train_steps=10)
+    target = preflight.parse_target(target_name)
+    batch = pipeline.lm_batch_spec(4, 128)
+    trainer = Trainer(DecoderLM(cfg), LMTask(), train, parallel.make_mesh(train.mesh, target.devices())).setup(batch)
+    (report,) = preflight.check_step(trainer, batch, target, with_eval=False)
+    assert report.fits and report.kernels == []  # the ring's blocks: XLA's own ops
+    ring = report.collectives["collective-permute"]
+    assert ring["count"] >= 2 and "bf16[2,64,2,16]" in ring["shapes"], report.collectives
+    params = jax.tree.leaves(trainer.abstract_state.params)
+    assert all(np.prod(x.sharding.shard_shape(x.shape)) * 4 == x.size for x in params)
+    state = jax.tree.leaves(trainer.abstract_state)
+    total = sum(x.size * x.dtype.itemsize for x in state)
+    replicated = sum(x.size * x.dtype.itemsize for x in state if x.sharding.is_fully_replicated)  # step, rng, count
+    assert report.state_bytes == (total - replicated) / 4 + replicated and replicated < 64
+
+
+def test_advice_names_context_parallelism_when_a_device_holds_one_sequence():
+    """Fewer rows cannot help a device that holds one row per pass: the advice splits the sequence."""
+    cfg = tiny("llama", remat_policy="full")
+    plain = TrainConfig(batch_size=8, mesh=MeshConfig(data=1, fsdp=8), parallelism="fsdp")
+    assert preflight.advice(plain, cfg, rows_per_device=4) == ["accumulate gradients: --config.microbatches=2",
+                                                               "or a smaller --config.batch_size"]
+    assert preflight.advice(plain, cfg, rows_per_device=1) == [
+        "each device holds one whole sequence per pass: split sequences over devices (context parallelism): "
+        "--config.parallelism=fsdp+context --config.mesh.context=4"]
+    split = TrainConfig(batch_size=2, mesh=MeshConfig(data=1, fsdp=2, context=4), parallelism="fsdp+context")
+    assert preflight.advice(split, cfg, rows_per_device=1) == [
+        "each device holds 1/4 of a sequence per pass: split sequences over more devices (context parallelism): "
+        "--config.parallelism=fsdp+context --config.mesh.context=8"]
 
 
 def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():

@@ -5,18 +5,28 @@ chunk: its padding of S to a chunk multiple must not resize a BigBird table), an
 against a brute-force count of the non-empty tiles of that mask.
 
 Each case: output and dq, dk, dv, fp32, max-abs <= 1e-5 (output) and 1e-4 (gradients).
+
+Under a (data=2, tensor=2) mesh of simulated CPU devices the kernels run per device on [B/2 | N/2]
+shards of every pattern and equal the single-device kernels (values and gradients, 1e-5), and an
+encoder with `attention_sparsity` (Longformer) gives the single-device loss and gradients (1e-5).
 """
 import dataclasses
 from typing import Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from parallel_cases import B, _batch
 from tfm.kernels import flash_attention as fa
-from tfm.models import presets
+from tfm.models import EncoderModel, presets
 from tfm.ops import attention, select, sparsity
+from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules
+from tfm.train import MLMTask, TrainConfig, Trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +175,80 @@ def test_model_config_takes_a_pattern_by_its_fields():
         presets.tiny("encoder", attention_sparsity={"kind": "butterfly"})
     with pytest.raises(ValueError, match="Linformer"):
         presets.tiny("encoder", attention_sparsity=sparsity.Strided(4), linformer_length=8)
+
+
+MESH_PATTERNS = ((sparsity.Strided(8), True), (sparsity.Fixed(16, summary=3), False),
+                 (sparsity.BigBird(8, window=1, globals=1, random=1, seed=2), False),
+                 (sparsity.Longformer(window=5, globals=3), True))  # (pattern, causal)
+DATA2_TENSOR2 = MeshConfig(data=2, tensor=2)
+
+
+def _every_pattern(impl: str):
+    """(q, k, v, ct) -> (sum(outputs * ct), outputs [4, B, T, N, H]): the four patterns in one program."""
+    def f(q, k, v, ct):
+        outs = jnp.stack([attention.dot_product_attention(
+            q, k, v, impl=impl, sparsity=p, causal=causal, block_sizes=fa.BlockSizes(8, 8) if impl == "pallas" else None)
+            for p, causal in MESH_PATTERNS])
+        return jnp.sum(outs * ct), outs
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+
+def _kernel_shapes(jaxpr, inside=False):
+    """{(inside shard_map, [B, N|K] of a 4-D operand)} of every pallas_call in jaxpr and its sub-jaxprs."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found |= {(inside, tuple(x.aval.shape[:2])) for x in eqn.invars if x.aval.ndim == 4}
+        for sub in jaxprs_in_params(eqn.params):
+            found |= _kernel_shapes(sub, inside or eqn.primitive.name == "shard_map")
+    return found
+
+
+def test_patterns_under_a_mesh_equal_one_device():
+    """data=2 x tensor=2: each device runs the sparse kernels on 2 of the 4 rows and 2 of the 4 query
+    heads (1 of the 2 kv heads); values (1e-5) and dq, dk, dv (1e-4) equal the one-device xla reference."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 32, n, 8), np.float32) for n in (4, 2, 2))
+    ct = rng.standard_normal((len(MESH_PATTERNS), 4, 32, 4, 8), np.float32)
+    (_, want), want_grads = _every_pattern("xla")(q, k, v, ct)
+    mesh = make_mesh(DATA2_TENSOR2, jax.devices()[:4])
+    split = lambda x, *lead: jax.device_put(x, NamedSharding(mesh, P(*lead, "data", None, "tensor")))
+    args = split(q), split(k), split(v), split(ct, None)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("data", "tensor", activations=True))):
+        traced = _every_pattern("pallas").trace(*args)
+        (_, got), grads = traced.lower().compile()(*args)
+    assert _kernel_shapes(traced.jaxpr.jaxpr) == {(True, (2, 2)), (True, (2, 1))}  # [B/2, N/2 | K/2] per device
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    for label, a, b in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f"d{label}")
+
+
+def test_sparse_encoder_under_a_mesh_equals_one_device():
+    """A one-layer encoder with a Longformer `attention_sparsity`: its MLM loss and parameter gradients
+    by the kernels under (data=2, tensor=2) equal the one-device xla reference's (1e-5), same parameters."""
+    config = presets.tiny("encoder", num_layers=1, attention_sparsity=sparsity.Longformer(window=3, globals=2))
+    task, batch = MLMTask(), _batch("encoder", np.random.default_rng(0))
+
+    def loss_and_grads(model, mesh_config, parallelism, params=None):
+        mesh = make_mesh(mesh_config, jax.devices()[:int(np.prod(mesh_config.ici_sizes()))])
+        trainer = Trainer(model, task, TrainConfig(batch_size=B, mesh=mesh_config, parallelism=parallelism),
+                          mesh).setup(batch)
+        if params is None:  # random normal values of the parameters' shapes: no init program to compile
+            shapes = jax.eval_shape(lambda key: nn.unbox(task.init_variables(model, key, batch)["params"]),
+                                    jax.random.PRNGKey(0))
+            rng = np.random.default_rng(1)
+            params = jax.tree.map(lambda s: (0.2 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
+        loss = lambda p, b: task.loss(model, p, b, jax.random.PRNGKey(0), task.weight_totals(b),
+                                      deterministic=True)[0]
+        with trainer.context():
+            f = jax.jit(jax.value_and_grad(loss), in_shardings=(trainer.param_shardings, trainer.batch_sharding))
+            return f(params, trainer.global_batch(batch)), params
+
+    (want, want_grads), params = loss_and_grads(EncoderModel(config), MeshConfig(data=1), "data")
+    kernels = EncoderModel(config.replace(attention_impl="pallas", attention_block_sizes=fa.BlockSizes(8, 8)))
+    (got, grads), _ = loss_and_grads(kernels, DATA2_TENSOR2, "data+tensor", params)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    flat, want_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)
+    assert len(flat) == len(want_flat) and sum(float(np.abs(g).max()) > 1e-4 for g in want_flat) > len(flat) // 2
+    for (path, a), b in zip(flat, want_flat):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))

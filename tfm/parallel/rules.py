@@ -11,6 +11,12 @@ name, e.g. `make_rules("fsdp", "tensor")`:
   tensor  Megatron: "heads"/"kv_heads"/"mlp" over `tensor` — the QKV and up projections are
           column-parallel (output dim split), the attention-out and down projections
           row-parallel (input dim split); the vocab table and logits split on "vocab".
+  context sequences ("length") over `context` (context parallelism, `tfm.ops.context`), and
+          params and optimizer state over `context` on "embed" as fsdp does over `fsdp`: the
+          devices of a context group hold different tokens of the same rows, so like FSDP
+          ranks they sum gradients and need no whole copy of the model (MaxText shards its
+          parameters over its context axis the same way). Under fsdp+context "embed" is split
+          over both, so a long-context mesh holds 1/(fsdp x context) of the state per device.
   expert  batch and the "expert" dim of MoE weights over `expert`. Inside the MoE layer
           (moe_impl="einsum") the dispatched activations [B, E, C, D] name their batch
           "expert_batch" (the batch axes less `expert`), so E is split over `expert` and XLA
@@ -40,7 +46,7 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
                "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
-    "context": {"length": ("context",)},
+    "context": {"length": ("context",), "embed": ("context",)},
 }
 _PARAM_ONLY = ("embed", "latent")
 _ACTIVATION_ONLY = ("length",)

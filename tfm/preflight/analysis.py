@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from tfm.parallel.rules import parse_parallelism
 from tfm.preflight.targets import GiB, Target
 from tfm.train.step import make_eval_step
 
@@ -51,7 +52,7 @@ class StepReport:
     estimate_seconds: Optional[float] = None
     estimate_note: str = ""
     mfu: Optional[float] = None     # model FLOPs / (chips x peak x estimate): an estimate
-    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"}
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes", "shapes"}
     kernels: list = dataclasses.field(default_factory=list)      # {"backend", "name", "shapes"}
     largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
     error: str = ""
@@ -137,9 +138,10 @@ def _split_instruction(line: str):
 
 
 def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
-    """(collectives {kind: {count, bytes}}, kernel calls, `top` largest arrays (bytes, shape,
-    opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's largest
-    element); instructions in a loop body count once."""
+    """(collectives {kind: {count, bytes, shapes}}, kernel calls, `top` largest arrays (bytes,
+    shape, opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's
+    largest element), `shapes` the distinct such arrays per device ("bf16[2,64,2,16]": the
+    blocks a ring passes on); instructions in a loop body count once."""
     shapes, collectives, kernels, sizes = {}, {}, [], {}
     fused = False  # inside a fusion's computation: its values live in registers, not in memory
     for line in text.splitlines():
@@ -154,9 +156,11 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
         nbytes, array = _largest_array(shape)
         kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
         if kind in COLLECTIVES:
-            entry = collectives.setdefault(kind, {"count": 0, "bytes": 0})
+            entry = collectives.setdefault(kind, {"count": 0, "bytes": 0, "shapes": []})
             entry["count"] += 1
             entry["bytes"] += nbytes
+            if array not in entry["shapes"]:
+                entry["shapes"].append(array)
         if opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', rest)
             backend = next((v for k, v in KERNEL_TARGETS.items() if target and target.group(1).startswith(k)), None)
@@ -264,16 +268,26 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     return reports
 
 
-def advice(train_config, model_config) -> list[str]:
-    """What would make a step that does not fit fit, from what the config does not do yet."""
+def advice(train_config, model_config, rows_per_device: Optional[int] = None) -> list[str]:
+    """What would make a step that does not fit fit, from what the config does not do yet.
+    `rows_per_device`: sequences each device holds per pass; at one, fewer rows cannot help, so
+    splitting each sequence over devices (context parallelism) is named instead."""
     tips = []
-    if "fsdp" not in train_config.parallelism:
+    styles = parse_parallelism(train_config.parallelism)
+    if "fsdp" not in styles:
         tips.append("shard parameters and optimizer state: --config.parallelism=fsdp (or data+fsdp) with "
                     "--config.mesh.fsdp=-1 --config.mesh.data=1")
     policy = getattr(model_config, "remat_policy", "none")
     if policy != "full":
         stronger = "dots_with_no_batch_dims_saveable' or 'full" if policy == "none" else "full"
         tips.append(f"rematerialise more (now {policy!r}): --config.model.overrides.remat_policy='{stronger}'")
+    if rows_per_device is not None and rows_per_device <= 1:
+        context = train_config.mesh.context if "context" in styles else 1
+        others = "+".join(s for s in styles if s != "context")
+        tips.append(f"each device holds {'one whole sequence' if context == 1 else f'1/{context} of a sequence'} "
+                    f"per pass: split sequences over {'' if context == 1 else 'more '}devices (context "
+                    f"parallelism): --config.parallelism={others}+context --config.mesh.context={max(4, 2 * context)}")
+        return tips
     tips.append(f"accumulate gradients: --config.microbatches={2 * train_config.microbatches}")
     tips.append("or a smaller --config.batch_size")
     return tips

@@ -13,6 +13,26 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            12.75 GiB per chip (0.29 params + Adam), cost-model MFU 62.1% (an estimate, scaled
            from the scanned compile), and h100-64 at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
            v5p-1024 and the rest in benchmarks/RESULTS.md.
+`:long`:   the 7b at 32,768 tokens with RoPE base 500,000, the shape of Llama-2-Long's continued
+           pretraining (Xiong et al. 2023, "Effective Long-Context Scaling of Foundation
+           Models"), 64 sequences (2M tokens) per step, context parallelism: mesh fsdp x context 4
+           (parallelism fsdp+context), ring attention (each device holds 8k tokens of a sequence:
+           two mirrored 4k chunks; K/V blocks passed around the ring), parameters and Adam split
+           over fsdp x context.
+    python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=v5p-512
+    python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=h100-8 --config.microbatches=32
+           (8 H100s: fsdp 2 x context 4, 2 rows of 32k per pass as on v5p, 32 passes per step.)
+           Preflight (2026-11-24, v5p-512): fits, 64.20 GiB per chip (0.29 GiB params + Adam,
+           63.90 GiB temporaries), attention the ring with the chunked (pure JAX) backend per block
+           (impl auto; no Pallas kernel under context yet), 40 collective-permutes in the step's
+           program (the ring's bf16[1, 8192, 32, 128] K/V blocks, the zig-zag re-layout), 22
+           all-reduces; compiled in 686 s on 2 loaded cores.
+           Preflight (2026-11-24, h100-8): fits, 60.34 GiB of 79.14 GiB per GPU (9.41 GiB params +
+           Adam, 50.91 GiB temporaries), 39 collective-permutes, 20 all-gathers, 6 reduce-scatters;
+           82 s. Without context parallelism (--config.mesh.context=1 --config.microbatches=8: fsdp 8,
+           one whole 32k row per GPU, the flash kernels) it needs 106.99 GiB per GPU and does not
+           fit; on v5p-512 a whole 32k row per chip (--config.mesh.context=1 --config.batch_size=256)
+           needs 96.69 GiB of 95 GiB. benchmarks/RESULTS.md has the rest.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
 `:runlocal` shrinks either to a CPU smoke run on the generated corpus.
@@ -24,14 +44,16 @@ SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
           # 70b saves only each layer's input: its matmul outputs, kept for the backward as 7b's
           # are, would take 108 GiB per v5p chip and 229 GiB per H100 (preflight)
           "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672, remat_policy="full")}
+LONG_TOKENS, LONG_CONTEXT = 32_768, 4  # `:long`: each device holds 32k / 4 = 8k tokens of a sequence
 
 
 def get_config(arg: str = "7b"):
-    size, _, local = (arg or "7b").partition(",")
-    if size == "runlocal":
-        size, local = "7b", "runlocal"
+    variant, _, local = (arg or "7b").partition(",")
+    if variant == "runlocal":
+        variant, local = "7b", "runlocal"
+    size = "7b" if variant == "long" else variant
     if size not in SHAPES:
-        raise ValueError(f"llama2.py:{arg}: choose 7b or 70b (optionally ,runlocal)")
+        raise ValueError(f"llama2.py:{arg}: choose 7b, 70b or long (optionally ,runlocal)")
     c = gpt2_small.get_config()
     c.model.preset = "llama"
     c.model.overrides = dict(SHAPES[size], max_len=4096, rope=dict(theta=10_000.0), dtype="bfloat16",
@@ -42,7 +64,14 @@ def get_config(arg: str = "7b"):
                        weight_decay=0.1, b2=0.95)
     c.mesh.data, c.mesh.fsdp = 1, -1
     c.parallelism = "fsdp"
+    if variant == "long":  # Llama-2-Long's continued pretraining shape: 32k tokens, RoPE base 500k
+        c.model.overrides.update(max_len=LONG_TOKENS, rope=dict(theta=500_000.0))
+        c.seq_len = LONG_TOKENS
+        c.batch_size = 64  # 2M tokens per step
+        c.mesh.context = LONG_CONTEXT
+        c.parallelism = "fsdp+context"
     if local == "runlocal":
         gpt2_small.shrink(c)
         c.model.overrides.update(num_kv_heads=4, attention_impl="xla", remat_policy="none")
+        c.mesh.context = 1  # one CPU device: the sequence stays whole
     return c
