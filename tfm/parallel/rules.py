@@ -12,7 +12,7 @@ name, e.g. `make_rules("fsdp", "tensor")`:
           column-parallel (output dim split), the attention-out and down projections
           row-parallel (input dim split); the vocab table and logits split on "vocab".
   context sequences ("length") over `context` (context parallelism, `tfm.ops.context`), and
-          params and optimizer state over `context` on "embed" as fsdp does over `fsdp`: the
+          params and optimizer state over `context` on "embed" (and "latent") as fsdp does over `fsdp`: the
           devices of a context group hold different tokens of the same rows, so like FSDP
           ranks they sum gradients and need no whole copy of the model (MaxText shards its
           parameters over its context axis the same way). Under fsdp+context "embed" is split
@@ -46,7 +46,7 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
                "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
-    "context": {"length": ("context",), "embed": ("context",)},
+    "context": {"length": ("context",), "embed": ("context",), "latent": ("context",)},
 }
 _PARAM_ONLY = ("embed", "latent")
 _ACTIVATION_ONLY = ("length",)
