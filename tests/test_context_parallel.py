@@ -5,8 +5,8 @@ context=4) and (context=2, tensor=2), and by all-gather under (data=2, context=4
 single-device impl="xla" reference in values and in the gradients of q, k, v and the memory
 (atol 2e-5) for causal packed-segment GQA attention with a window and ALiBi, bidirectional
 attention over padding with a window and soft-cap, and cross-attention to a padded memory; so
-does impl="pallas" (the flash kernels, interpreted, as each block) by ring under (context=4) and
-(data=2, context=4) and by all-gather under (data=2, context=4);
+does impl="pallas" (the flash kernels, interpreted, as each block) by ring and by all-gather under
+(data=2, context=4);
 the zig-zag layout gives device i chunks i and 2c-1-i (the tokens moved there, their global
 positions, and the same count of visible causal pairs on every device); a causal ring step
 off the diagonal computes half a block (dot FLOPs of its branches, forward and backward); and
@@ -97,11 +97,12 @@ def test_context_parallel_attention_equals_one_device(reference, mesh_name, stra
     _assert_close(_context_parallel(mesh_name, strategy, "xla"), reference, atol=2e-5)
 
 
-@pytest.mark.parametrize("mesh_name,strategy", [("context4", "ring"), ("data2_context4", "ring"),
-                                                ("data2_context4", "all_gather")])
-def test_context_parallel_pallas_blocks_equal_one_device(reference, mesh_name, strategy):
-    """The flash kernels as each block (positions offset per device and ring step) in values and grads."""
-    _assert_close(_context_parallel(mesh_name, strategy, "pallas"), reference, atol=2e-5)
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallel_pallas_blocks_equal_one_device(reference, strategy):
+    """The flash kernels as each block (positions offset per device and ring step) in values and grads,
+    under (data=2, context=4) only: interpreted kernels compile slowly, and (context=4) runs the same
+    per-device program on twice the batch."""
+    _assert_close(_context_parallel("data2_context4", strategy, "pallas"), reference, atol=2e-5)
 
 
 def test_zigzag_layout_balances_causal_rows():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
+from jax import lax
 
 from tfm.kernels import flash_attention
 from tfm.ops.chunked import merge
@@ -55,48 +56,60 @@ class Blocks(NamedTuple):
     `tfm.ops.chunked.Blocks`: forward -> o fp32, lse; backward with the whole row's lse and delta).
 
     A block's queries and keys are runs of consecutive global positions, q_run and kv_run tokens
-    each (a zig-zag share is two runs): one kernel call per (query run, key run) pair, the queries'
-    offset from the keys (a traced scalar) given to the kernels, which mask and skip tiles by it.
-    options: causal, window, softcap, scale, block_sizes, backend, interpret (`flash_attention`)."""
+    each (a zig-zag share is two runs): a loop over the (query run, key run) pairs calls the kernels
+    once per pair with the queries' offset from the keys (a traced scalar), by which they mask and
+    skip tiles. options: causal, window, softcap, scale, block_sizes, backend, interpret
+    (`flash_attention`)."""
     q_run: int
     kv_run: int
     options: tuple  # sorted (name, value) pairs: hashable, a custom_vjp nondiff argument
 
-    def _runs(self, length, run):
-        return [slice(start, start + run) for start in range(0, length, run)]
+    def _pairs(self, T, S):
+        """(number of pairs, pair index -> (query run start, key run start)) for T queries, S keys."""
+        runs_kv = S // self.kv_run
+        return T // self.q_run * runs_kv, lambda p: ((p // runs_kv) * self.q_run, (p % runs_kv) * self.kv_run)
+
+    def _run(self, x, start, axis=1):
+        return None if x is None else lax.dynamic_slice_in_dim(x, start, self.q_run, axis)
+
+    def _kv(self, x, start):
+        return lax.dynamic_slice_in_dim(x, start, self.kv_run, 1)
 
     def forward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
         B, T, K, G, H = qg.shape
-        options = dict(self.options)
-        outs = []
-        for rows in self._runs(T, self.q_run):
-            q = qg[:, rows].reshape(B, -1, K * G, H)
-            part = None
-            for cols in self._runs(k.shape[1], self.kv_run):
-                shift = q_pos[0, rows.start] - kv_pos[0, cols.start]
-                o, lse = flash_attention.block_forward(
-                    q, k[:, cols], v[:, cols], shift, q_segment_ids=None if q_seg is None else q_seg[:, rows],
-                    kv_segment_ids=kv_seg[:, cols], alibi_slopes=slopes, **options)
-                o = o.astype(jnp.float32).reshape(B, -1, K, G, H), lse.reshape(B, K, G, -1)  # [B, T', K, G, H]
-                part = o if part is None else merge(part, o)
-            outs.append(part)
-        return jnp.concatenate([o for o, _ in outs], axis=1), jnp.concatenate([lse for _, lse in outs], axis=3)
+        pairs, starts = self._pairs(T, k.shape[1])
+
+        def pair(p, part):
+            q0, k0 = starts(p)
+            o, lse = flash_attention.block_forward(
+                self._run(qg, q0).reshape(B, self.q_run, K * G, H), self._kv(k, k0), self._kv(v, k0),
+                q_pos[0, q0] - kv_pos[0, k0], q_segment_ids=self._run(q_seg, q0), kv_segment_ids=self._kv(kv_seg, k0),
+                alibi_slopes=slopes, **dict(self.options))
+            o, lse = o.astype(jnp.float32).reshape(B, self.q_run, K, G, H), lse.reshape(B, K, G, self.q_run)
+            o, lse = merge((self._run(part[0], q0), self._run(part[1], q0, 3)), (o, lse))
+            return (lax.dynamic_update_slice_in_dim(part[0], o, q0, 1),
+                    lax.dynamic_update_slice_in_dim(part[1], lse, q0, 3))
+
+        empty = jnp.zeros(qg.shape, jnp.float32), jnp.full((B, K, G, T), jnp.inf, jnp.float32)
+        return lax.fori_loop(0, pairs, pair, empty)
 
     def backward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, delta, do):
         B, T, K, G, H = qg.shape
-        options = dict(self.options)
-        dq = jnp.zeros(qg.shape, jnp.float32)
-        dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-        heads = lambda x, rows: x[:, rows].reshape(B, -1, K * G, H)  # [B, T', N, H]
-        stats = lambda x, rows: x[..., rows].reshape(B, K * G, -1)   # [B, N, T']
-        for rows in self._runs(T, self.q_run):
-            for cols in self._runs(k.shape[1], self.kv_run):
-                shift = q_pos[0, rows.start] - kv_pos[0, cols.start]
-                dq_part, dk_part, dv_part = flash_attention.block_backward(
-                    heads(qg, rows), k[:, cols], v[:, cols], heads(do, rows), stats(lse, rows), stats(delta, rows),
-                    shift, q_segment_ids=None if q_seg is None else q_seg[:, rows], kv_segment_ids=kv_seg[:, cols],
-                    alibi_slopes=slopes, **options)
-                dq = dq.at[:, rows].add(dq_part.astype(jnp.float32).reshape(B, -1, K, G, H))
-                dk = dk.at[:, cols].add(dk_part.astype(jnp.float32))
-                dv = dv.at[:, cols].add(dv_part.astype(jnp.float32))
-        return dq, dk, dv
+        pairs, starts = self._pairs(T, k.shape[1])
+        heads = lambda x, q0: self._run(x, q0).reshape(B, self.q_run, K * G, H)  # [B, T', N, H]
+        stats = lambda x, q0: self._run(x, q0, 3).reshape(B, K * G, self.q_run)  # [B, N, T']
+
+        def pair(p, grads):
+            q0, k0 = starts(p)
+            dq_part, dk_part, dv_part = flash_attention.block_backward(
+                heads(qg, q0), self._kv(k, k0), self._kv(v, k0), heads(do, q0), stats(lse, q0), stats(delta, q0),
+                q_pos[0, q0] - kv_pos[0, k0], q_segment_ids=self._run(q_seg, q0),
+                kv_segment_ids=self._kv(kv_seg, k0), alibi_slopes=slopes, **dict(self.options))
+            add = lambda acc, part, start, length: lax.dynamic_update_slice_in_dim(
+                acc, lax.dynamic_slice_in_dim(acc, start, length, 1) + part.astype(jnp.float32), start, 1)
+            dq, dk, dv = grads
+            return (add(dq, dq_part.reshape(B, self.q_run, K, G, H), q0, self.q_run),
+                    add(dk, dk_part, k0, self.kv_run), add(dv, dv_part, k0, self.kv_run))
+
+        zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+        return lax.fori_loop(0, pairs, pair, (zeros(qg), zeros(k), zeros(v)))
