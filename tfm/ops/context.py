@@ -9,7 +9,7 @@ too), one of two strategies (ModelConfig.context_strategy):
               ids) and attends its own queries to them: simple, O(S) memory per device.
   ring        K/V blocks travel around the `context` ring (`lax.ppermute`): at each of c steps a
               device attends its queries to the block it holds, merging blocks by online
-              softmax (running max, sum and output); the backward rotates the blocks again
+              softmax (each block's output and log-sum-exp); the backward rotates the blocks again
               with their dK/dV accumulators, which arrive home after c steps. O(S/c) memory.
 
 Load balance (causal): each device's share is re-laid out zig-zag, two mirrored chunks of
@@ -18,10 +18,15 @@ visible (query, key) pairs as every other; for causal self-attention each ring s
 half of its block that no query of the device can see, so a device computes (c + 1) / 2 blocks'
 worth instead of c, the same on every device. The re-layout moves q, k, v there and
 the output back (one `ppermute` per half); positions, windows, ALiBi and segment ids are those
-of each token's global position, wherever it sits. The per-block computation is the chunked
-backend's (`tfm.ops.chunked`): keys taken `chunk` at a time, probabilities recomputed in the
-backward from the saved log-sum-exp. (The Pallas kernels would need a log-sum-exp output with
-its VJP to serve as the block; until then impl pallas/cudnn are refused under `context`.)
+of each token's global position, wherever it sits.
+
+One driver serves both strategies, the per-block computation pluggable (`impl`): the chunked
+backend's (`tfm.ops.chunked.Blocks`: keys taken `chunk` at a time) or the flash kernels'
+(`tfm.ops.pallas.Blocks`: one kernel call per pair of position runs, a zig-zag share being two
+runs and the all-gathered keys, put back in sequence order, one; the queries' offset from the keys
+is a traced scalar the kernels mask and skip tiles by). A block returns its output and log-sum-exp,
+merged across blocks by online softmax (`chunked.merge`); the backward gives every block the whole
+row's log-sum-exp and delta = rowsum(dO * O), recomputing the probabilities. cuDNN is refused here.
 """
 from __future__ import annotations
 
