@@ -67,8 +67,9 @@ def reference():
     return outs, grads
 
 
-def _context_parallel(mesh_name, strategy, impl):
-    """The three cases' outputs and gradients under the mesh, the inputs split along the sequence."""
+def _context_parallel(mesh_name, strategies, impl):
+    """Per strategy, the three cases' outputs and gradients under the mesh (one compile for all), the
+    inputs split along the sequence."""
     mesh_cfg, parallelism = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg, jax.devices()[:int(np.prod(mesh_cfg.ici_sizes()))])
     rules = flax_rules(make_rules(*parse_parallelism(parallelism), activations=True))
@@ -76,13 +77,14 @@ def _context_parallel(mesh_name, strategy, impl):
     seq = P(table.get("batch"), "context")
     args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in _inputs()[:5]]
     args.append(jax.device_put(_inputs()[5], NamedSharding(mesh, P(None, *seq))))
+    cases = [_all_cases(strategy, impl) for strategy in strategies]
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        traced = _all_cases(strategy, impl).trace(*args)
+        traced = jax.jit(lambda *xs: [f(*xs) for f in cases]).trace(*args)
         assert ("pallas_call" in str(traced.jaxpr)) == (impl == "pallas")
         lowered = traced.lower()
-        assert ("all_gather" in lowered.as_text()) == (strategy == "all_gather")  # the ring passes blocks on
-        (_, outs), grads = lowered.compile()(*args)
-    return outs, grads
+        assert ("all_gather" in lowered.as_text()) == ("all_gather" in strategies)  # the ring passes blocks on
+        results = lowered.compile()(*args)
+    return [(outs, grads) for (_, outs), grads in results]
 
 
 def _assert_close(got, want, atol):
@@ -94,15 +96,16 @@ def _assert_close(got, want, atol):
 
 @pytest.mark.parametrize("mesh_name,strategy", [(m, "ring") for m in MESHES] + [("data2_context4", "all_gather")])
 def test_context_parallel_attention_equals_one_device(reference, mesh_name, strategy):
-    _assert_close(_context_parallel(mesh_name, strategy, "xla"), reference, atol=2e-5)
+    _assert_close(_context_parallel(mesh_name, [strategy], "xla")[0], reference, atol=2e-5)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_context_parallel_pallas_blocks_equal_one_device(reference, strategy):
-    """The flash kernels as each block (positions offset per device and ring step) in values and grads,
-    under (data=2, context=4) only: interpreted kernels compile slowly, and (context=4) runs the same
-    per-device program on twice the batch."""
-    _assert_close(_context_parallel("data2_context4", strategy, "pallas"), reference, atol=2e-5)
+def test_context_parallel_pallas_blocks_equal_one_device(reference):
+    """The flash kernels as each block (positions offset per device and ring step), by ring and by
+    all-gather, in values and gradients; under (data=2, context=4) only, both strategies in one compile:
+    interpreted kernels compile slowly, and (context=4) runs the same per-device program on twice the
+    batch."""
+    for got in _context_parallel("data2_context4", ["ring", "all_gather"], "pallas"):
+        _assert_close(got, reference, atol=2e-5)
 
 
 def test_zigzag_layout_balances_causal_rows():

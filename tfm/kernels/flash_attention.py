@@ -291,7 +291,7 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, c
 
 # --------------------------------------------------------------------------------------
 # Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [shift], [block index, count],
-# outputs, scratch; the grid driver takes the block lists first instead (TPU scalar prefetch).
+# outputs, scratch; the grid driver takes the block lists and the shift first instead (TPU scalar prefetch).
 # --------------------------------------------------------------------------------------
 
 def _split_refs(refs, cfg: _Config, num_main: int):
@@ -299,14 +299,15 @@ def _split_refs(refs, cfg: _Config, num_main: int):
     shift: the queries' position offset (a traced int32 scalar, `_Config.shifted`) or 0."""
     q_seg_ref = kv_seg_ref = slope_ref = lists = None
     shift = 0
-    if cfg.sparsity is not None and cfg.driver == "grid":
-        lists, refs = tuple(refs[:2]), refs[2:]
+    if cfg.driver == "grid":
+        count = _num_prefetched(cfg)
+        (lists, shift), refs = _prefetched(cfg, refs[:count]), refs[count:]
     main, refs = refs[:num_main], refs[num_main:]
     if cfg.segments:
         (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
     if cfg.alibi:
         slope_ref, refs = refs[0], refs[1:]
-    if cfg.shifted:
+    if cfg.shifted and cfg.driver == "loop":
         shift, refs = refs[0][0], refs[1:]
     if cfg.sparsity is not None and cfg.driver == "loop":
         lists, refs = tuple(refs[:2]), refs[2:]
@@ -520,6 +521,16 @@ def _lists(cfg: _Config, seen):
     return None if cfg.sparsity is None else block_lists(seen())
 
 
+def _num_prefetched(cfg: _Config) -> int:
+    """Scalar-prefetch operands of the grid driver: the block lists (2), the shift (1)."""
+    return 2 * (cfg.sparsity is not None) + cfg.shifted
+
+
+def _prefetched(cfg: _Config, prefetch):
+    """The grid driver's scalar-prefetch refs -> (block lists (index_ref, count_ref) or None, shift or 0)."""
+    return (tuple(prefetch[:2]) if cfg.sparsity is not None else None), (prefetch[-1][0] if cfg.shifted else 0)
+
+
 def _listed(prefetch, row, step):
     """Grid driver index maps: the block of `row` that grid step `step` loads, from the scalar-prefetched
     lists; steps past the row's count repeat its last block, so the pipeline issues no copy for them."""
@@ -527,17 +538,10 @@ def _listed(prefetch, row, step):
     return index_ref[row, jnp.clip(step, 0, jnp.maximum(count_ref[row] - 1, 0))]
 
 
-def _shift_spec(cfg: _Config):
-    """The shift operand (int32 [1]) whole in every program: in SMEM on TPU."""
-    if cfg.driver == "grid":
-        from jax.experimental.pallas import tpu as pltpu
-        return pl.BlockSpec(memory_space=pltpu.SMEM)
-    return pl.BlockSpec((1,), lambda *_: (0,))
-
-
 def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None):
     """Optional operands and their specs, in kernel ref order. The loop driver takes the block lists as
-    two operands, row r at its grid step (., ., r); the grid driver takes them as scalar prefetch (`_call`)."""
+    two operands, row r at its grid step (., ., r), and the shift as one (int32 [1]); the grid driver takes
+    both as scalar prefetch (`_call`)."""
     args, specs = [], []
     if cfg.segments:
         args += [q_seg, kv_seg]
@@ -545,9 +549,9 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     if cfg.alibi:
         args.append(slopes)
         specs.append(slope_spec)
-    if cfg.shifted:
+    if cfg.shifted and cfg.driver == "loop":
         args.append(jnp.asarray(shift, jnp.int32).reshape(1))
-        specs.append(_shift_spec(cfg))
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
     if lists is not None and cfg.driver == "loop":
         index, count = lists
         args += [jnp.asarray(index), jnp.asarray(count)]
@@ -557,21 +561,24 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
 
 
 def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
-          num_sequential: int):
-    """The pallas_call of `kernel` as a function of its operands. With block lists the grid driver takes
-    them first, as TPU scalar prefetch (index [n, M] and count [n] in SMEM, read by the index maps)."""
+          num_sequential: int, shift=None):
+    """The pallas_call of `kernel` as a function of its operands. With block lists or a shift the grid
+    driver takes them first, as TPU scalar prefetch (index [n, M], count [n] and shift [1] in SMEM, read by
+    the index maps)."""
     params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential)
     kernel = functools.partial(kernel, cfg=cfg)
-    if lists is None or cfg.driver == "loop":
+    if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
                               scratch_shapes=scratch, compiler_params=params, interpret=cfg.interpret, name=name)
     from jax.experimental.pallas import tpu as pltpu
-    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                                        scratch_shapes=scratch)
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=_num_prefetched(cfg), grid=grid, in_specs=in_specs,
+                                        out_specs=out_specs, scratch_shapes=scratch)
     call = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec, compiler_params=params,
                           interpret=cfg.interpret, name=name)
-    index, count = lists
-    return functools.partial(call, jnp.asarray(index), jnp.asarray(count[:, 0]))
+    prefetch = () if lists is None else (jnp.asarray(lists[0]), jnp.asarray(lists[1][:, 0]))
+    if cfg.shifted:
+        prefetch += (jnp.asarray(shift, jnp.int32).reshape(1),)
+    return functools.partial(call, *prefetch)
 
 
 def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
@@ -590,10 +597,9 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, n, i: (n, 0, 0))
         return (B, N, nq), q_map, kv_spec, seg_specs, slope_spec
 
-    def kv_block(i, j, prefetch):  # shifted: the index maps cannot see the shift, so every block is fetched
-        if prefetch:
-            return _listed(prefetch, i, j)
-        return j if cfg.shifted else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+    def kv_block(i, j, prefetch):
+        lists, shift = _prefetched(cfg, prefetch)
+        return _listed(lists, i, j) if lists else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk, shift), nk)
 
     q_map = lambda b, n, i, j, *prefetch: (b, n, i, 0)
     kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j, *p: (b, _div(n, G), kv_block(i, j, p), 0))
@@ -619,7 +625,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=
     extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
     return _call(kernel, cfg, backend, lists, grid=grid, in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
                  out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch=scratch,
-                 out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3,
+                 out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3, shift=shift,
                  )(q, k, v, *extra_args)
 
 
@@ -638,7 +644,7 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs=q_spec,
                  scratch=scratch, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="flash_attention_dq",
-                 num_sequential=len(grid) - 3)(q, k, v, do, lse, delta, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift)(q, k, v, do, lse, delta, *extra_args)
 
 
 def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
@@ -664,9 +670,8 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         scratch = (_vmem((bk, H)), _vmem((bk, H)))
 
         def q_block(j, i, prefetch):
-            if prefetch:
-                return _listed(prefetch, j, i)
-            return i if cfg.shifted else _clamp(i, *q_block_range(j, cfg, bq, bk, nq), nq)
+            lists, shift = _prefetched(cfg, prefetch)
+            return _listed(lists, j, i) if lists else _clamp(i, *q_block_range(j, cfg, bq, bk, nq, shift), nq)
 
         q_map = lambda b, h, j, g, i, *p: (b, h * G + g, q_block(j, i, p), 0)
         q_spec = pl.BlockSpec((None, None, bq, H), q_map)
@@ -681,7 +686,7 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
                  out_specs=(kv_spec, kv_spec), scratch=scratch, out_shape=out_shape, name="flash_attention_dkv",
-                 num_sequential=len(grid) - 3)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
 
 
 # --------------------------------------------------------------------------------------
