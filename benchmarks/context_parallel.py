@@ -34,6 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tfm.ops.attention import dot_product_attention  # noqa: E402
 from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules  # noqa: E402
+from tfm.preflight.targets import parse_target, use_plugins  # noqa: E402
+
+use_plugins()  # the compile-only TPU/GPU compilers of --blocks-on, before JAX starts its backends
 
 N, H, CHUNK = 4, 64, 512
 MiB = 2 ** 20
@@ -81,7 +84,6 @@ def table(lengths, per_device: int, xla_up_to: int):
 
 def block_rows(lengths, target: str):
     """The ring over every chip of `target` (bf16), chunked against Pallas blocks."""
-    from tfm.preflight.targets import parse_target
     devices = parse_target(target).devices()
     rows = []
     for L in lengths:

@@ -249,6 +249,7 @@ def test_auto_picks_xla_on_cpu_and_for_dropout_or_positions():
     assert select.choose_impl(jnp.zeros((8, 8192, 16, 64)), jnp.zeros((8, 8192, 16, 64))) == "chunked"
     assert select.choose_impl(q, q, dropout_rate=0.1) == "xla"
     assert select.choose_impl(q, q, positions_given=True) == "xla"
+    assert select.choose_context_impl(q) == "chunked"  # context parallelism's blocks on CPU
 
 
 @pytest.mark.parametrize("kwargs,message", [

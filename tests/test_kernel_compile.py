@@ -7,9 +7,9 @@ default block sizes, through `dot_product_attention(impl="pallas")` in `jax.jit`
 by libtpu for a v5p-8 slice (Mosaic) and by XLA's CUDA plugin for one H100 (Triton, register
 spilling refused). Each compile is of the gradients, so it holds the forward kernel (the
 custom VJP's forward is the primal's kernel) and the dQ and dK/dV kernels. Also: the context-
-parallel ring with the kernels as its blocks (traced position shifts) under a context=2 mesh of
-two v5p chips and of two H100s of one host; the GPU forward kernel's register headroom (when ptxas
-is installed) and fp32 refused on Triton.
+parallel ring with the kernels as its blocks (traced position shifts; impl "auto" picks them)
+under a context=2 mesh of two v5p chips and of two H100s of one host; the GPU forward kernel's
+register headroom (when ptxas is installed) and fp32 refused on Triton.
 """
 import functools
 import re
@@ -61,8 +61,9 @@ def test_kernels_compile(target, variant, head_dim):
 
 @pytest.mark.parametrize("target,kernel_calls", [("v5p-8", "v5p-8"), ("h100-2", "h100-1")])
 def test_context_parallel_ring_compiles_with_the_kernels(target, kernel_calls):
-    """Causal packed-segment GQA with a window and ALiBi, bf16, by ring over context=2: the three
-    kernels in the compiled gradients, the blocks passed on by collective permutes."""
+    """Causal packed-segment GQA with a window and ALiBi, bf16, by ring over context=2, impl "auto"
+    (`select.choose_context_impl`: the kernels on TPU and bf16 GPU): the three kernels in the
+    compiled gradients, the blocks passed on by collective permutes."""
     mesh = make_mesh(MeshConfig(data=1, context=2), _devices(target)[:2])
     B, T, N, K, H = 1, 1024, 4, 2, 128
     seq = NamedSharding(mesh, P(None, "context"))
@@ -73,7 +74,7 @@ def test_context_parallel_ring_compiles_with_the_kernels(target, kernel_calls):
     def grads(q, k, v, segments):
         loss = lambda q, k, v: dot_product_attention(
             q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=300,
-            alibi_slopes=alibi_slopes(N), impl="pallas", context_strategy="ring").astype(jnp.float32).sum()
+            alibi_slopes=alibi_slopes(N), impl="auto", context_strategy="ring").astype(jnp.float32).sum()
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     options = REFUSE_SPILLS if target.startswith("h100") else None
@@ -120,6 +121,7 @@ def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
         bf16 = q.update(dtype=jnp.bfloat16)
         assert not select.cudnn_present()  # compile-only: JAX cannot lower cuDNN calls here
         assert select.choose_impl(bf16, q) == "pallas"
+        assert (select.choose_context_impl(q), select.choose_context_impl(bf16)) == ("chunked", "pallas")
 
 
 def test_auto_on_a_gpu_with_cudnn_picks_it_where_it_computes_the_layer(monkeypatch):
