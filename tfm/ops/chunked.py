@@ -1,8 +1,7 @@
 """The chunked backend: blockwise online softmax over key chunks, pure JAX.
 
 Its pieces also serve context parallelism (`tfm.ops.context`): `Blocks` is the per-block
-computation of its all-gather and ring strategies (the Pallas kernels' is `tfm.ops.pallas.Blocks`),
-and `merge` joins two blocks' partial attentions.
+computation of its all-gather and ring strategies (the Pallas kernels' is `tfm.ops.pallas.Blocks`).
 
 O(T + S) memory in both passes (the backward recomputes each chunk's probabilities from the
 saved log-sum-exp), and it runs on every backend: the fallback for long sequences on CPU.
@@ -150,34 +149,26 @@ def _grouped_bwd(cfg, chunk, residuals, do):
 grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def merge(a, b):
-    """Two partial attentions of the same queries to disjoint keys, a = (o [B, T, K, G, H] fp32,
-    lse [B, K, G, T], +inf on rows that saw no key), merged into the attention to both keys."""
-    (o_a, lse_a), (o_b, lse_b) = a, b
-    seen_a, seen_b = jnp.where(lse_a == jnp.inf, -jnp.inf, lse_a), jnp.where(lse_b == jnp.inf, -jnp.inf, lse_b)
-    top = jnp.maximum(seen_a, seen_b)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w_a, w_b = jnp.exp(seen_a - top), jnp.exp(seen_b - top)  # 0 for a part that saw no key
-    total = w_a + w_b
-    empty = total == 0.0
-    lse = jnp.where(empty, jnp.inf, top + jnp.log(jnp.where(empty, 1.0, total)))
-    weight = lambda w: jnp.einsum("BKGT->BTKG", w / jnp.where(empty, 1.0, total))[..., None]
-    return o_a * weight(w_a) + o_b * weight(w_b), lse
-
-
 class Blocks(NamedTuple):
     """The per-block computation of context parallelism in pure JAX, chunk keys at a time.
 
-    forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes) -> o [B, T, K, G, H] fp32, lse [B, K, G, T];
+    The online-softmax state (m, l, acc; `init_carry`) from empty(qg) is updated block by block by
+    accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes) and ends as finish(state, dtype)
+    -> o [B, T, K, G, H], lse [B, K, G, T]; every array of the state has T on axis 3.
     backward(..., lse, delta, do) -> dq [B, T, K, G, H], dk, dv [B, S, K, H] fp32 with the whole row's
     lse and delta (`output_delta`). qg [B, T, K, G, H], k, v [B, S, K, H] (S a multiple of chunk),
     positions and segment ids [B, T] / [B, S] (q_seg may be None)."""
     cfg: ChunkConfig
     chunk: int
 
-    def forward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
-        carry = accumulate(init_carry(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, self.cfg, self.chunk)
-        return finish(carry, jnp.float32)
+    def empty(self, qg):
+        return init_carry(qg)
+
+    def accumulate(self, state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
+        return accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, self.cfg, self.chunk)
+
+    def finish(self, state, dtype):
+        return finish(state, dtype)
 
     def backward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, delta, do):
         return block_grads(jnp.zeros(qg.shape, jnp.float32), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes,

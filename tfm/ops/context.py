@@ -24,9 +24,10 @@ One driver serves both strategies, the per-block computation pluggable (`impl`):
 backend's (`tfm.ops.chunked.Blocks`: keys taken `chunk` at a time) or the flash kernels'
 (`tfm.ops.pallas.Blocks`: one kernel call per pair of position runs, a zig-zag share being two
 runs and the all-gathered keys, put back in sequence order, one; the queries' offset from the keys
-is a traced scalar the kernels mask and skip tiles by). A block returns its output and log-sum-exp,
-merged across blocks by online softmax (`chunked.merge`); the backward gives every block the whole
-row's log-sum-exp and delta = rowsum(dO * O), recomputing the probabilities. cuDNN is refused here.
+is a traced scalar the kernels mask and skip tiles by). Each folds its blocks into an online-softmax
+state (`accumulate`) that ends as the output and log-sum-exp (`finish`); the backward gives every
+block the whole row's log-sum-exp and delta = rowsum(dO * O), recomputing the probabilities. cuDNN
+is refused here.
 """
 from __future__ import annotations
 
@@ -103,31 +104,28 @@ def _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, 
     """o [B, T, K, G, H] and lse [B, K, G, T] of the local queries against every device's block."""
     q_seg_h = (None, None) if q_seg is None else _halves(q_seg, 1)
 
-    def attend(part, block, kind):
+    def attend(state, block, kind):
         k, v, kv_pos, kv_seg = block
-        full = lambda part: chunked.merge(part, blocks.forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes))
+        full = lambda state: blocks.accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
 
-        def first_keys(part):  # an earlier device's block: only its first chunk is visible
+        def first_keys(state):  # an earlier device's block: only its first chunk is visible
             kh, vh, ph, sh = (_halves(x, 1)[0] for x in (k, v, kv_pos, kv_seg))
-            return chunked.merge(part, blocks.forward(qg, kh, vh, q_pos, ph, q_seg, sh, slopes))
+            return blocks.accumulate(state, qg, kh, vh, q_pos, ph, q_seg, sh, slopes)
 
-        def last_queries(part):  # a later device's block: only the second query chunk sees it
-            (o_lo, o_hi), (lse_lo, lse_hi) = _halves(part[0], 1), _halves(part[1], 3)
-            o_hi, lse_hi = chunked.merge((o_hi, lse_hi), blocks.forward(
-                _halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos, q_seg_h[1], kv_seg, slopes))
-            return jnp.concatenate([o_lo, o_hi], axis=1), jnp.concatenate([lse_lo, lse_hi], axis=3)
+        def last_queries(state):  # a later device's block: only the second query chunk sees it
+            lo, hi = zip(*(_halves(x, 3) for x in state))
+            hi = blocks.accumulate(hi, _halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos, q_seg_h[1], kv_seg,
+                                   slopes)
+            return tuple(jnp.concatenate(pair, axis=3) for pair in zip(lo, hi))
 
-        return full(part) if kind is None else jax.lax.switch(kind, (full, first_keys, last_queries), part)
+        return full(state) if kind is None else jax.lax.switch(kind, (full, first_keys, last_queries), state)
 
     def step(i, state):
-        part, block = state
-        return attend(part, block, _step_kind(i, size, skip)), _rotate(block, size)
+        state, block = state
+        return attend(state, block, _step_kind(i, size, skip)), _rotate(block, size)
 
-    B, T, K, G, H = qg.shape
-    empty = jnp.zeros(qg.shape, jnp.float32), jnp.full((B, K, G, T), jnp.inf, jnp.float32)
-    part, block = jax.lax.fori_loop(0, size - 1, step, (empty, (k, v, kv_pos, kv_seg)))
-    o, lse = attend(part, block, _step_kind(size - 1, size, skip))
-    return o.astype(qg.dtype), lse
+    state, block = jax.lax.fori_loop(0, size - 1, step, (blocks.empty(qg), (k, v, kv_pos, kv_seg)))
+    return blocks.finish(attend(state, block, _step_kind(size - 1, size, skip)), qg.dtype)
 
 
 def _ring_backward(residuals, do, blocks, size, skip):
@@ -190,12 +188,12 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
     """o [B, T, K, G, H]: the queries against one block of keys, by `blocks`."""
-    return blocks.forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)[0].astype(qg.dtype)
+    return _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)[0]
 
 
 def _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
-    o, lse = blocks.forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
-    o = o.astype(qg.dtype)
+    state = blocks.accumulate(blocks.empty(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
+    o, lse = blocks.finish(state, qg.dtype)
     return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
 
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfm.kernels import flash_attention
-from tfm.ops.chunked import merge
 from tfm.ops.shard import per_device
 from tfm.parallel.mesh import current_platform
 
@@ -51,9 +50,25 @@ def blocks(q_run: int, kv_run: int, *, causal: bool, window: Optional[int], soft
     return Blocks(q_run, kv_run, tuple(sorted(options.items())))
 
 
+def _merge(a, b):
+    """Two partial attentions of the same queries to disjoint keys, a = (o [B, K, G, T, H] fp32,
+    lse [B, K, G, T], +inf on rows that saw no key), merged into the attention to both keys."""
+    (o_a, lse_a), (o_b, lse_b) = a, b
+    seen_a, seen_b = jnp.where(lse_a == jnp.inf, -jnp.inf, lse_a), jnp.where(lse_b == jnp.inf, -jnp.inf, lse_b)
+    top = jnp.maximum(seen_a, seen_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_a, w_b = jnp.exp(seen_a - top), jnp.exp(seen_b - top)  # 0 for a part that saw no key
+    total = w_a + w_b
+    empty = total == 0.0
+    lse = jnp.where(empty, jnp.inf, top + jnp.log(jnp.where(empty, 1.0, total)))
+    total = jnp.where(empty, 1.0, total)
+    return o_a * (w_a / total)[..., None] + o_b * (w_b / total)[..., None], lse
+
+
 class Blocks(NamedTuple):
     """The flash kernels as the per-block computation of context parallelism (the interface of
-    `tfm.ops.chunked.Blocks`: forward -> o fp32, lse; backward with the whole row's lse and delta).
+    `tfm.ops.chunked.Blocks`; the state: o [B, K, G, T, H] fp32 and lse [B, K, G, T], blocks merged
+    by online softmax).
 
     A block's queries and keys are runs of consecutive global positions, q_run and kv_run tokens
     each (a zig-zag share is two runs): a loop over the (query run, key run) pairs calls the kernels
@@ -75,23 +90,29 @@ class Blocks(NamedTuple):
     def _kv(self, x, start):
         return lax.dynamic_slice_in_dim(x, start, self.kv_run, 1)
 
-    def forward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
+    def empty(self, qg):
+        B, T, K, G, H = qg.shape
+        return jnp.zeros((B, K, G, T, H), jnp.float32), jnp.full((B, K, G, T), jnp.inf, jnp.float32)
+
+    def accumulate(self, state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
         B, T, K, G, H = qg.shape
         pairs, starts = self._pairs(T, k.shape[1])
 
-        def pair(p, part):
+        def pair(p, state):
             q0, k0 = starts(p)
             o, lse = flash_attention.block_forward(
                 self._run(qg, q0).reshape(B, self.q_run, K * G, H), self._kv(k, k0), self._kv(v, k0),
                 q_pos[0, q0] - kv_pos[0, k0], q_segment_ids=self._run(q_seg, q0), kv_segment_ids=self._kv(kv_seg, k0),
                 alibi_slopes=slopes, **dict(self.options))
-            o, lse = o.astype(jnp.float32).reshape(B, self.q_run, K, G, H), lse.reshape(B, K, G, self.q_run)
-            o, lse = merge((self._run(part[0], q0), self._run(part[1], q0, 3)), (o, lse))
-            return (lax.dynamic_update_slice_in_dim(part[0], o, q0, 1),
-                    lax.dynamic_update_slice_in_dim(part[1], lse, q0, 3))
+            o = jnp.einsum("BTKGH->BKGTH", o.astype(jnp.float32).reshape(B, self.q_run, K, G, H))
+            o, lse = _merge(tuple(self._run(x, q0, 3) for x in state), (o, lse.reshape(B, K, G, self.q_run)))
+            return tuple(lax.dynamic_update_slice_in_dim(x, y, q0, 3) for x, y in zip(state, (o, lse)))
 
-        empty = jnp.zeros(qg.shape, jnp.float32), jnp.full((B, K, G, T), jnp.inf, jnp.float32)
-        return lax.fori_loop(0, pairs, pair, empty)
+        return lax.fori_loop(0, pairs, pair, state)
+
+    def finish(self, state, dtype):
+        o, lse = state
+        return jnp.einsum("BKGTH->BTKGH", o).astype(dtype), lse
 
     def backward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, delta, do):
         B, T, K, G, H = qg.shape
