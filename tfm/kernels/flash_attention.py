@@ -23,6 +23,12 @@ steps, step t loading block index[r, t] (scalar-prefetched) and computing while 
 Forward: online softmax with fp32 accumulators, saving the log-sum-exp [B, N, T]. Backward
 (`jax.custom_vjp`): recomputes the probabilities per tile; one kernel for dQ, one for dK/dV,
 which iterates over the G query heads of its key/value head so K and V are never repeated.
+
+Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `block_forward` and
+`block_backward` run the kernels alone, the softmax statistics the caller's, with the queries at
+positions shifted by a traced int32 scalar relative to the keys (`_Config.shifted`): an operand of
+the loop driver, scalar-prefetched by the grid driver so its index maps still skip empty blocks.
+Causal, window and ALiBi read the shifted positions; without a shift the kernels are unchanged.
 """
 from __future__ import annotations
 
