@@ -4,7 +4,9 @@ On 8 simulated CPU devices (fp32): attention by ring under meshes (context=4), (
 context=4) and (context=2, tensor=2), and by all-gather under (data=2, context=4), equals the
 single-device impl="xla" reference in values and in the gradients of q, k, v and the memory
 (atol 2e-5) for causal packed-segment GQA attention with a window and ALiBi, bidirectional
-attention over padding with a window and soft-cap, and cross-attention to a padded memory;
+attention over padding with a window and soft-cap, and cross-attention to a padded memory; so
+does impl="pallas" (the flash kernels, interpreted, as each block) by ring and by all-gather under
+(data=2, context=4);
 the zig-zag layout gives device i chunks i and 2c-1-i (the tokens moved there, their global
 positions, and the same count of visible causal pairs on every device); a causal ring step
 off the diagonal computes half a block (dot FLOPs of its branches, forward and backward); and
@@ -44,11 +46,11 @@ SEGMENTS = np.asarray([[1] * 5 + [2] * 9 + [0] * 2, [1] * 11 + [3] * 5])  # pack
 MEMORY_SEGMENTS = np.asarray([[1] * 8, [1] * 5 + [0] * 3])
 
 
-def _all_cases(strategy):
+def _all_cases(strategy, impl="xla"):
     """(q, k, v, mem_k, mem_v, ct) -> (loss, outputs [3, B, T, N, H]): causal packed GQA with a
     window and ALiBi; bidirectional (an encoder's padding) with a window and soft-cap; cross."""
     def f(q, k, v, mem_k, mem_v, ct):
-        attend = lambda *a, **kw: dot_product_attention(*a, impl="xla", context_strategy=strategy, **kw)
+        attend = lambda *a, **kw: dot_product_attention(*a, impl=impl, context_strategy=strategy, **kw)
         outs = jnp.stack([
             attend(q, k, v, causal=True, q_segment_ids=SEGMENTS, kv_segment_ids=SEGMENTS, window=6,
                    alibi_slopes=alibi_slopes(N)),
@@ -65,8 +67,9 @@ def reference():
     return outs, grads
 
 
-@pytest.mark.parametrize("mesh_name,strategy", [(m, "ring") for m in MESHES] + [("data2_context4", "all_gather")])
-def test_context_parallel_attention_equals_one_device(reference, mesh_name, strategy):
+def _context_parallel(mesh_name, strategies, impl):
+    """Per strategy, the three cases' outputs and gradients under the mesh (one compile for all), the
+    inputs split along the sequence."""
     mesh_cfg, parallelism = MESHES[mesh_name]
     mesh = make_mesh(mesh_cfg, jax.devices()[:int(np.prod(mesh_cfg.ici_sizes()))])
     rules = flax_rules(make_rules(*parse_parallelism(parallelism), activations=True))
@@ -74,14 +77,35 @@ def test_context_parallel_attention_equals_one_device(reference, mesh_name, stra
     seq = P(table.get("batch"), "context")
     args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in _inputs()[:5]]
     args.append(jax.device_put(_inputs()[5], NamedSharding(mesh, P(None, *seq))))
+    cases = [_all_cases(strategy, impl) for strategy in strategies]
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        lowered = _all_cases(strategy).lower(*args)
-        assert ("all_gather" in lowered.as_text()) == (strategy == "all_gather")  # the ring passes blocks on
-        (_, outs), grads = lowered.compile()(*args)
-    ref_outs, ref_grads = reference
-    np.testing.assert_allclose(outs, ref_outs, atol=2e-5)
-    for got, want in zip(grads, ref_grads):
-        np.testing.assert_allclose(got, want, atol=2e-5)
+        traced = jax.jit(lambda *xs: [f(*xs) for f in cases]).trace(*args)
+        assert ("pallas_call" in str(traced.jaxpr)) == (impl == "pallas")
+        lowered = traced.lower()
+        assert ("all_gather" in lowered.as_text()) == ("all_gather" in strategies)  # the ring passes blocks on
+        results = lowered.compile()(*args)
+    return [(outs, grads) for (_, outs), grads in results]
+
+
+def _assert_close(got, want, atol):
+    (outs, grads), (ref_outs, ref_grads) = got, want
+    np.testing.assert_allclose(outs, ref_outs, atol=atol)
+    for g, w in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, w, atol=atol)
+
+
+@pytest.mark.parametrize("mesh_name,strategy", [(m, "ring") for m in MESHES] + [("data2_context4", "all_gather")])
+def test_context_parallel_attention_equals_one_device(reference, mesh_name, strategy):
+    _assert_close(_context_parallel(mesh_name, [strategy], "xla")[0], reference, atol=2e-5)
+
+
+def test_context_parallel_pallas_blocks_equal_one_device(reference):
+    """The flash kernels as each block (positions offset per device and ring step), by ring and by
+    all-gather, in values and gradients; under (data=2, context=4) only, both strategies in one compile:
+    interpreted kernels compile slowly, and (context=4) runs the same per-device program on twice the
+    batch."""
+    for got in _context_parallel("data2_context4", ["ring", "all_gather"], "pallas"):
+        _assert_close(got, reference, atol=2e-5)
 
 
 def test_zigzag_layout_balances_causal_rows():
@@ -143,8 +167,8 @@ def test_context_parallelism_refuses_what_it_cannot_do():
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match="divisible by 8"):
             dot_product_attention(q, q, q)
-        with pytest.raises(ValueError, match="impl xla/chunked/auto"):
-            dot_product_attention(q, q, q, impl="pallas")
+        with pytest.raises(ValueError, match=r"^context-parallel .* impl xla/chunked/pallas/auto \(got 'cudnn'\)"):
+            dot_product_attention(q, q, q, impl="cudnn")
     with pytest.raises(ValueError, match="unknown context_strategy"):
         dot_product_attention(q, q, q, context_strategy="tree")
     with pytest.raises(ValueError, match="context_strategy"):

@@ -143,23 +143,57 @@ def test_fully_masked_rows_are_zero_and_finite():
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 7), (False, 7), (False, None)])
 @pytest.mark.parametrize("T,S,bq,bk", [(64, 64, 16, 16), (48, 80, 16, 32), (96, 40, 32, 8)])
-def test_block_ranges_skip_exactly_the_empty_blocks(causal, window, T, S, bq, bk):
-    """Visible-block ranges hold every block with a visible key and no other."""
+@pytest.mark.parametrize("shift", [0, -37, 21])
+def test_block_ranges_skip_exactly_the_empty_blocks(causal, window, T, S, bq, bk, shift):
+    """Visible-block ranges hold every block with a visible key and no other, also with the queries
+    shifted (query i at position i + shift, as a block of context parallelism)."""
     Sp = -(-S // bk) * bk
     cfg = fa._Config(causal=causal, window=window, softcap=None, scale=1.0, kv_len=S if Sp != S else None,
                      segments=False, alibi=False, groups=1, block_q=bq, block_kv=bk, driver="loop",
                      interpret=True)
-    pos_q, pos_k = jnp.arange(-(-T // bq) * bq)[None], jnp.arange(Sp)[None]
+    pos_q, pos_k = shift + np.arange(-(-T // bq) * bq)[None], np.arange(Sp)[None]
     visible = attention.visibility(pos_q, pos_k, None, None, causal=causal, window=window)[0]
     visible = np.asarray(visible & (pos_k < S))
     blocks = visible.reshape(visible.shape[0] // bq, bq, Sp // bk, bk).any(axis=(1, 3))  # [nq, nk]
     for qi in range(blocks.shape[0]):
-        lo, hi = map(int, fa.kv_block_range(qi, cfg, bq, bk, blocks.shape[1]))
+        lo, hi = map(int, fa.kv_block_range(qi, cfg, bq, bk, blocks.shape[1], shift))
         assert set(range(lo, hi)) == set(np.flatnonzero(blocks[qi])), (qi, lo, hi)
     for kj in range(-(-S // bk)):
-        lo, hi = map(int, fa.q_block_range(kj, cfg, bq, bk, blocks.shape[0]))
+        lo, hi = map(int, fa.q_block_range(kj, cfg, bq, bk, blocks.shape[0], shift))
         needed, ranged = set(np.flatnonzero(blocks[:, kj])), set(range(lo, hi))
         assert needed == ranged if cfg.kv_len is None else needed <= ranged, (kj, lo, hi)
+
+
+def test_block_kernels_with_a_position_shift_match_xla():
+    """block_forward / block_backward (the kernels with a traced query-position shift, the caller's
+    lse and delta) against the xla reference given the shifted positions, for shifts that leave the
+    block fully visible, partly visible and invisible; fp32 <= 1e-5 (forward), 1e-4 (gradients). The
+    TPU grid driver (interpreted), whose index maps read the shift from scalar prefetch; the loop
+    driver's shifts are exercised by tests/test_context_parallel.py."""
+    causal, window = True, 5
+    B, T, S, N, K, H = 2, 24, 40, 4, 2, 16
+    q, k, v, do = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.PRNGKey(1), 4), [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]))
+    q_seg, kv_seg = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32).at[1, -6:].set(0)
+    mask = dict(causal=causal, window=window, softcap=3.0)
+    kernel_args = dict(mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg, alibi_slopes=attention.alibi_slopes(N),
+                       scale=H ** -0.5, block_sizes=fa.BlockSizes(8, 8), backend="tpu", interpret=True)
+
+    def both(shift):
+        o, lse = fa.block_forward(q, k, v, shift, **kernel_args)
+        delta = jnp.einsum("BTNH,BTNH->BNT", do, o)
+        grads = fa.block_backward(q, k, v, do, lse, delta, shift, **kernel_args)
+        reference = lambda q, k, v: attention.dot_product_attention(
+            q, k, v, q_positions=shift + jnp.arange(T)[None], kv_positions=jnp.arange(S)[None], q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg, alibi_slopes=attention.alibi_slopes(N), **mask)
+        o_ref, vjp = jax.vjp(reference, q, k, v)
+        return (o, *grads), (o_ref, *vjp(do))
+
+    shifts = jnp.asarray([-45, -9, 0, 5, 17, 60])
+    got, want = jax.jit(lambda s: jax.lax.map(both, s))(shifts)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 if i == 0 else 1e-4, err_msg="o dq dk dv".split()[i])
+    assert np.abs(np.asarray(want[0][0])).max() == 0 and np.abs(np.asarray(want[0][2])).max() > 0
 
 
 @pytest.mark.parametrize("platform,backend", [("cuda", "gpu"), ("tpu", "tpu")])
@@ -215,6 +249,7 @@ def test_auto_picks_xla_on_cpu_and_for_dropout_or_positions():
     assert select.choose_impl(jnp.zeros((8, 8192, 16, 64)), jnp.zeros((8, 8192, 16, 64))) == "chunked"
     assert select.choose_impl(q, q, dropout_rate=0.1) == "xla"
     assert select.choose_impl(q, q, positions_given=True) == "xla"
+    assert select.choose_context_impl(q) == "chunked"  # context parallelism's blocks on CPU
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -6,20 +6,26 @@ GQA, MQA, and all features at once for self- and cross-attention), bf16, H 64 an
 default block sizes, through `dot_product_attention(impl="pallas")` in `jax.jit`: compiled
 by libtpu for a v5p-8 slice (Mosaic) and by XLA's CUDA plugin for one H100 (Triton, register
 spilling refused). Each compile is of the gradients, so it holds the forward kernel (the
-custom VJP's forward is the primal's kernel) and the dQ and dK/dV kernels. Also: the GPU
-forward kernel's register headroom (when ptxas is installed) and fp32 refused on Triton.
+custom VJP's forward is the primal's kernel) and the dQ and dK/dV kernels. Also: the context-
+parallel ring with the kernels as its blocks (traced position shifts; impl "auto" picks them)
+under a context=2 mesh of two v5p chips and of two H100s of one host; the GPU forward kernel's
+register headroom (when ptxas is installed) and fp32 refused on Triton.
 """
 import functools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import gpu_registers
 from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
 from tfm.kernels import flash_attention as fa
 from tfm.ops import select
+from tfm.ops.attention import alibi_slopes, dot_product_attention
+from tfm.parallel import flax_rules, make_rules
 from tfm.parallel.mesh import MeshConfig, make_mesh
 from tfm.preflight.targets import parse_target
 
@@ -51,6 +57,31 @@ def test_kernels_compile(target, variant, head_dim):
     options = REFUSE_SPILLS if target == "h100-1" else None  # a spilling kernel raises
     compiled = gpu_registers.compile_attention(variant, head_dim, _devices(target), compiler_options=options)
     assert _kernels(compiled.as_text(), target) == ["dkv", "dq", "fwd"]
+
+
+@pytest.mark.parametrize("target,kernel_calls", [("v5p-8", "v5p-8"), ("h100-2", "h100-1")])
+def test_context_parallel_ring_compiles_with_the_kernels(target, kernel_calls):
+    """Causal packed-segment GQA with a window and ALiBi, bf16, by ring over context=2, impl "auto"
+    (`select.choose_context_impl`: the kernels on TPU and bf16 GPU): the three kernels in the
+    compiled gradients, the blocks passed on by collective permutes."""
+    mesh = make_mesh(MeshConfig(data=1, context=2), _devices(target)[:2])
+    B, T, N, K, H = 1, 1024, 4, 2, 128
+    seq = NamedSharding(mesh, P(None, "context"))
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16, sharding=seq)
+    kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16, sharding=seq)
+    segments = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=seq)
+
+    def grads(q, k, v, segments):
+        loss = lambda q, k, v: dot_product_attention(
+            q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=300,
+            alibi_slopes=alibi_slopes(N), impl="auto", context_strategy="ring").astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    options = REFUSE_SPILLS if target.startswith("h100") else None
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("context", activations=True))):
+        hlo = jax.jit(grads).lower(q, kv, kv, segments).compile(compiler_options=options).as_text()
+    assert set(_kernels(hlo, kernel_calls)) == {"dkv", "dq", "fwd"}  # kernel_calls: its custom-call target
+    assert "collective-permute" in hlo
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -90,6 +121,7 @@ def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
         bf16 = q.update(dtype=jnp.bfloat16)
         assert not select.cudnn_present()  # compile-only: JAX cannot lower cuDNN calls here
         assert select.choose_impl(bf16, q) == "pallas"
+        assert (select.choose_context_impl(q), select.choose_context_impl(bf16)) == ("chunked", "pallas")
 
 
 def test_auto_on_a_gpu_with_cudnn_picks_it_where_it_computes_the_layer(monkeypatch):

@@ -262,6 +262,8 @@ class ModelConfig:
     attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
     # The sequence split over the mesh's `context` axis (rule set "context"): "ring" passes K/V
     # blocks around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
+    # Each block is computed by the Pallas kernels (attention_impl "pallas", or "auto" on TPU and
+    # bf16/fp16 GPU) or else the chunked backend (attention_chunk_size); "cudnn" is refused there.
     context_strategy: str = "ring"
 
     # Feed-forward

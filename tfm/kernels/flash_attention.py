@@ -23,6 +23,12 @@ steps, step t loading block index[r, t] (scalar-prefetched) and computing while 
 Forward: online softmax with fp32 accumulators, saving the log-sum-exp [B, N, T]. Backward
 (`jax.custom_vjp`): recomputes the probabilities per tile; one kernel for dQ, one for dK/dV,
 which iterates over the G query heads of its key/value head so K and V are never repeated.
+
+Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `block_forward` and
+`block_backward` run the kernels alone, the softmax statistics the caller's, with the queries at
+positions shifted by a traced int32 scalar relative to the keys (`_Config.shifted`): an operand of
+the loop driver, scalar-prefetched by the grid driver so its index maps still skip empty blocks.
+Causal, window and ALiBi read the shifted positions; without a shift the kernels are unchanged.
 """
 from __future__ import annotations
 
@@ -121,6 +127,7 @@ class _Config(NamedTuple):
     driver: str          # "loop" | "grid"
     interpret: bool
     sparsity: Optional[sparsity_lib.Pattern] = None  # its block lists (`visible_tiles`) pick the blocks
+    shifted: bool = False  # a shift operand: query i sits at position i + shift relative to key 0
 
 
 def _div(x, d: int):
@@ -128,29 +135,37 @@ def _div(x, d: int):
     return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
 
 
-def kv_block_range(qi, cfg: _Config, block_q: int, block_kv: int, num_kv: int):
-    """Key blocks [lo, hi) holding a key visible from query block qi; others are empty."""
-    first, last = qi * block_q, qi * block_q + block_q - 1
+def _blocks_upto(end, block: int):
+    """Blocks of `block` covering indices [0, end): ceil(end / block), 0 for end <= 0."""
+    return _div(jnp.maximum(end, 0) + block - 1, block)
+
+
+def kv_block_range(qi, cfg: _Config, block_q: int, block_kv: int, num_kv: int, shift=0):
+    """Key blocks [lo, hi) holding a key visible from query block qi (its queries at positions
+    qi * block_q + shift + [0, block_q) relative to key 0); others are empty."""
+    first = qi * block_q + shift
+    last = first + block_q - 1
     lo, hi = jnp.int32(0), jnp.asarray(num_kv, jnp.int32)
     if cfg.kv_len is not None:
         hi = jnp.minimum(hi, _div(cfg.kv_len + block_kv - 1, block_kv))
     if cfg.causal:
-        hi = jnp.minimum(hi, _div(last, block_kv) + 1)
+        hi = jnp.minimum(hi, _blocks_upto(last + 1, block_kv))
     if cfg.window is not None:
         lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_kv)
         if not cfg.causal:
-            hi = jnp.minimum(hi, _div(last + cfg.window - 1, block_kv) + 1)
+            hi = jnp.minimum(hi, _blocks_upto(last + cfg.window, block_kv))
     return lo, hi
 
 
-def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int):
-    """Query blocks [lo, hi) that can see a key of key block kj; others are empty."""
-    first, last = kj * block_kv, kj * block_kv + block_kv - 1
+def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int, shift=0):
+    """Query blocks [lo, hi) that can see a key of key block kj (query i at position i + shift
+    relative to key 0); others are empty."""
+    first, last = kj * block_kv - shift, kj * block_kv + block_kv - 1 - shift  # in query indices
     lo, hi = jnp.int32(0), jnp.asarray(num_q, jnp.int32)
     if cfg.causal:
-        lo = _div(first, block_q)
+        lo = _div(jnp.maximum(first, 0), block_q)
     if cfg.window is not None:
-        hi = jnp.minimum(hi, _div(last + cfg.window - 1, block_q) + 1)
+        hi = jnp.minimum(hi, _blocks_upto(last + cfg.window, block_q))
         if not cfg.causal:
             lo = _div(jnp.maximum(first - (cfg.window - 1), 0), block_q)
     return lo, hi
@@ -281,23 +296,28 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, c
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [block index, count],
-# outputs, scratch; the grid driver takes the block lists first instead (TPU scalar prefetch).
+# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [shift], [block index, count],
+# outputs, scratch; the grid driver takes the block lists and the shift first instead (TPU scalar prefetch).
 # --------------------------------------------------------------------------------------
 
 def _split_refs(refs, cfg: _Config, num_main: int):
-    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, rest)."""
+    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, shift, rest);
+    shift: the queries' position offset (a traced int32 scalar, `_Config.shifted`) or 0."""
     q_seg_ref = kv_seg_ref = slope_ref = lists = None
-    if cfg.sparsity is not None and cfg.driver == "grid":
-        lists, refs = tuple(refs[:2]), refs[2:]
+    shift = 0
+    if cfg.driver == "grid":
+        count = _num_prefetched(cfg)
+        (lists, shift), refs = _prefetched(cfg, refs[:count]), refs[count:]
     main, refs = refs[:num_main], refs[num_main:]
     if cfg.segments:
         (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
     if cfg.alibi:
         slope_ref, refs = refs[0], refs[1:]
+    if cfg.shifted and cfg.driver == "loop":
+        shift, refs = refs[0][0], refs[1:]
     if cfg.sparsity is not None and cfg.driver == "loop":
         lists, refs = tuple(refs[:2]), refs[2:]
-    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, refs
+    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, refs
 
 
 def _grid_step(row, step, lists, lo, hi):
@@ -315,17 +335,17 @@ def _load(ref, *idx):
 
 def _fwd_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, q_seg, slope = q_ref[...], _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk, shift))
 
     def body(t, carry):
         start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         kv_seg = _load(kv_seg_ref, slice(None), rows)
-        return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq, start, q_seg, kv_seg,
+        return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq + shift, start, q_seg, kv_seg,
                          slope, cfg)
 
     init = (jnp.full((bq, 1), _NEG_INF, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
@@ -335,11 +355,11 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
 
 def _fwd_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, rest = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, rest = _split_refs(refs, cfg, 3)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
     qi, t = pl.program_id(2), pl.program_id(3)
-    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3)))
+    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3), shift))
 
     @pl.when(t == 0)
     def _init():
@@ -350,7 +370,7 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
     @pl.when(active)
     def _step():
         carry = _fwd_tile((m_ref[...], l_ref[...], acc_ref[...]), q_ref[...], k_ref[...], v_ref[...],
-                          qi * bq, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+                          qi * bq + shift, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
                           _load(slope_ref, ...), cfg)
         m_ref[...], l_ref[...], acc_ref[...] = carry
 
@@ -361,19 +381,19 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
 
 def _dq_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dq_ref,) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dq_ref,) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_seg, slope = _load(q_seg_ref, ...), _load(slope_ref, ...)
-    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk))
+    lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk, shift))
 
     def body(t, dq):
         start = pl.multiple_of(block(t) * bk, bk)
         rows = pl.ds(start, bk)
         k = k_ref[rows, :]
-        _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq, start, q_seg,
+        _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq + shift, start, q_seg,
                          _load(kv_seg_ref, slice(None), rows), slope, cfg)
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -382,11 +402,11 @@ def _dq_loop_kernel(*refs, cfg: _Config):
 
 def _dq_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi, t = pl.program_id(2), pl.program_id(3)
-    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3)))
+    active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3), shift))
 
     @pl.when(t == 0)
     def _init():
@@ -396,7 +416,7 @@ def _dq_grid_kernel(*refs, cfg: _Config):
     def _step():
         k = k_ref[...]
         _, ds = _ds_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
-                         qi * bq, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+                         qi * bq + shift, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
                          _load(slope_ref, ...), cfg)
         acc_ref[...] += _dot(ds.astype(k.dtype), k)
 
@@ -416,13 +436,13 @@ def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, k
 def _dkv_loop_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
     k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
     T = q_ref.shape[0] // G
     kj = pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], _load(kv_seg_ref, ...)
-    lo, hi, block = _visits(lists, *q_block_range(kj, cfg, bq, bk, T // bq))
+    lo, hi, block = _visits(lists, *q_block_range(kj, cfg, bq, bk, T // bq, shift))
 
     def head(g, carry):
         slope = _load(slope_ref, pl.ds(g, 1), slice(None))
@@ -432,7 +452,7 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
             rows = pl.ds(pl.multiple_of(g * T + start, bq), bq)
             q_seg = _load(q_seg_ref, pl.ds(start, bq), slice(None))
             return _dkv_accumulate(*carry, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :],
-                                   delta_ref[rows, :], start, kj * bk, q_seg, kv_seg, slope, cfg)
+                                   delta_ref[rows, :], start + shift, kj * bk, q_seg, kv_seg, slope, cfg)
 
         return lax.fori_loop(lo, hi, body, carry)
 
@@ -443,12 +463,12 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
 
 def _dkv_grid_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, rest = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, rest = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     dk_ref, dv_ref, dk_acc, dv_acc = rest
     bq, bk = cfg.block_q, cfg.block_kv
     kj, g, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    active, i = _grid_step(kj, t, lists, *q_block_range(kj, cfg, bq, bk, pl.num_programs(4)))
+    active, i = _grid_step(kj, t, lists, *q_block_range(kj, cfg, bq, bk, pl.num_programs(4), shift))
     first = (g == 0) & (t == 0)
     last = (g == pl.num_programs(3) - 1) & (t == pl.num_programs(4) - 1)
 
@@ -461,7 +481,7 @@ def _dkv_grid_kernel(*refs, cfg: _Config):
     def _step():
         dk_acc[...], dv_acc[...] = _dkv_accumulate(
             dk_acc[...], dv_acc[...], q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
-            delta_ref[...], i * bq, kj * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
+            delta_ref[...], i * bq + shift, kj * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
             _load(slope_ref, ...), cfg)
 
     @pl.when(last)
@@ -507,6 +527,16 @@ def _lists(cfg: _Config, seen):
     return None if cfg.sparsity is None else block_lists(seen())
 
 
+def _num_prefetched(cfg: _Config) -> int:
+    """Scalar-prefetch operands of the grid driver: the block lists (2), the shift (1)."""
+    return 2 * (cfg.sparsity is not None) + cfg.shifted
+
+
+def _prefetched(cfg: _Config, prefetch):
+    """The grid driver's scalar-prefetch refs -> (block lists (index_ref, count_ref) or None, shift or 0)."""
+    return (tuple(prefetch[:2]) if cfg.sparsity is not None else None), (prefetch[-1][0] if cfg.shifted else 0)
+
+
 def _listed(prefetch, row, step):
     """Grid driver index maps: the block of `row` that grid step `step` loads, from the scalar-prefetched
     lists; steps past the row's count repeat its last block, so the pipeline issues no copy for them."""
@@ -514,9 +544,10 @@ def _listed(prefetch, row, step):
     return index_ref[row, jnp.clip(step, 0, jnp.maximum(count_ref[row] - 1, 0))]
 
 
-def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None):
+def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None):
     """Optional operands and their specs, in kernel ref order. The loop driver takes the block lists as
-    two operands, row r at its grid step (., ., r); the grid driver takes them as scalar prefetch (`_call`)."""
+    two operands, row r at its grid step (., ., r), and the shift as one (int32 [1]); the grid driver takes
+    both as scalar prefetch (`_call`)."""
     args, specs = [], []
     if cfg.segments:
         args += [q_seg, kv_seg]
@@ -524,6 +555,9 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     if cfg.alibi:
         args.append(slopes)
         specs.append(slope_spec)
+    if cfg.shifted and cfg.driver == "loop":
+        args.append(jnp.asarray(shift, jnp.int32).reshape(1))
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
     if lists is not None and cfg.driver == "loop":
         index, count = lists
         args += [jnp.asarray(index), jnp.asarray(count)]
@@ -533,21 +567,24 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
 
 
 def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
-          num_sequential: int):
-    """The pallas_call of `kernel` as a function of its operands. With block lists the grid driver takes
-    them first, as TPU scalar prefetch (index [n, M] and count [n] in SMEM, read by the index maps)."""
+          num_sequential: int, shift=None):
+    """The pallas_call of `kernel` as a function of its operands. With block lists or a shift the grid
+    driver takes them first, as TPU scalar prefetch (index [n, M], count [n] and shift [1] in SMEM, read by
+    the index maps)."""
     params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential)
     kernel = functools.partial(kernel, cfg=cfg)
-    if lists is None or cfg.driver == "loop":
+    if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
                               scratch_shapes=scratch, compiler_params=params, interpret=cfg.interpret, name=name)
     from jax.experimental.pallas import tpu as pltpu
-    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                                        scratch_shapes=scratch)
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=_num_prefetched(cfg), grid=grid, in_specs=in_specs,
+                                        out_specs=out_specs, scratch_shapes=scratch)
     call = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec, compiler_params=params,
                           interpret=cfg.interpret, name=name)
-    index, count = lists
-    return functools.partial(call, jnp.asarray(index), jnp.asarray(count[:, 0]))
+    prefetch = () if lists is None else (jnp.asarray(lists[0]), jnp.asarray(lists[1][:, 0]))
+    if cfg.shifted:
+        prefetch += (jnp.asarray(shift, jnp.int32).reshape(1),)
+    return functools.partial(call, *prefetch)
 
 
 def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
@@ -567,7 +604,8 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
         return (B, N, nq), q_map, kv_spec, seg_specs, slope_spec
 
     def kv_block(i, j, prefetch):
-        return _listed(prefetch, i, j) if prefetch else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk), nk)
+        lists, shift = _prefetched(cfg, prefetch)
+        return _listed(lists, i, j) if lists else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk, shift), nk)
 
     q_map = lambda b, n, i, j, *prefetch: (b, n, i, 0)
     kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, n, i, j, *p: (b, _div(n, G), kv_block(i, j, p), 0))
@@ -578,8 +616,8 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
     return (B, N, nq, steps), q_map, kv_spec, seg_specs, slope_spec
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
-    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32."""
+def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
+    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32. shift: int32 scalar when cfg.shifted."""
     B, N, T, H = q.shape
     lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
     grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg, lists)
@@ -590,14 +628,14 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
         kernel = _fwd_grid_kernel
         scratch = (_vmem((cfg.block_q, 1)), _vmem((cfg.block_q, 1)), _vmem((cfg.block_q, H)))  # m, l, acc
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
     return _call(kernel, cfg, backend, lists, grid=grid, in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
                  out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch=scratch,
-                 out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3,
+                 out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3, shift=shift,
                  )(q, k, v, *extra_args)
 
 
-def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
     """-> dq [B, N, T, H]."""
     T, H = q.shape[2:]
     lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
@@ -608,14 +646,14 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
         scratch, kernel = (_vmem((cfg.block_q, H)),), _dq_grid_kernel
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
     row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs=q_spec,
                  scratch=scratch, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="flash_attention_dq",
-                 num_sequential=len(grid) - 3)(q, k, v, do, lse, delta, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift)(q, k, v, do, lse, delta, *extra_args)
 
 
-def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str):
+def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
     """-> dk, dv [B, K, S, H]; each key/value head sums over its G query heads."""
     B, N, T, H = q.shape
     K, S, G, bq, bk = k.shape[1], k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
@@ -638,7 +676,8 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         scratch = (_vmem((bk, H)), _vmem((bk, H)))
 
         def q_block(j, i, prefetch):
-            return _listed(prefetch, j, i) if prefetch else _clamp(i, *q_block_range(j, cfg, bq, bk, nq), nq)
+            lists, shift = _prefetched(cfg, prefetch)
+            return _listed(lists, j, i) if lists else _clamp(i, *q_block_range(j, cfg, bq, bk, nq, shift), nq)
 
         q_map = lambda b, h, j, g, i, *p: (b, h * G + g, q_block(j, i, p), 0)
         q_spec = pl.BlockSpec((None, None, bq, H), q_map)
@@ -647,13 +686,13 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i, *p: (b, q_block(j, i, p), 0)),
                      pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i, *p: (b, 0, j)))
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i, *p: (h * G + g, 0, 0))
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     q_arg, do_arg, lse_arg, delta_arg = args
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
                  out_specs=(kv_spec, kv_spec), scratch=scratch, out_shape=out_shape, name="flash_attention_dkv",
-                 num_sequential=len(grid) - 3)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
 
 
 # --------------------------------------------------------------------------------------
@@ -706,17 +745,31 @@ def _backend_name(backend: Optional[str]) -> str:
     return name
 
 
-def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
-                    window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
-                    sparsity: Optional[sparsity_lib.Pattern] = None, scale: Optional[float] = None,
-                    block_sizes: Optional[BlockSizes] = None, backend: Optional[str] = None,
-                    interpret: Optional[bool] = None):
-    """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
+class _Prepared(NamedTuple):
+    """Kernel-layout operands of one call (q [B, N, Tp, Hp], k, v [B, K, Sp, Hp], q_seg [B, Tp, 1],
+    kv_seg [B, 1, Sp], slopes [N, 1, 1]) and its static settings."""
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_seg: Optional[jax.Array]
+    kv_seg: Optional[jax.Array]
+    slopes: Optional[jax.Array]
+    cfg: _Config
+    cfg_bwd: _Config
+    backend: str
+    padded: tuple  # (Tp, Sp, Hp)
 
-    backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver, Triton; q, k, v in GPU_DTYPES)
-    or "cpu"; default the JAX default backend. interpret: run the Pallas interpreter; default on CPU.
-    sparsity (`tfm.ops.sparsity`): both drivers visit only the tiles of `visible_tiles`.
-    """
+    def to_kernel(self, x, length: int, value=0):
+        """x [B, L, N, H] -> [B, N, Lp, Hp] (length: Tp or Sp), padded with value."""
+        return _pad(_pad(x, 1, length, value), 3, self.padded[2]).transpose(0, 2, 1, 3)
+
+
+def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
+             window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
+             sparsity: Optional[sparsity_lib.Pattern] = None, scale: Optional[float] = None,
+             block_sizes: Optional[BlockSizes] = None, backend: Optional[str] = None,
+             interpret: Optional[bool] = None, shifted: bool = False) -> _Prepared:
+    """Validates the options of `flash_attention`, picks the tiles and pads into the kernel layout."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     backend = _backend_name(backend)
@@ -751,11 +804,57 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
     cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
                   groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
-                  interpret=interpret, sparsity=sparsity)
+                  interpret=interpret, sparsity=sparsity, shifted=shifted)
     cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
     if isinstance(sparsity, sparsity_lib.BigBird):
         sparsity.check_tiles(bq, bk)
         sparsity.check_tiles(bq_bwd, bk_bwd)
-    to_kernel = lambda x, length: _pad(_pad(x, 1, length), 3, Hp).transpose(0, 2, 1, 3)  # [B, N|K, L, Hp]
-    o = _flash(to_kernel(q, Tp), to_kernel(k, Sp), to_kernel(v, Sp), q_seg, kv_seg, slopes, cfg, cfg_bwd, backend)
-    return o.transpose(0, 2, 1, 3)[:, :T, :, :H]
+    prepared = _Prepared(None, None, None, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend, (Tp, Sp, Hp))
+    return prepared._replace(q=prepared.to_kernel(q, Tp), k=prepared.to_kernel(k, Sp), v=prepared.to_kernel(v, Sp))
+
+
+def _from_kernel(x, length: int, head_dim: int):
+    """[B, N, Lp, Hp] -> [B, length, N, head_dim]."""
+    return x.transpose(0, 2, 1, 3)[:, :length, :, :head_dim]
+
+
+def flash_attention(q, k, v, **options):
+    """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
+
+    options: causal, q_segment_ids, kv_segment_ids, window, alibi_slopes, softcap, sparsity, scale,
+    block_sizes, backend, interpret. backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver,
+    Triton; q, k, v in GPU_DTYPES) or "cpu"; default the JAX default backend. interpret: run the
+    Pallas interpreter; default on CPU. sparsity (`tfm.ops.sparsity`): both drivers visit only
+    the tiles of `visible_tiles`.
+    """
+    c = _prepare(q, k, v, **options)
+    o = _flash(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, c.cfg, c.cfg_bwd, c.backend)
+    return _from_kernel(o, q.shape[1], q.shape[3])
+
+
+# --------------------------------------------------------------------------------------
+# One block of a longer attention (context parallelism): query i at position i + shift relative
+# to key 0, shift a traced int32 scalar; the softmax statistics come from the caller.
+# --------------------------------------------------------------------------------------
+
+def block_forward(q, k, v, shift, **options):
+    """The forward kernel alone: o [B, T, N, H] (q dtype) and lse [B, N, T] (fp32, +inf on rows that
+    see no key). options: those of `flash_attention` but sparsity."""
+    c = _prepare(q, k, v, shifted=True, **options)
+    o, lse = _fwd_call(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, c.cfg, c.backend, shift)
+    T = q.shape[1]
+    return _from_kernel(o, T, q.shape[3]), lse[:, :, :T, 0]
+
+
+def block_backward(q, k, v, do, lse, delta, shift, **options):
+    """The dQ and dK/dV kernels for one block given the whole row's lse and delta = rowsum(dO * O)
+    [B, N, T] (fp32): dq [B, T, N, H], dk, dv [B, S, K, H] (this block's share, input dtypes)."""
+    c = _prepare(q, k, v, shifted=True, **options)
+    Tp = c.padded[0]
+    rows = lambda x, value: _pad(x, 2, Tp, value)[..., None]  # [B, N, T] -> [B, N, Tp, 1]
+    operands = (c.q, c.k, c.v, c.to_kernel(do, Tp), rows(lse, jnp.inf), rows(delta, 0.0), c.q_seg, c.kv_seg,
+                c.slopes)
+    dq = _dq_call(*operands, c.cfg_bwd, c.backend, shift)
+    dk, dv = _dkv_call(*operands, c.cfg_bwd, c.backend, shift)
+    T, S, H = q.shape[1], k.shape[1], q.shape[3]
+    return _from_kernel(dq, T, H), _from_kernel(dk, S, H), _from_kernel(dv, S, H)

@@ -23,7 +23,9 @@ A row with no visible key outputs 0 (never NaN).
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
 last two run per device under a mesh (`tfm.ops.shard`). Under a mesh whose rules split
 "length" over `context`, attention is context-parallel (`tfm.ops.context`, by
-`context_strategy`) whatever impl of xla/chunked/auto is asked. `masks` holds what they share.
+`context_strategy`), each block computed by the Pallas kernels for impl "pallas" (and "auto"
+where `select.choose_context_impl` says so), else by the chunked backend; cudnn is refused
+there. `masks` holds what they share.
 `alibi_slopes` and `visibility` are re-exported here for callers of the entry point.
 """
 from __future__ import annotations
@@ -69,8 +71,8 @@ def dot_product_attention(
 
     impl: "xla" (reference), "chunked" (pure-JAX blockwise, O(L) memory), "pallas"
     (flash kernels), "cudnn" (jax.nn, GPU only), "auto" (fastest per backend).
-    chunk_size is used by "chunked" (and context parallelism) only, block_sizes (the kernel
-    tiles) by "pallas" only. context_strategy: "ring" or "all_gather", used when the sequence is
+    chunk_size is used by "chunked" (and context parallelism's chunked blocks) only, block_sizes
+    (the kernel tiles) by "pallas" only. context_strategy: "ring" or "all_gather", used when the sequence is
     split over the mesh's `context` axis (and no positions are given).
     """
     check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
@@ -90,13 +92,16 @@ def dot_product_attention(
         raise ValueError("sparse attention patterns are described over a whole sequence; explicit positions "
                          "(cached decoding) are not supported with them")
     if q_positions is None and kv_positions is None and shard.context_size() > 1:
-        if impl not in ("xla", "chunked", "auto") or bias is not None or dropout_rate > 0.0 or sparsity:
+        if impl == "cudnn" or bias is not None or dropout_rate > 0.0 or sparsity:
             raise ValueError(f"context-parallel attention (a mesh splitting 'length' over 'context') computes "
-                             f"each block blockwise in pure JAX: it takes impl xla/chunked/auto (got {impl!r}), "
-                             "no additive bias, no dropout and no sparsity pattern")
-        return context.attention(q, k, v, strategy=context_strategy, causal=causal, q_segment_ids=q_segment_ids,
-                                 kv_segment_ids=kv_segment_ids, window=window, alibi_slopes=alibi_slopes,
-                                 softcap=softcap, scale=scale, chunk_size=chunk_size)
+                             f"each block with the chunked backend or the Pallas kernels: it takes impl "
+                             f"xla/chunked/pallas/auto (got {impl!r}), no additive bias, no dropout and no "
+                             "sparsity pattern")
+        block_impl = select.choose_context_impl(q) if impl == "auto" else "pallas" if impl == "pallas" else "chunked"
+        return context.attention(q, k, v, strategy=context_strategy, impl=block_impl, causal=causal,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+                                 alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, chunk_size=chunk_size,
+                                 block_sizes=block_sizes)
     if impl == "auto":
         impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None,
                                   causal=causal, window=window, softcap=softcap,

@@ -1,7 +1,7 @@
 """The chunked backend: blockwise online softmax over key chunks, pure JAX.
 
-Its pieces (grouped; init_carry, accumulate, finish, output_delta, block_grads) also serve
-context parallelism (`tfm.ops.context`): the all-gather strategy and each ring step.
+Its pieces also serve context parallelism (`tfm.ops.context`): `Blocks` is the per-block
+computation of its all-gather and ring strategies (the Pallas kernels' is `tfm.ops.pallas.Blocks`).
 
 O(T + S) memory in both passes (the backward recomputes each chunk's probabilities from the
 saved log-sum-exp), and it runs on every backend: the fallback for long sequences on CPU.
@@ -147,6 +147,32 @@ def _grouped_bwd(cfg, chunk, residuals, do):
 
 
 grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+class Blocks(NamedTuple):
+    """The per-block computation of context parallelism in pure JAX, chunk keys at a time.
+
+    The online-softmax state (m, l, acc; `init_carry`) from empty(qg) is updated block by block by
+    accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes) and ends as finish(state, dtype)
+    -> o [B, T, K, G, H], lse [B, K, G, T]; every array of the state has T on axis 3.
+    backward(..., lse, delta, do) -> dq [B, T, K, G, H], dk, dv [B, S, K, H] fp32 with the whole row's
+    lse and delta (`output_delta`). qg [B, T, K, G, H], k, v [B, S, K, H] (S a multiple of chunk),
+    positions and segment ids [B, T] / [B, S] (q_seg may be None)."""
+    cfg: ChunkConfig
+    chunk: int
+
+    def empty(self, qg):
+        return init_carry(qg)
+
+    def accumulate(self, state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes):
+        return accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, self.cfg, self.chunk)
+
+    def finish(self, state, dtype):
+        return finish(state, dtype)
+
+    def backward(self, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, delta, do):
+        return block_grads(jnp.zeros(qg.shape, jnp.float32), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes,
+                           self.cfg, self.chunk, lse, delta, do)
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,

@@ -9,7 +9,7 @@ too), one of two strategies (ModelConfig.context_strategy):
               ids) and attends its own queries to them: simple, O(S) memory per device.
   ring        K/V blocks travel around the `context` ring (`lax.ppermute`): at each of c steps a
               device attends its queries to the block it holds, merging blocks by online
-              softmax (running max, sum and output); the backward rotates the blocks again
+              softmax (each block's output and log-sum-exp); the backward rotates the blocks again
               with their dK/dV accumulators, which arrive home after c steps. O(S/c) memory.
 
 Load balance (causal): each device's share is re-laid out zig-zag, two mirrored chunks of
@@ -18,10 +18,16 @@ visible (query, key) pairs as every other; for causal self-attention each ring s
 half of its block that no query of the device can see, so a device computes (c + 1) / 2 blocks'
 worth instead of c, the same on every device. The re-layout moves q, k, v there and
 the output back (one `ppermute` per half); positions, windows, ALiBi and segment ids are those
-of each token's global position, wherever it sits. The per-block computation is the chunked
-backend's (`tfm.ops.chunked`): keys taken `chunk` at a time, probabilities recomputed in the
-backward from the saved log-sum-exp. (The Pallas kernels would need a log-sum-exp output with
-its VJP to serve as the block; until then impl pallas/cudnn are refused under `context`.)
+of each token's global position, wherever it sits.
+
+One driver serves both strategies, the per-block computation pluggable (`impl`): the chunked
+backend's (`tfm.ops.chunked.Blocks`: keys taken `chunk` at a time) or the flash kernels'
+(`tfm.ops.pallas.Blocks`: one kernel call per pair of position runs, a zig-zag share being two
+runs and the all-gathered keys, put back in sequence order, one; the queries' offset from the keys
+is a traced scalar the kernels mask and skip tiles by). Each folds its blocks into an online-softmax
+state (`accumulate`) that ends as the output and log-sum-exp (`finish`); the backward gives every
+block the whole row's log-sum-exp and delta = rowsum(dO * O), recomputing the probabilities. cuDNN
+is refused here.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfm.ops import chunked
+from tfm.ops import chunked, pallas
 from tfm.ops.shard import context_size, per_device
 from tfm.parallel.mesh import CONTEXT
 
@@ -94,36 +100,35 @@ def _halves(x, axis):
     return jnp.split(x, 2, axis=axis)
 
 
-def _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip):
+def _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip):
     """o [B, T, K, G, H] and lse [B, K, G, T] of the local queries against every device's block."""
     q_seg_h = (None, None) if q_seg is None else _halves(q_seg, 1)
 
-    def attend(carry, block, kind):
+    def attend(state, block, kind):
         k, v, kv_pos, kv_seg = block
-        full = lambda c: chunked.accumulate(c, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+        full = lambda state: blocks.accumulate(state, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
 
-        def first_keys(c):  # an earlier device's block: only its first chunk is visible
+        def first_keys(state):  # an earlier device's block: only its first chunk is visible
             kh, vh, ph, sh = (_halves(x, 1)[0] for x in (k, v, kv_pos, kv_seg))
-            return chunked.accumulate(c, qg, kh, vh, q_pos, ph, q_seg, sh, slopes, cfg, chunk)
+            return blocks.accumulate(state, qg, kh, vh, q_pos, ph, q_seg, sh, slopes)
 
-        def last_queries(c):  # a later device's block: only the second query chunk sees it
-            lo, hi = zip(*(_halves(x, 3) for x in c))
-            hi = chunked.accumulate(hi, _halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos, q_seg_h[1],
-                                    kv_seg, slopes, cfg, chunk)
+        def last_queries(state):  # a later device's block: only the second query chunk sees it
+            lo, hi = zip(*(_halves(x, 3) for x in state))
+            hi = blocks.accumulate(hi, _halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos, q_seg_h[1], kv_seg,
+                                   slopes)
             return tuple(jnp.concatenate(pair, axis=3) for pair in zip(lo, hi))
 
-        return full(carry) if kind is None else jax.lax.switch(kind, (full, first_keys, last_queries), carry)
+        return full(state) if kind is None else jax.lax.switch(kind, (full, first_keys, last_queries), state)
 
     def step(i, state):
-        carry, block = state
-        return attend(carry, block, _step_kind(i, size, skip)), _rotate(block, size)
+        state, block = state
+        return attend(state, block, _step_kind(i, size, skip)), _rotate(block, size)
 
-    block = (k, v, kv_pos, kv_seg)
-    carry, block = jax.lax.fori_loop(0, size - 1, step, (chunked.init_carry(qg), block))
-    return chunked.finish(attend(carry, block, _step_kind(size - 1, size, skip)), qg.dtype)
+    state, block = jax.lax.fori_loop(0, size - 1, step, (blocks.empty(qg), (k, v, kv_pos, kv_seg)))
+    return blocks.finish(attend(state, block, _step_kind(size - 1, size, skip)), qg.dtype)
 
 
-def _ring_backward(residuals, do, cfg, chunk, size, skip):
+def _ring_backward(residuals, do, blocks, size, skip):
     qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
     delta = chunked.output_delta(do, o)
     q_seg_h = (None, None) if q_seg is None else _halves(q_seg, 1)
@@ -131,22 +136,23 @@ def _ring_backward(residuals, do, cfg, chunk, size, skip):
     def grads(dq, block, kind):
         """dq with this block's share added, and the block's dk, dv."""
         k, v, kv_pos, kv_seg = block
-        full = lambda dq: chunked.block_grads(dq, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk,
-                                              lse, delta, do)
+
+        def full(dq):
+            dq_block, dk, dv = blocks.backward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, delta, do)
+            return dq + dq_block, dk, dv
 
         def first_keys(dq):
             kh, vh, ph, sh = (_halves(x, 1)[0] for x in (k, v, kv_pos, kv_seg))
-            dq, dk, dv = chunked.block_grads(dq, qg, kh, vh, q_pos, ph, q_seg, sh, slopes, cfg, chunk,
-                                             lse, delta, do)
+            dq_block, dk, dv = blocks.backward(qg, kh, vh, q_pos, ph, q_seg, sh, slopes, lse, delta, do)
             pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-            return dq, pad(dk), pad(dv)
+            return dq + dq_block, pad(dk), pad(dv)
 
         def last_queries(dq):
             lo, hi = _halves(dq, 1)
-            hi, dk, dv = chunked.block_grads(hi, _halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos,
-                                             q_seg_h[1], kv_seg, slopes, cfg, chunk, _halves(lse, 3)[1],
-                                             _halves(delta, 3)[1], _halves(do, 1)[1])
-            return jnp.concatenate([lo, hi], axis=1), dk, dv
+            dq_block, dk, dv = blocks.backward(_halves(qg, 1)[1], k, v, _halves(q_pos, 1)[1], kv_pos, q_seg_h[1],
+                                               kv_seg, slopes, _halves(lse, 3)[1], _halves(delta, 3)[1],
+                                               _halves(do, 1)[1])
+            return jnp.concatenate([lo, hi + dq_block], axis=1), dk, dv
 
         return full(dq) if kind is None else jax.lax.switch(kind, (full, first_keys, last_queries), dq)
 
@@ -162,27 +168,56 @@ def _ring_backward(residuals, do, cfg, chunk, size, skip):
     return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _ring(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip):
-    return _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _ring(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip):
+    return _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip)[0]
 
 
-def _ring_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip):
-    o, lse = _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip)
+def _ring_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip):
+    o, lse = _ring_forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip)
     return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
 
 
-def _ring_bwd(cfg, chunk, size, skip, residuals, do):
-    return _ring_backward(residuals, do, cfg, chunk, size, skip) + (None,) * 5
+def _ring_bwd(blocks, size, skip, residuals, do):
+    return _ring_backward(residuals, do, blocks, size, skip) + (None,) * 5
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _gathered(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, size, skip):
-    """The local queries against the whole K and V, gathered from every device."""
-    k, v, kv_pos, kv_seg = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v, kv_pos, kv_seg))
-    return chunked.grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
+    """o [B, T, K, G, H]: the queries against one block of keys, by `blocks`."""
+    return _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)[0]
+
+
+def _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
+    state = blocks.accumulate(blocks.empty(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
+    o, lse = blocks.finish(state, qg.dtype)
+    return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
+
+
+def _attend_bwd(blocks, residuals, do):
+    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
+    dq, dk, dv = blocks.backward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, chunked.output_delta(do, o), do)
+    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _in_sequence_order(x, size):
+    """x [B, c * L, ...] gathered from every device's zig-zag share -> its 2c chunks in sequence order."""
+    chunks = jnp.split(x, 2 * size, axis=1)  # device d's share is gathered chunks 2d, 2d + 1
+    order = [2 * _zigzag_home(j, size) + (j >= size) for j in range(2 * size)]
+    return jnp.concatenate([chunks[i] for i in order], axis=1)
+
+
+def _gathered(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip):
+    """The local queries against the whole K and V, gathered from every device (in sequence order)."""
+    k, v, kv_pos, kv_seg = (_in_sequence_order(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), size)
+                            for x in (k, v, kv_pos, kv_seg))
+    return _attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)
 
 
 def _chunk_for(length, chunk_size):
@@ -190,9 +225,11 @@ def _chunk_for(length, chunk_size):
     return chunk_size if length % chunk_size == 0 else length
 
 
-def attention(q, k, v, *, strategy: str, causal: bool, q_segment_ids=None, kv_segment_ids=None, window=None,
-              alibi_slopes=None, softcap=None, scale: float, chunk_size: int):
-    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], T and S split over the `context` axis."""
+def attention(q, k, v, *, strategy: str, impl: str, causal: bool, q_segment_ids=None, kv_segment_ids=None,
+              window=None, alibi_slopes=None, softcap=None, scale: float, chunk_size: int, block_sizes=None):
+    """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], T and S split over the `context` axis.
+    impl: the per-block computation, "chunked" (chunk_size keys at a time) or "pallas" (the flash
+    kernels, block_sizes their tiles)."""
     size = context_size()
     B, T, N, H = q.shape
     S = k.shape[1]
@@ -201,9 +238,16 @@ def attention(q, k, v, *, strategy: str, causal: bool, q_segment_ids=None, kv_se
                          f"{2 * size} (two chunks per device); got T={T}, S={S}")
     if kv_segment_ids is None:
         kv_segment_ids = jnp.ones((B, S), jnp.int32)
-    cfg = chunked.ChunkConfig(causal, window, softcap, scale)
     skip = causal and T == S  # self-attention: a ring step's invisible half is skipped
     body = _ring if strategy == "ring" else _gathered
+
+    def per_block(T, S):
+        """The per-block computation for a device's T queries and S keys."""
+        keys = S * size if strategy == "all_gather" else S // 2 if skip else S  # most keys attended at once
+        if impl == "pallas":  # runs of consecutive positions: zig-zag halves; all-gathered keys whole
+            return pallas.blocks(T // 2, keys if strategy == "all_gather" else S // 2, causal=causal, window=window,
+                                 softcap=softcap, scale=scale, block_sizes=block_sizes)
+        return chunked.Blocks(chunked.ChunkConfig(causal, window, softcap, scale), _chunk_for(keys, chunk_size))
 
     def kernel(q, k, v, q_seg, kv_seg, slopes):
         B, T, N, H = q.shape
@@ -212,9 +256,7 @@ def attention(q, k, v, *, strategy: str, causal: bool, q_segment_ids=None, kv_se
         q_pos = jnp.broadcast_to(_zigzag_positions(T, size), (B, T))
         kv_pos = jnp.broadcast_to(_zigzag_positions(S, size), (B, S))
         qg = zig(q).reshape(B, T, K, N // K, H)
-        keys = S * size if strategy == "all_gather" else S // 2 if skip else S  # keys attended at once
-        o = body(qg, zig(k), zig(v), q_pos, kv_pos, zig(q_seg), zig(kv_seg), slopes, cfg,
-                 _chunk_for(keys, chunk_size), size, skip)
+        o = body(qg, zig(k), zig(v), q_pos, kv_pos, zig(q_seg), zig(kv_seg), slopes, per_block(T, S), size, skip)
         return _from_zigzag(o.reshape(B, T, N, H), size)
 
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, split_length=True)

@@ -10,6 +10,10 @@ float32, which the Triton kernels refuse: xla. Without the cuDNN library (a comp
 `tfm.preflight`, where JAX cannot lower cuDNN calls) the Pallas kernels. TPU is unmeasured: the
 Pallas kernels. A sparsity pattern: the Pallas kernels on TPU and bf16/fp16 GPU (they alone skip
 its empty tiles); elsewhere the rules above (never cuDNN).
+
+Under context parallelism (`choose_context_impl`) a block is the Pallas kernels' on TPU and on
+bf16/fp16 GPU (the memory- and speed-relevant path; unmeasured against the chunked blocks on
+hardware), else the chunked backend's.
 """
 from __future__ import annotations
 
@@ -44,6 +48,15 @@ def choose_impl(q, k, *, dropout_rate: float = 0.0, positions_given: bool = Fals
     B, T, N, _ = q.shape
     logit_bytes = B * N * T * k.shape[1] * 4
     return "xla" if logit_bytes <= _CPU_XLA_MAX_LOGIT_BYTES else "chunked"
+
+
+def choose_context_impl(q) -> str:
+    """The per-block computation of context-parallel attention (`tfm.ops.context`) for q [B, T, N, H]
+    on the current mesh's platform: "pallas" or "chunked"."""
+    platform = current_platform()
+    if platform == "tpu" or (platform == "gpu" and q.dtype.name in GPU_DTYPES):
+        return "pallas"
+    return "chunked"
 
 
 @functools.cache
