@@ -3,6 +3,7 @@ config (the tokenizer's sample, the token budget's packed sample), not by the co
 the training stream is split over hosts disjointly and completely (issue 20)."""
 from collections import Counter
 
+import grain
 import numpy as np
 import pytest
 
@@ -98,3 +99,19 @@ def test_packed_translation_stream_covers_the_corpus_once_over_hosts(hosts):
                 seen.update(tuple(int(i) for i in ids[seg == k]) for k in range(1, seg.max() + 1))
     assert seen == want and 100 < sum(want.values()) < len(corpus)  # some are too long: dropped
     assert np.all([len(k) > 1 for k in want])
+
+
+def test_read_options_change_no_batch_and_no_state():
+    """The pipeline's read threads and buffer (pipeline.READ_OPTIONS) give Grain's defaults'
+    batches, in order, and the same iterator state after them."""
+    corpus = [{"en": en, "de": de} for en, de in synthetic.translation_pairs(300, seed=2)]
+    tok = tokenizers.train_sentencepiece((t for p in synthetic.translation_pairs(500, 0) for t in p), 200)
+    runs = []
+    for options in (pipeline.READ_OPTIONS, grain.ReadOptions(), grain.ReadOptions(num_threads=0)):
+        it = iter(pipeline.seq2seq_dataset(corpus, tok, batch_size=8, max_length=32, seed=4, read_options=options))
+        runs.append(([next(it) for _ in range(12)], it.get_state()))
+    for batches, state in runs[1:]:
+        assert state == runs[0][1]
+        for got, want in zip(batches, runs[0][0]):
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k])
