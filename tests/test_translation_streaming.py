@@ -16,7 +16,7 @@ from tfm.data import pipeline, sources, synthetic, tokenizers
 
 class CountingPairs:
     """A generated parallel corpus of `n` pairs, pair i made on access from seed i (no corpus in
-    memory), with the TFDS source's interface; `reads` counts the pairs read."""
+    memory), with the TFDS source's interface (`__getitems__` too); `reads` counts the pairs read."""
 
     def __init__(self, n: int):
         self.n, self.reads = n, 0
@@ -28,6 +28,9 @@ class CountingPairs:
         self.reads += 1
         en, de = synthetic.translation_pairs(1, seed=int(i))[0]
         return {"en": en.encode(), "de": de.encode()}
+
+    def __getitems__(self, keys):
+        return [self[i] for i in keys]
 
 
 def _config(spm_sentences: int = 2000):
