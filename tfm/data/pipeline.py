@@ -37,9 +37,9 @@ from tfm.data.tokenizers import Tokenizer
 Example = dict[str, np.ndarray]
 
 # Records are read and mapped by 4 threads, 16 ahead. Grain's default (16 threads, 500 ahead)
-# polls every pending read for each record it hands on: the packed translation stream then does
-# ~2.2k pairs per CPU second, ~7.2k with these (benchmarks/RESULTS.md, 2026-11-24). Order and
-# iterator state do not depend on them.
+# polls every pending read for each record it hands on: translation base's packed stream then does
+# ~1.9k pairs per CPU second in memory, ~6.7k with these (benchmarks/RESULTS.md, 2026-11-24).
+# Order and iterator state do not depend on them.
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
 
 
