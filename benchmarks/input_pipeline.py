@@ -15,7 +15,8 @@ made before the first batch) runs too, side by side.
     python -m benchmarks.input_pipeline --first-batch DIR [--mode bert|roberta] [--windows N]
 
 is one such run over a corpus directory; it prints one JSON line (tests use it).
-`--packing` prints the translation and LM packing pipelines' throughput per core instead.
+`--packing` prints the translation and LM packing pipelines' throughput per core instead, with
+the pipeline's Grain read options and with Grain's defaults side by side.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import os  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+import grain  # noqa: E402
 
 from tfm.data import documents, pipeline, pretraining, streaming, synthetic, tokenizers  # noqa: E402
 
@@ -76,26 +79,34 @@ def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> di
 
 
 def packing_rates(batches: int = 100) -> list[dict]:
-    """Examples and real tokens per CPU second of the packed translation and LM pipelines
-    (`pipeline.seq2seq_dataset` at 64 tokens, `pipeline.lm_dataset` at 128), batch 32, over
-    generated sentences held in memory (their sources are random-access TFDS splits)."""
-    pairs = synthetic.translation_pairs(20_000, seed=0)
+    """Examples and real tokens per CPU second of the packed translation and LM pipelines over
+    generated sentences held in memory (their sources are random-access TFDS splits):
+    `pipeline.seq2seq_dataset` at 64 tokens, batch 32, and at translation base's 256 tokens and
+    100 rows; `pipeline.lm_dataset` at 128, batch 32 (tokens: the source side for translation);
+    each with the pipeline's read options and with Grain's defaults, side by side."""
+    pairs = synthetic.translation_pairs(60_000, seed=0)
     tok = tokenizers.train_sentencepiece((t for p in pairs[:2000] for t in p), 500)
-    cases = {"translation (seq2seq, 64)": (pipeline.seq2seq_dataset, [{"en": e, "de": d} for e, d in pairs],
-                                           dict(max_length=64), "inputs_segment_ids"),
-             "LM (decoder, 128)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs], dict(seq_len=128),
-                                   "segment_ids")}
+    translation = [{"en": e, "de": d} for e, d in pairs]
+    cases = {"translation (seq2seq, 64, 32 rows)": (pipeline.seq2seq_dataset, translation,
+                                                    dict(max_length=64, batch_size=32), "inputs_segment_ids"),
+             "translation base (seq2seq, 256, 100 rows)": (pipeline.seq2seq_dataset, translation,
+                                                           dict(max_length=256, batch_size=100), "inputs_segment_ids"),
+             "LM (decoder, 128, 32 rows)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs],
+                                            dict(seq_len=128, batch_size=32), "segment_ids")}
+    reads = {"pipeline.READ_OPTIONS": pipeline.READ_OPTIONS, "grain default": grain.ReadOptions()}
     out = []
     for name, (make, source, shape, segments) in cases.items():
-        it = iter(make(source, tok, batch_size=32, **shape))
-        next(it)
-        cpu, examples, tokens = time.process_time(), 0, 0
-        for _ in range(batches):
-            b = next(it)
-            examples += int(b[segments].max(axis=1).sum())
-            tokens += int((b[segments] > 0).sum())
-        cpu = time.process_time() - cpu
-        out.append({"case": name, "examples_per_cpu_second": round(examples / cpu), "tokens_per_cpu_second": round(tokens / cpu)})
+        for label, read_options in reads.items():
+            it = iter(make(source, tok, read_options=read_options, **shape))
+            next(it)
+            cpu, examples, tokens = time.process_time(), 0, 0
+            for _ in range(batches * 32 // shape["batch_size"]):
+                b = next(it)
+                examples += int(b[segments].max(axis=1).sum())
+                tokens += int((b[segments] > 0).sum())
+            cpu = time.process_time() - cpu
+            out.append({"case": name, "read_options": label, "examples_per_cpu_second": round(examples / cpu),
+                        "tokens_per_cpu_second": round(tokens / cpu)})
     return out
 
 

@@ -10,6 +10,8 @@ class TranslationSettings:
     dataset: str             # tfm.data.sources name: "wmt14" or "synthetic_translate"
     synthetic_pairs: int     # size of the generated corpus (synthetic_translate only)
     vocab_size: int          # shared SentencePiece vocabulary
+    spm_sentences: int       # sentences it is trained on: both sides of a seeded sample of
+                             # spm_sentences / 2 training pairs (no pass over the corpus)
     max_length: int          # longest source/target in tokens; longer pairs are dropped
     tokens_per_batch: int    # > 0: rows per step chosen for ~this many tokens per side (then
                              # batch_size stays None); 0: batch_size rows

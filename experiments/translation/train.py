@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Optional
@@ -32,6 +33,17 @@ def load_sources(settings, workdir):
     return tuple(sources.load(settings.dataset, split, data_dir=data_dir) for split in ("train", "validation", "test"))
 
 
+def tokenizer(settings, workdir, train):
+    """The shared SentencePiece model: the workdir's, else trained on `spm_sentences` sentences,
+    both sides of a seeded sample of the training pairs read by index (`sources.sample`: the same
+    on every host, no pass over the corpus)."""
+    if settings.spm_sentences < 1:
+        raise ValueError(f"spm_sentences={settings.spm_sentences}: the SentencePiece model needs at least one sentence")
+    pairs = sources.sample(train, -(-settings.spm_sentences // 2), seed=0)
+    texts = (sources.as_text(ex[k]) for ex in pairs for k in ("en", "de"))
+    return common.sentencepiece(workdir, itertools.islice(texts, settings.spm_sentences), settings.vocab_size)
+
+
 def batch_rows(settings, train, tok) -> dict:
     """{"batch_size": rows} for a token budget (settings.tokens_per_batch > 0), else {}."""
     if not settings.tokens_per_batch:
@@ -42,6 +54,21 @@ def batch_rows(settings, train, tok) -> dict:
         print(f"batch: {rows} packed rows of {settings.max_length} for ~{settings.tokens_per_batch} "
               "tokens per side per step (measured on a packed sample of the training data)")
     return {"batch_size": rows}
+
+
+def train_stream(config, workdir: str, train):
+    """(tokenizer, resolved experiment, this host's training batches): what the run prepares
+    before its first step. It reads a bounded number of training pairs whatever the corpus size
+    (the tokenizer's sample, the token budget's packed sample, then the stream itself: a lazy
+    seeded permutation of record indices, every `process_count`-th for this host, its position
+    checkpointed with the model)."""
+    s = common.settings_of(config, TranslationSettings)
+    tok = tokenizer(s, workdir, train)
+    exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **batch_rows(s, train, tok))
+    data = pipeline.seq2seq_dataset(train, tok, batch_size=exp.train.batch_size, max_length=s.max_length,
+                                    seed=exp.train.seed, process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+    return tok, exp, data
 
 
 def blueprint(config, num_devices: int) -> common.Blueprint:
@@ -97,14 +124,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     s = common.settings_of(config, TranslationSettings)
     os.makedirs(workdir, exist_ok=True)
     train, validation, test = load_sources(s, workdir)
-    tok = common.sentencepiece(workdir, sources.texts(train, ("en", "de")), s.vocab_size)
-    exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **batch_rows(s, train, tok))
+    tok, exp, data = train_stream(config, workdir, train)
     tcfg = exp.train
     model_cfg = exp.model(tok.vocab_size)
     model = EncoderDecoder(model_cfg)
     shard = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    data = pipeline.seq2seq_dataset(train, tok, batch_size=tcfg.batch_size, max_length=s.max_length,
-                                    seed=tcfg.seed, **shard)
     held_out = [validation[i] for i in range(min(s.eval_examples, len(validation)))]
 
     def eval_data():

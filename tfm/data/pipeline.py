@@ -36,6 +36,12 @@ from tfm.data.tokenizers import Tokenizer
 
 Example = dict[str, np.ndarray]
 
+# Records are read and mapped by 4 threads, 16 ahead. Grain's default (16 threads, 500 ahead)
+# polls every pending read for each record it hands on: translation base's packed stream then does
+# ~1.9k pairs per CPU second in memory, ~6.7k with these (benchmarks/RESULTS.md, 2026-11-24).
+# Order and iterator state do not depend on them.
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
 
 def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int | None,
             process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
@@ -121,7 +127,8 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
                seq_len: int, text_key: str = "text", pack: bool = True,
                shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                drop_remainder: bool = True, process_index: int = 0, process_count: int = 1,
-               num_packing_bins: int | None = None) -> grain.IterDataset:
+               num_packing_bins: int | None = None,
+               read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
     """Decoder-LM batches {inputs, targets, segment_ids, positions, weights}: [b, seq_len].
 
     Texts longer than seq_len tokens are truncated (lm1b sentences rarely are).
@@ -130,7 +137,7 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
     ds = ds.map(functools.partial(_lm_example, tokenizer=tokenizer, text_key=text_key,
-                                  seq_len=seq_len)).to_iter_dataset()
+                                  seq_len=seq_len)).to_iter_dataset(read_options)
     ds = _pack_or_pad(ds, {"inputs": seq_len, "targets": seq_len}, pack=pack,
                       num_bins=num_packing_bins or b, shuffle=shuffle, seed=seed)
     return fixed_batches(ds.map(_lm_output), b, drop_remainder)
@@ -173,7 +180,8 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
                     shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                     drop_remainder: bool = True, process_index: int = 0,
                     process_count: int = 1,
-                    num_packing_bins: int | None = None) -> grain.IterDataset:
+                    num_packing_bins: int | None = None,
+                    read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
     """Translation batches (see module doc), S = T = max_length.
 
     Pairs where either side (with EOS) exceeds max_length tokens are dropped. One tokenizer
@@ -185,7 +193,7 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     ds = ds.map(functools.partial(_seq2seq_example, src_tok=tokenizer,
                                   tgt_tok=target_tokenizer or tokenizer,
                                   src_key=src_key, tgt_key=tgt_key))
-    ds = ds.filter(functools.partial(_fits, max_length=max_length)).to_iter_dataset()
+    ds = ds.filter(functools.partial(_fits, max_length=max_length)).to_iter_dataset(read_options)
     lengths = {"inputs": max_length, "targets_in": max_length, "targets": max_length}
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)

@@ -21,6 +21,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 
@@ -109,6 +110,23 @@ def as_text(value: Any) -> str:
 def texts(source: Sequence[dict], keys: Sequence[str] = ("text",)) -> Iterator[str]:
     """Every `keys` feature of every example as `str`, e.g. for tokenizer training."""
     return (as_text(source[i][k]) for i in range(len(source)) for k in keys)
+
+
+def sample(source: Sequence[dict], count: int, *, seed: int = 0, read_batch: int = 4096) -> Iterator[dict]:
+    """`count` examples of `source` (all of them when it has fewer) at seeded random indices, in
+    index order: a bounded, deterministic sample (the same on every host) read by random access,
+    with no pass over the split (e.g. to train a tokenizer). Sources with `__getitems__` (TFDS's
+    array_record) are read `read_batch` indices a call: a call costs ~1 ms, a record ~30 us."""
+    if count < 1:
+        raise ValueError(f"the sample needs at least one example, got {count}")
+    chosen = np.sort(np.random.default_rng(seed).choice(len(source), size=min(count, len(source)), replace=False))
+    return _read(source, [int(i) for i in chosen], read_batch)
+
+
+def _read(source: Sequence[dict], indices: list[int], read_batch: int) -> Iterator[dict]:
+    for start in range(0, len(indices), read_batch):
+        keys = indices[start:start + read_batch]
+        yield from (source.__getitems__(keys) if hasattr(source, "__getitems__") else (source[i] for i in keys))
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")

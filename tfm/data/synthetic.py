@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -107,10 +107,17 @@ def _finish(words: list[str]) -> str:
     return text[0].upper() + text[1:]
 
 
-def translation_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """`n` (english, german) sentence pairs, identical for identical `seed`."""
+def iter_translation_pairs(n: int, seed: int = 0) -> Iterator[tuple[str, str]]:
+    """`n` (english, german) sentence pairs made one at a time (memory does not grow with `n`),
+    identical for identical `seed`."""
     rng = random.Random(seed)
-    return [_sentence(rng) for _ in range(n)]
+    for _ in range(n):
+        yield _sentence(rng)
+
+
+def translation_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """`iter_translation_pairs` as a list (small `n`)."""
+    return list(iter_translation_pairs(n, seed))
 
 
 def documents(n: int, seed: int = 0, min_sentences: int = 3,
@@ -274,7 +281,7 @@ class TfmSyntheticTranslate(_LocalBuilder):
             supervised_keys=("en", "de"))
 
     def _items(self, count, seed):
-        return translation_pairs(count, seed)
+        return iter_translation_pairs(count, seed)
 
     def _example(self, i, pair, split):
         return {"en": pair[0], "de": pair[1]}
