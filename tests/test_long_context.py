@@ -59,7 +59,12 @@ def test_documents_are_pure_and_their_label_is_their_one_needle():
 
 def test_variant_config_values_reach_the_model():
     full = _model_config("full")
-    flat = lambda cfg: traverse_util.flatten_dict(jax.eval_shape(lambda: _params(cfg)), sep="/")
+    shapes = {}  # each variant's parameter shapes, traced once
+
+    def flat(cfg):
+        if cfg not in shapes:
+            shapes[cfg] = traverse_util.flatten_dict(jax.eval_shape(lambda: _params(cfg)), sep="/")
+        return shapes[cfg]
     count = lambda cfg: sum(x.size for x in flat(cfg).values())
     D, KH, n = full.d_model, full.num_heads * full.head_dim, full.num_layers
 
@@ -113,3 +118,15 @@ def test_every_variant_trains_one_step_and_only_the_window_keeps_cls_from_far_to
         assert rows_moved.all(), np.nonzero(~rows_moved)
     moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after)
     assert all(jax.tree.leaves(moved)), moved
+
+
+def test_held_out_scores_split_at_the_window_reach():
+    c = _config("full", eval_documents=24)
+    s = compare.common.settings_of(c, train.LongContextSettings)
+    cfg = _model_config("full")
+    scores = train.held_out_scores(EncoderModel(cfg), _params(cfg), s, seed=0, batch_size=8)
+    needles = np.array([documents.make(0, "test", i, L).needle for i in range(24)])
+    assert scores["near_documents"] == int((needles <= 62).sum()) and scores["far_documents"] == int((needles > 62).sum())
+    assert 0 < scores["near_documents"] < 24
+    overall = (scores["near_accuracy"] * scores["near_documents"] + scores["far_accuracy"] * scores["far_documents"]) / 24
+    assert scores["accuracy"] == pytest.approx(overall, abs=1e-9) and scores["chance"] == 0.5
