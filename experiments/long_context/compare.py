@@ -104,11 +104,15 @@ def plot(path: str, rows: dict, lengths) -> None:
     fig = Figure(figsize=(11, 4.2))
     ax_acc, ax_mem = fig.subplots(1, 2)
     long = lengths[-1]
+    points = {}  # variants at the same spot share one label
     for name, r in rows.items():
-        mem = r["memory"][long]
-        ax_acc.scatter(mem, r["scores"]["far_accuracy"])
-        ax_acc.annotate(name, (mem, r["scores"]["far_accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        spot = (float(np.round(np.log10(r["memory"][long]), 1)), round(r["scores"]["far_accuracy"], 2))
+        points.setdefault(spot, []).append(name)
         ax_mem.plot(lengths, [r["memory"][L] for L in lengths], marker="o", label=name)
+    for (_, acc), names in points.items():
+        mem = rows[names[0]]["memory"][long]
+        ax_acc.scatter(mem, acc, color="k")
+        ax_acc.annotate(", ".join(names), (mem, acc), textcoords="offset points", xytext=(-4, 6), ha="right", fontsize=8)
     ax_acc.axhline(train.CHANCE, color="grey", ls="--", lw=1, label="chance")
     ax_acc.set(xscale="log", xlabel=f"compiled temp memory at L={long}, batch 1 (MiB, xla)",
                ylabel="held-out accuracy, needle beyond the window's reach", title="what it learns vs what it costs")
