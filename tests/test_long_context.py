@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from experiments import common
 from experiments.long_context import compare, documents, train
 from experiments.long_context.configs import tiny
+from experiments.long_context.settings import LongContextSettings
 from tfm.models import EncoderModel
 from tfm.ops import sparsity
 from tfm.train import ClassificationTask, OptimizerConfig, TrainState, make_optimizer, make_train_step
@@ -89,7 +91,7 @@ def test_variant_config_values_reach_the_model():
     with pytest.raises(ValueError, match="variant 'windw' unknown"):
         tiny.get_config("windw")
     with pytest.raises(ValueError, match="config.length=1024 exceeds model.overrides.max_len=128"):
-        train.check_settings(compare.common.settings_of(_config("full", length=1024), train.LongContextSettings),
+        train.check_settings(common.settings_of(_config("full", length=1024), LongContextSettings),
                              full)
 
 
@@ -122,7 +124,7 @@ def test_every_variant_trains_one_step_and_only_the_window_keeps_cls_from_far_to
 
 def test_held_out_scores_split_at_the_window_reach():
     c = _config("full", eval_documents=24)
-    s = compare.common.settings_of(c, train.LongContextSettings)
+    s = common.settings_of(c, LongContextSettings)
     cfg = _model_config("full")
     scores = train.held_out_scores(EncoderModel(cfg), _params(cfg), s, seed=0, batch_size=8)
     needles = np.array([documents.make(0, "test", i, L).needle for i in range(24)])
