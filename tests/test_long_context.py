@@ -50,7 +50,7 @@ def test_documents_are_pure_and_their_label_is_their_one_needle():
         assert found == [d.needle] and d.label == documents.NEEDLES.index(d.tokens[d.needle])
         assert d.tokens[0] == documents.CLS and d.tokens.shape == (L,) and d.tokens.dtype == np.int32
         rest = np.delete(d.tokens, [0, d.needle])
-        assert rest.min() >= documents.FILLER.start and rest.max() < documents.FILLER.stop < documents.VOCAB_SIZE + 1
+        assert rest.min() >= documents.FILLER.start and rest.max() < documents.FILLER.stop <= documents.VOCAB_SIZE
         labels.append(d.label), needles.append(d.needle)
     assert 0.4 < np.mean(labels) < 0.6
     assert min(needles) <= 5 and max(needles) >= L - 6  # needles anywhere in 1 .. L - 1
