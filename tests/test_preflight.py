@@ -134,8 +134,8 @@ def test_sharded_pallas_train_step_compiles_for_the_accelerator(target_name, bac
 
 @pytest.mark.parametrize("target_name", ["v5p-8", "h100-4"])
 def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
-    """fsdp 2 x context 2, ring attention: a Llama decoder's train step compiled for 4 chips. Each
-    device holds 2 rows x 64 of the 128 tokens; the ring passes its K/V block of [2 rows, 64
+    """fsdp 2 x context 2, ring attention with the flash kernels per block (impl auto): a Llama
+    decoder's train step compiled for 4 chips. Each device holds 2 rows x 64 of the 128 tokens; the ring passes its K/V block of [2 rows, 64
     tokens, 2 kv heads, 16] bf16 to the next device by collective-permute, and every parameter
     (each has an "embed" dim) is split over fsdp x context: a quarter of it per chip."""
     cfg = tiny("llama", num_layers=1, num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16", attention_impl="auto")
@@ -145,7 +145,16 @@ def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
     batch = pipeline.lm_batch_spec(4, 128)
     trainer = Trainer(DecoderLM(cfg), LMTask(), train, parallel.make_mesh(train.mesh, target.devices())).setup(batch)
     (report,) = preflight.check_step(trainer, batch, target, with_eval=False)
-    assert report.fits and report.kernels == []  # the ring's blocks: XLA's own ops
+    assert report.fits
+    # the ring's blocks are the flash kernels, called per pair of zig-zag runs (32 of a device's 64
+    # tokens) with the runs' position offset (s32[1]); head dim 16 padded to 64, and on TPU the run to a
+    # 128-token block
+    assert {k["name"] for k in report.kernels} == {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"}
+    assert all("s32[1]" in k["operands"] for k in report.kernels)
+    run = "bf16[2,4,128,64]" if target.chip.platform == "tpu" else "bf16[2,4,32,64]"
+    queries = [[o for o in k["operands"] if o != "s32[1]"][0]  # TPU prefetches the offset first
+               for k in report.kernels if k["name"] == "flash_attention_fwd"]
+    assert queries and set(queries) == {run}, report.kernels
     ring = report.collectives["collective-permute"]
     assert ring["count"] >= 2 and "bf16[2,64,2,16]" in ring["shapes"], report.collectives
     params = jax.tree.leaves(trainer.abstract_state.params)
