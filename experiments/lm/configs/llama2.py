@@ -22,16 +22,18 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
     python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=v5p-512
     python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=h100-8 --config.microbatches=32
            (8 H100s: fsdp 2 x context 4, 2 rows of 32k per pass as on v5p, 32 passes per step.)
-           Preflight (2026-11-24, v5p-512): fits, 64.20 GiB per chip (0.29 GiB params + Adam,
-           63.90 GiB temporaries), attention the ring with the chunked (pure JAX) backend per block
-           (impl auto; no Pallas kernel under context yet), 40 collective-permutes in the step's
-           program (the ring's bf16[1, 8192, 32, 128] K/V blocks, the zig-zag re-layout), 22
-           all-reduces; compiled in 686 s on 2 loaded cores.
-           Preflight (2026-11-24, h100-8): fits, 60.34 GiB of 79.14 GiB per GPU (9.41 GiB params +
-           Adam, 50.91 GiB temporaries), 39 collective-permutes, 20 all-gathers, 6 reduce-scatters;
-           82 s. Without context parallelism (--config.mesh.context=1 --config.microbatches=8: fsdp 8,
-           one whole 32k row per GPU, the flash kernels) it needs 106.99 GiB per GPU and does not
-           fit; on v5p-512 a whole 32k row per chip (--config.mesh.context=1 --config.batch_size=256)
+           Preflight (2026-11-24, v5p-512): fits, 26.55 GiB per chip (0.29 GiB params + Adam,
+           26.25 GiB temporaries), attention the ring with the Pallas flash kernels (Mosaic) per
+           block (impl auto; per device [1, 32, 4096, 128] runs with their position offset), 40
+           collective-permutes (the ring's bf16[1, 8192, 32, 128] K/V blocks, the zig-zag
+           re-layout), 22 all-reduces; compiled in 392 s on 2 loaded cores. With the chunked
+           backend per block (--config.model.overrides.attention_impl=chunked): 64.20 GiB.
+           Preflight (2026-11-24, h100-8): fits, 40.27 GiB of 79.14 GiB per GPU (9.41 GiB params +
+           Adam, 30.84 GiB temporaries; the Triton flash kernels per block), 39 collective-permutes,
+           20 all-gathers, 6 reduce-scatters; 188 s (chunked blocks: 60.34 GiB). Without context
+           parallelism (--config.mesh.context=1 --config.microbatches=8: fsdp 8, one whole 32k row
+           per GPU, the flash kernels) it needs 106.99 GiB per GPU and does not fit; on v5p-512 a
+           whole 32k row per chip (--config.mesh.context=1 --config.batch_size=256)
            needs 96.69 GiB of 95 GiB. benchmarks/RESULTS.md has the rest.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
