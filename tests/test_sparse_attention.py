@@ -252,3 +252,21 @@ def test_sparse_encoder_under_a_mesh_equals_one_device():
     assert len(flat) == len(want_flat) and sum(float(np.abs(g).max()) > 1e-4 for g in want_flat) > len(flat) // 2
     for (path, a), b in zip(flat, want_flat):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("window,pattern,tile", [(32, None, 128), (None, sparsity.Longformer(32, globals=1), 128),
+                                                 (None, sparsity.BigBird(32, window=1, globals=1, random=1), 32),
+                                                 (None, sparsity.Strided(32), 128)])
+def test_visited_share_counts_the_tiles_of_the_materialised_mask(window, pattern, tile):
+    """visited_share (benchmarks and experiments/long_context report it) equals the share of (tile x tile)
+    tiles of the brute-force [1024, 1024] bidirectional mask holding a visible pair; BigBird refuses
+    tiles that do not divide its block, as the kernels do."""
+    L = 1024
+    visible = np.asarray(attention.visibility(jnp.arange(L)[None], jnp.arange(L)[None], None, None, causal=False,
+                                              window=window, sparsity=pattern))[0]
+    brute = visible.reshape(L // tile, tile, L // tile, tile).any(axis=(1, 3)).mean()
+    assert fa.visited_share(L, window=window, sparsity=pattern, block=tile) == pytest.approx(brute, abs=0)
+    assert (brute == 1.0) == isinstance(pattern, sparsity.Strided)  # stride 32 < tile: every tile holds a column
+    if isinstance(pattern, sparsity.BigBird):
+        with pytest.raises(ValueError, match="tiles that divide it"):
+            fa.visited_share(L, sparsity=pattern, block=128)

@@ -1,6 +1,7 @@
 """Every attention variant of configs/tiny.py trained on the same documents in one process, and
 what each costs: held-out accuracy (near and far needles), parameters, XLA's compiled temporary
-memory of a forward + backward pass against length, and the step time as a ratio to full attention.
+memory of a forward + backward pass against length, the share of the L x L attention scores the
+flash kernels compute, and the step time as a ratio to full attention.
 
     python -m experiments.long_context.compare --workdir=/tmp/tfm_long \
         --plot experiments/long_context/comparison.png
@@ -10,7 +11,10 @@ the program (exact on any machine), for one document (batch 1) at each length wi
 attention_impl ("xla", which materialises the [N, L, L] scores and the mask) and, at the longest
 length, with attention_impl="chunked" (blockwise, O(L)). Step times are medians of interleaved
 calls of each variant's compiled forward + backward at the training batch and length, so every
-variant sees the same load; only their ratio to full attention is reported.
+variant sees the same load; only their ratio to full attention is reported. The share of scores is
+exact: the (128 x 128) tiles the flash kernels visit under the variant's window or sparsity pattern
+(`flash_attention.visited_share`; BigBird's 32-token blocks need 32-token tiles), and for Linformer
+its projected length over L.
 """
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ from experiments import common
 from experiments.long_context import documents, train
 from experiments.long_context.configs import tiny
 from experiments.long_context.settings import LongContextSettings
+from tfm.kernels import flash_attention as fa
 from tfm.models import EncoderModel
+from tfm.ops import sparsity
 from tfm.train import ClassificationTask
 
 
@@ -76,6 +82,20 @@ def step_time_ratios(cfgs: dict, batch: int, length: int, rounds: int) -> dict:
     return {name: float(np.median(t) / np.median(times["full"])) for name, t in times.items()}
 
 
+TILE = 128  # the flash kernels' default tile on TPU and (forward) GPU
+
+
+def score_share(cfg, length: int) -> float:
+    """The share of the [length, length] attention scores a layer computes with the flash kernels:
+    the 128 x 128 tiles they visit (BigBird's own block when smaller: its tiles must divide it), or
+    for Linformer the P projected keys of L."""
+    if cfg.linformer_length is not None:
+        return cfg.linformer_length / length
+    pattern = cfg.attention_sparsity
+    tile = min(TILE, pattern.block) if isinstance(pattern, sparsity.BigBird) else TILE
+    return fa.visited_share(length, window=cfg.sliding_window, sparsity=pattern, block=tile)
+
+
 def model_config(config):
     exp = common.resolve(config, LongContextSettings, ClassificationTask)
     return exp.model(documents.VOCAB_SIZE)
@@ -88,27 +108,28 @@ def _mib(x) -> str:
 def table(rows: dict, lengths, near: int) -> str:
     long = lengths[-1]
     head = (f"| variant | held-out acc. | needle <= {near} | needle > {near} | parameters | step time / full | "
-            + " | ".join(f"temp MiB L={L}" for L in lengths) + f" | temp MiB L={long} chunked |")
-    lines = [head, "|" + "---|" * (7 + len(lengths))]
+            + " | ".join(f"temp MiB L={L}" for L in lengths) + f" | temp MiB L={long} chunked | scores computed L={long} |")
+    lines = [head, "|" + "---|" * (8 + len(lengths))]
     for name, r in rows.items():
         s = r["scores"]
         lines.append(f"| `{name}` | {s['accuracy']:.1%} | {train._pct(s['near_accuracy'])} | {train._pct(s['far_accuracy'])} "
                      f"| {s['num_params']:,} | {r['time_ratio']:.2f} | " + " | ".join(_mib(r["memory"][L]) for L in lengths)
-                     + f" | {_mib(r['chunked'])} |")
+                     + f" | {_mib(r['chunked'])} | {r['share'][long]:.1%} |")
     return "\n".join(lines)
 
 
 def plot(path: str, rows: dict, lengths) -> None:
-    """Left: held-out accuracy on far needles against memory at the longest length; right: memory
-    against length per variant (log-log)."""
-    fig = Figure(figsize=(11, 4.2))
-    ax_acc, ax_mem = fig.subplots(1, 2)
+    """Left: held-out accuracy on far needles against memory at the longest length; middle: memory
+    against length per variant (log-log); right: the share of the scores the flash kernels compute."""
+    fig = Figure(figsize=(16, 4.2))
+    ax_acc, ax_mem, ax_share = fig.subplots(1, 3)
     long = lengths[-1]
     points = {}  # variants at the same spot share one label
     for name, r in rows.items():
         spot = (float(np.round(np.log10(r["memory"][long]), 1)), round(r["scores"]["far_accuracy"], 2))
         points.setdefault(spot, []).append(name)
         ax_mem.plot(lengths, [r["memory"][L] for L in lengths], marker="o", label=name)
+        ax_share.plot(lengths, [r["share"][L] for L in lengths], marker="o", label=name)
     for (_, acc), names in points.items():
         mem = rows[names[0]]["memory"][long]
         ax_acc.scatter(mem, acc, color="k")
@@ -121,6 +142,10 @@ def plot(path: str, rows: dict, lengths) -> None:
                title="forward + backward, batch 1")
     ax_mem.set_xticks(lengths, [str(L) for L in lengths])
     ax_mem.legend(fontsize=8)
+    ax_share.set(xscale="log", yscale="log", xlabel="document length L", ylabel="share of the L x L scores computed",
+                 title="flash kernels: 128 x 128 tiles visited")
+    ax_share.set_xticks(lengths, [str(L) for L in lengths])
+    ax_share.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -144,7 +169,8 @@ def main():
         print(f"== {name}", flush=True)
         rows[name] = {"scores": train.train_and_evaluate(config, os.path.join(args.workdir, name)),
                       "memory": {L: temp_mib(cfgs[name], 1, L) for L in lengths},
-                      "chunked": temp_mib(cfgs[name].replace(attention_impl="chunked"), 1, lengths[-1])}
+                      "chunked": temp_mib(cfgs[name].replace(attention_impl="chunked"), 1, lengths[-1]),
+                      "share": {L: score_share(cfgs[name], L) for L in lengths}}
     ratios = step_time_ratios(cfgs, configs["full"].batch_size, configs["full"].length, args.rounds)
     for name in rows:
         rows[name]["time_ratio"] = ratios[name]

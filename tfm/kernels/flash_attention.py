@@ -192,6 +192,19 @@ def visible_tiles(cfg: _Config, nq: int, nk: int) -> np.ndarray:
     return seen
 
 
+def visited_share(length: int, *, causal: bool = False, window: Optional[int] = None,
+                  sparsity: Optional[sparsity_lib.Pattern] = None, block: int = 128) -> float:
+    """The share of the (block x block) tiles of a [length, length] self-attention that the kernels
+    visit under these static masks (`visible_tiles`): 1.0 for full bidirectional attention. BigBird
+    refuses tiles that do not divide its block, as the kernels do."""
+    if isinstance(sparsity, sparsity_lib.BigBird):
+        sparsity.check_tiles(block, block)
+    n = -(-length // block)
+    cfg = _Config(causal=causal, window=window, softcap=None, scale=1.0, kv_len=None, segments=False, alibi=False,
+                  groups=1, block_q=block, block_kv=block, driver="loop", interpret=True, sparsity=sparsity)
+    return float(visible_tiles(cfg, n, n).mean())
+
+
 def block_lists(seen: np.ndarray):
     """For seen [n, m] bool: index int32 [n, M] (row r's true columns first, in order; M a power of two)
     and count int32 [n, 1]. The kernels visit index[r, :count[r]] of block row r only."""
