@@ -1,4 +1,5 @@
-"""Sharded training equals single-device training: BERT encoder, encoder-decoder, MoE, latent attention."""
+"""Sharded training equals single-device training: BERT encoder and encoder-decoder (also with their
+sequences split over `context`: ring attention, self- and cross-), MoE, latent attention."""
 import numpy as np
 import pytest
 
@@ -6,7 +7,8 @@ from parallel_cases import losses
 
 TOL = 1e-5  # fp32, absolute on the loss
 CASES = [(f, m) for f in ("encoder", "encdec") for m in ("data2_tensor4", "fsdp4_tensor2")] + \
-        [("moe", "expert4_data2"), ("latent_attention", "fsdp4_tensor2")]
+        [("moe", "expert4_data2"), ("latent_attention", "fsdp4_tensor2"), ("encoder", "data2_context4"),
+         ("encdec", "data2_context4")]
 
 
 @pytest.mark.parametrize("family,mesh", CASES)
