@@ -14,7 +14,9 @@ Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5
            GiB, 12.66 of it MLA's unsharded q_up + moments; temporaries 93.79 GiB, with 7 GiB
            [n*N*k, D] all-to-all buffers); collectives all-to-all x9, all-gather x46, all-reduce
            x36, collective-permute x114; no MFU (XLA's cost model returned a negative time).
-           Why, and what would fix it: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
+           Since then fsdp shards MLA's "latent" dim: the state is 12.10 GiB per chip on v5p-2048
+           (from the sharded abstract state, not recompiled), so ~105.9 GiB with those temporaries:
+           still over. Why, and what would fix it: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to the same CPU smoke run as deepseek_v3.py:runlocal (with K2's vocabulary key).
