@@ -18,6 +18,8 @@ MESHES = {  # name -> (mesh config, rule sets)
     "fsdp4_tensor2": (MeshConfig(data=1, fsdp=4, tensor=2), "fsdp+tensor"),
     "expert4_data2": (MeshConfig(data=2, expert=4), "data+expert"),
     "data2_context4": (MeshConfig(data=2, context=4), "data+context"),
+    "context4": (MeshConfig(data=1, context=4), "context"),
+    "context2_tensor2": (MeshConfig(data=1, context=2, tensor=2), "context+tensor"),
 }
 
 
