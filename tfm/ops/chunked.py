@@ -88,24 +88,6 @@ def finish(carry, dtype):
     return jnp.einsum("BKGTH->BTKGH", o).astype(dtype), lse
 
 
-def _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
-    """Returns o [B, T, K, G, H] (q dtype) and lse [B, K, G, T] (fp32)."""
-    carry = accumulate(init_carry(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
-    return finish(carry, qg.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
-    """o [B, T, K, G, H] for query groups qg [B, T, K, G, H] and k, v [B, S, K, H] (S a multiple
-    of chunk), positions and segment ids [B, T] / [B, S]; cfg a ChunkConfig."""
-    return _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)[0]
-
-
-def _grouped_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk):
-    o, lse = _forward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
-    return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
-
-
 def output_delta(do, o):
     """delta [B, K, G, T] = rowsum(do * o), the softmax backward's correction term."""
     return jnp.einsum("BTKGH,BTKGH->BKGT", do.astype(jnp.float32), o.astype(jnp.float32))
@@ -139,16 +121,6 @@ def block_grads(dq, qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk, 
     return dq, unchunk(dk), unchunk(dv)
 
 
-def _grouped_bwd(cfg, chunk, residuals, do):
-    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
-    dq, dk, dv = block_grads(jnp.zeros(qg.shape, jnp.float32), qg, k, v, q_pos, kv_pos, q_seg, kv_seg,
-                             slopes, cfg, chunk, lse, output_delta(do, o), do)
-    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
-
-
-grouped.defvjp(_grouped_fwd, _grouped_bwd)
-
-
 class Blocks(NamedTuple):
     """The per-block computation of context parallelism in pure JAX, chunk keys at a time.
 
@@ -175,6 +147,29 @@ class Blocks(NamedTuple):
                            self.cfg, self.chunk, lse, delta, do)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
+    """o [B, T, K, G, H] for query groups qg [B, T, K, G, H] against keys k, v [B, S, K, H] in one
+    pass of `blocks` (this module's `Blocks` or `tfm.ops.pallas.Blocks`), positions and segment ids
+    [B, T] / [B, S]; the backward recomputes the probabilities from the saved log-sum-exp."""
+    return _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)[0]
+
+
+def _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
+    state = blocks.accumulate(blocks.empty(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
+    o, lse = blocks.finish(state, qg.dtype)
+    return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
+
+
+def _attend_bwd(blocks, residuals, do):
+    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
+    dq, dk, dv = blocks.backward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, output_delta(do, o), do)
+    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
+
+
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
               chunk_size, sparsity=None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H], keys in chunks of chunk_size (every chunk
@@ -192,5 +187,5 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     q_pos = jnp.broadcast_to(q_pos, (B, T))
     cfg = ChunkConfig(causal, window, softcap, scale, sparsity, (T, S))
     qg = q.reshape(B, T, K, N // K, H)
-    o = grouped(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, cfg, chunk)
+    o = attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, Blocks(cfg, chunk))
     return o.reshape(B, T, N, H)

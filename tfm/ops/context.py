@@ -185,27 +185,6 @@ def _ring_bwd(blocks, size, skip, residuals, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
-    """o [B, T, K, G, H]: the queries against one block of keys, by `blocks`."""
-    return _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)[0]
-
-
-def _attend_fwd(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks):
-    state = blocks.accumulate(blocks.empty(qg), qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes)
-    o, lse = blocks.finish(state, qg.dtype)
-    return o, (qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse)
-
-
-def _attend_bwd(blocks, residuals, do):
-    qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, o, lse = residuals
-    dq, dk, dv = blocks.backward(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, lse, chunked.output_delta(do, o), do)
-    return dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
 def _in_sequence_order(x, size):
     """x [B, c * L, ...] gathered from every device's zig-zag share -> its 2c chunks in sequence order."""
     chunks = jnp.split(x, 2 * size, axis=1)  # device d's share is gathered chunks 2d, 2d + 1
@@ -217,7 +196,7 @@ def _gathered(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks, size, skip
     """The local queries against the whole K and V, gathered from every device (in sequence order)."""
     k, v, kv_pos, kv_seg = (_in_sequence_order(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), size)
                             for x in (k, v, kv_pos, kv_seg))
-    return _attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)
+    return chunked.attend(qg, k, v, q_pos, kv_pos, q_seg, kv_seg, slopes, blocks)
 
 
 def _chunk_for(length, chunk_size):
