@@ -89,6 +89,8 @@ def test_gpt2_small_and_llama_counts():
     (dict(num_experts=4, experts_per_token=5), "experts_per_token=5"),
     (dict(num_experts=4, moe_impl="sorted"), "moe_impl='sorted' is not one of"),
     (dict(num_experts=4, capacity_factor=1.25), r"capacity_factor=1.25 needs moe_impl='einsum'"),
+    (dict(num_experts=4, moe_impl="einsum", moe_chunks=2), r"moe_chunks=2 must be >= 1, and > 1 needs moe_impl='ragged'"),
+    (dict(num_experts=4, moe_chunks=0), r"moe_chunks=0 must be >= 1"),
     (dict(shared_expert_d_ff=16), r"shared_expert_d_ff=16 needs num_experts > 0"),
     (dict(attention_dropout=0.1, attention_impl="chunked"), "attention_dropout > 0 needs"),
     (dict(heads=("mlm", "qa")), "unknown"),

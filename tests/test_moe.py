@@ -79,16 +79,31 @@ def test_sort_by_expert_groups_pairs_stably():
     np.testing.assert_array_equal(sizes, [2, 0, 2, 2, 0])
 
 
-@pytest.mark.parametrize("mesh_cfg, parallelism", [(MeshConfig(expert=4), "expert"),
-                                                   (MeshConfig(data=2, expert=4), "data+expert"),
-                                                   (MeshConfig(expert=2, tensor=2), "expert+tensor"),
-                                                   (MeshConfig(data=4), "data")])
-def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
+def test_chunked_dispatch_equals_one_pass_and_refuses_a_non_divisor():
+    """moe_chunks=3 (one device, 24 tokens: 8 at a time) gives the one-pass values and gradients; a
+    chunk count that does not divide the tokens is refused with the config key's name."""
+    cfg, params, x, cotangent = _skewed_case()
+    y_ref, grads_ref = _value_and_grads(cfg, params, x, cotangent)
+    y, grads = _value_and_grads(cfg.replace(moe_chunks=3), params, x, cotangent)
+    np.testing.assert_allclose(y, y_ref, atol=TOL, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=TOL, rtol=GRAD_RTOL), grads, grads_ref)
+    with pytest.raises(ValueError, match=r"moe_chunks=5 does not divide the 24 tokens per device"):
+        _value_and_grads(cfg.replace(moe_chunks=5), params, x, cotangent)
+
+
+@pytest.mark.parametrize("mesh_cfg, parallelism, chunks", [(MeshConfig(expert=4), "expert", 1),
+                                                           (MeshConfig(data=2, expert=4), "data+expert", 1),
+                                                           (MeshConfig(data=2, expert=4), "data+expert", 4),
+                                                           (MeshConfig(expert=2, tensor=2), "expert+tensor", 1),
+                                                           (MeshConfig(data=4), "data", 1)])
+def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism, chunks):
     """Tokens travel to their experts' devices (E 8 over 4 devices, 2 each; or over 2, with the expert
     weights' F split over tensor outside the layer) under skewed routing:
     values and gradients equal the one-device ragged layer; the compiled step moves tokens by
-    all-to-all and never gathers the expert weights. Data parallel alone: no token leaves its device."""
+    all-to-all and never gathers the expert weights. Data parallel alone: no token leaves its device.
+    moe_chunks=4: each device's 12 tokens go 3 at a time, in all-to-all buffers a quarter the size."""
     cfg, params, x, cotangent = _skewed_case(num_experts=8, batch=8)
+    cfg = cfg.replace(moe_chunks=chunks)
     y_ref, (g_params_ref, g_x_ref) = _one_device_reference()
     mesh = make_mesh(mesh_cfg, jax.devices()[:8 if mesh_cfg.data == 2 else 4])
     expert_parallel = "expert" in parallelism
@@ -101,6 +116,10 @@ def test_expert_parallel_all_to_all_equals_single_device(mesh_cfg, parallelism):
         y, (g_params, g_x) = compiled(params, x, cotangent)
     hlo = compiled.as_text()
     assert (" all-to-all(" in hlo) == expert_parallel
+    if parallelism == "data+expert":  # n = 4 pieces [1, N*k/chunks, D=32]: each device's 12 tokens x k 2 per chunk
+        results = [line.split(" all-to-all(")[0] for line in hlo.splitlines() if " all-to-all(" in line]
+        assert {len(re.findall(r"f32\[1,\d+,32\]", r)) for r in results if "f32" in r} == {4}, results
+        assert {int(m) for r in results for m in re.findall(r"f32\[1,(\d+),32\]", r)} == {24 // chunks}, results
     assert not [line for line in hlo.splitlines() if " all-gather(" in line and ("[8,32,64]" in line or
                                                                                  "[8,64,32]" in line)]
     if not expert_parallel:  # tokens stay put: nothing of shape [N*k, D] or [N, D] is gathered or summed

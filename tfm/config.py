@@ -273,6 +273,10 @@ class ModelConfig:
     experts_per_token: int = 2  # top-k routing
     moe_impl: str = "ragged"  # "ragged": sort by expert + grouped matmuls, dropless; "einsum": one-hot slots
     capacity_factor: Optional[float] = None  # moe_impl="einsum" slots per expert; None = dropless (C = T)
+    # moe_impl="ragged": each device dispatches its tokens in this many sequential chunks, each
+    # rematerialised, so the sort and all-to-all buffers ([n, N*k, D]) are 1/moe_chunks the size; must
+    # divide the tokens per device. Values and gradients do not change.
+    moe_chunks: int = 1
     router_aux_loss_coef: float = 0.01
     # DeepSeek-V3's sequence-wise balance loss (eq. 17-20): alpha * sum_e f_e P_e per sequence (batch row), averaged
     router_seq_aux_loss_coef: float = 0.0
@@ -390,6 +394,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
             if self.shared_expert_d_ff < 0:
                 raise ValueError(f"ModelConfig.shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
+            if self.moe_chunks < 1 or (self.moe_chunks > 1 and self.moe_impl != "ragged"):
+                raise ValueError(f"ModelConfig.moe_chunks={self.moe_chunks} must be >= 1, and > 1 needs "
+                                 f"moe_impl='ragged' (moe_impl={self.moe_impl!r})")
             if self.capacity_factor is not None and self.moe_impl != "einsum":
                 raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
                                  f"(moe_impl={self.moe_impl!r} is dropless)")

@@ -53,7 +53,7 @@ __all__ = ["to_hf"]
 # ModelConfig fields that do not change the function a checkpoint computes; HF configs need not
 # carry them, and `from_hf(..., **overrides)` sets them again.
 _NOT_COMPARED = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
-                 "attention_block_sizes", "dropout_rate", "attention_dropout", "context_strategy")
+                 "attention_block_sizes", "dropout_rate", "attention_dropout", "context_strategy", "moe_chunks")
 
 
 # ---- export -------------------------------------------------------------------------------

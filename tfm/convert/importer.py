@@ -55,7 +55,7 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jn
 
 _RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
                    "dropout_rate", "attention_dropout", "max_len", "moe_impl",
-                   "capacity_factor", "context_strategy")
+                   "capacity_factor", "moe_chunks", "context_strategy")
 
 
 def _runtime_overrides(overrides: dict) -> dict:

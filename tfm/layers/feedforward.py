@@ -192,7 +192,8 @@ class MoeMlp(nn.Module):
             load = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(0, 1, 2))  # [E] tokens per expert
             self.sow("losses", "router_balance", balance_signal(bias, load))
         if cfg.moe_impl == "ragged":
-            y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E)
+            y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E,
+                                chunks=cfg.moe_chunks)
         else:
             y = self._einsum(x, gates, experts, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)

@@ -14,6 +14,10 @@ experts on what it received, and sends the results back by a second all-to-all. 
 each device reserves room for all of its N*k pairs on every destination ([n, N*k, D] buffers), so
 nothing is dropped whatever the routing. Other mesh axes (tensor, fsdp) are not split inside: the
 expert weights arrive whole along them.
+
+With `chunks` > 1 each device takes its N tokens N/chunks at a time (a scan, each chunk under
+`jax.checkpoint`), so the buffers above, the sort and the experts' rows are 1/chunks the size in the
+forward and in the backward; every token's result is the same, since nothing is dropped.
 """
 from __future__ import annotations
 
@@ -75,6 +79,21 @@ def exchanged_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_exp
     return _combine(to_experts(outputs)[dest, slot], order, gates)
 
 
+def _in_chunks(fn, chunks: int, x, gates, experts):
+    """fn(x [n, D], gates [n, k], experts [n, k]) -> [n, D] over `chunks` consecutive slices of the N
+    tokens one after another, each rematerialised in the backward: x [N, D] -> [N, D]."""
+    if chunks == 1:
+        return fn(x, gates, experts)
+    N = x.shape[0]
+    if N % chunks:
+        raise ValueError(f"ModelConfig.moe_chunks={chunks} does not divide the {N} tokens per device of this "
+                         f"MoE layer; pick a divisor of {N}")
+    split = lambda a: a.reshape(chunks, N // chunks, *a.shape[1:])
+    chunk = jax.checkpoint(fn)
+    _, y = jax.lax.scan(lambda carry, args: (carry, chunk(*args)), None, (split(x), split(gates), split(experts)))
+    return y.reshape(N, -1)
+
+
 def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[AbstractMesh, tuple, object, object]]:
     """(mesh, free axes, batch spec entry, expert spec entry) when the active rules split the batch or
     the experts over more than one device; None otherwise."""
@@ -91,22 +110,23 @@ def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[AbstractMe
     return mesh, free, batch, expert
 
 
-def grouped_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_experts: int):
+def grouped_experts(ffn: GroupedFfn, x, gates, experts, weights: dict, num_experts: int, chunks: int = 1):
     """x [B, T, D], gates and experts [B, T, k], weights {name: [E, ...]} -> [B, T, D] (see the module doc)."""
     B, T, D = x.shape
     flat = lambda a: a.reshape(-1, a.shape[-1])
     plan = _expert_plan(B, num_experts)
     if plan is None:
-        return local_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts).reshape(B, T, D)
+        local = lambda x, g, e: local_experts(ffn, x, g, e, weights, num_experts)
+        return _in_chunks(local, chunks, flat(x), flat(gates), flat(experts)).reshape(B, T, D)
     mesh, free, batch, expert = plan
 
     def body(x, gates, experts, weights):
         if expert is None:  # every device holds every expert: its own tokens only, no exchange
-            y = local_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts)
+            run = lambda x, g, e: local_experts(ffn, x, g, e, weights, num_experts)
         else:
             shards = math.prod(mesh.shape[a] for a in ((expert,) if isinstance(expert, str) else expert))
-            y = exchanged_experts(ffn, flat(x), flat(gates), flat(experts), weights, num_experts, expert, shards)
-        return y.reshape(x.shape)
+            run = lambda x, g, e: exchanged_experts(ffn, x, g, e, weights, num_experts, expert, shards)
+        return _in_chunks(run, chunks, flat(x), flat(gates), flat(experts)).reshape(x.shape)
 
     specs = (P(batch), P(batch), P(batch), {name: P(expert) for name in weights})
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(batch), axis_names=frozenset(free),
