@@ -50,10 +50,10 @@ def format_report(r: StepReport, chip) -> list[str]:
     kernels = collections.Counter((k["backend"], k["name"], k["result"], tuple(k["operands"][:2])) for k in r.kernels)
     if kernels:
         for (backend, name, result, operands), n in kernels.items():
-            lines.append(f"  attention kernel {backend} {name} x{n}: per-device operands {', '.join(operands)} "
+            lines.append(f"  kernel {backend} {name} x{n}: per-device operands {', '.join(operands)} "
                          f"-> {result}")
     else:
-        lines.append("  attention: no kernel call (XLA's own ops: impl xla or chunked)")
+        lines.append("  kernels: none (XLA's own ops: attention impl xla or chunked)")
     if not r.fits:
         lines.append("  largest arrays: " + "; ".join(f"{_gib(b)} {s} ({op})" for b, s, op in r.largest))
     return lines

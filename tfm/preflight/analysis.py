@@ -226,7 +226,7 @@ def _fill(report: StepReport, compiled, target: Target, loop_factor: float) -> N
         report.estimate_note = (f"XLA cost model x {loop_factor:.1f}: it counts a scanned body once; the factor is "
                                 "the step's matmul FLOPs (remat included) unrolled / with each scan once")
     if report.kernels:
-        report.estimate_note += "; without the attention kernels' own time (a custom call is opaque to the cost model)"
+        report.estimate_note += "; without the kernels' own time (a custom call is opaque to the cost model)"
     report.mfu = report.model_flops / (report.chips * target.chip.peak_flops * report.estimate_seconds)
 
 

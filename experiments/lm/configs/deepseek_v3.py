@@ -4,33 +4,33 @@ top-8 + 1 shared), trained on lm1b as a stand-in corpus: this recipe is for runn
 paper's scale (sharding, memory, expert parallelism), not for reproducing DeepSeek-V3's quality.
 
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/deepseek_v3.py --workdir=/gcs/BUCKET/lm/dsv3
-Preflight: python -m experiments.preflight --config=experiments/lm/configs/deepseek_v3.py --target=v5p-512 --noeval
+Preflight: python -m experiments.preflight --config=experiments/lm/configs/deepseek_v3.py --target=v5p-1024 --noeval
 Train:     4096 tokens, global batch 15360 sequences (the paper's batch after its ramp from
            3072; 63M tokens) in passes of one sequence per chip (microbatches = batch / chips);
            bf16 compute, fp32 parameters and AdamW (the paper's lr 2.2e-4, weight decay 0.1,
            b2 0.95, clip 1.0);
            FSDP over every chip and expert parallelism over `expert` = 8 (each chip sends its tokens
            to the experts' chips by all-to-all: `tfm.parallel.experts`); the MoE layers scanned,
-           each layer rematerialised from its input; auxiliary-loss-free balancing (the bias).
-Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5p slice tried, and
-           larger slices do not help. libtpu refuses the step for HLO temporaries of 164.64 G on
-           v5p-512 (fsdp 32 x expert 8), 137.64 G on v5p-1024, 120.68 G on v5p-2048 (95.74 G of
-           HBM): for one 4096-token sequence per chip, the padded all-to-all buffers
-           [n, N*k, D] (~5 GiB per expert shard n) and ~2 GiB per MoE layer that full remat does
-           not remove; MLA's up-projections are also unsharded. 7 layers (3 dense + 4 MoE) fit
-           v5p-512 at 54.30 GiB per chip (compile 678 s; collectives all-to-all x9, all-gather
-           x80, all-reduce x56, collective-permute x11; no MFU: the cost model returned a
-           negative time). Details and the rows for
-           expert = 2, 4, 16: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
+           each layer rematerialised from its input, each chip's MoE tokens dispatched in
+           `moe_chunks` = 4 chunks of 1024; auxiliary-loss-free balancing (the bias).
+Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits:
+           preflight (2026-11-24, libtpu 0.0.42.1) 71.82 GiB per chip of 95 (76%): state 17.26
+           GiB, temporaries 54.56 GiB; compiled in 125 s; collectives all-to-all x9 (5.31 GiB),
+           all-gather x106, all-reduce x51, collective-permute x49; no MFU (XLA's cost model
+           returned a negative time). v5p-512 (32 x 8) does not fit: 112.32 GiB (118%) with 4
+           chunks, 108.73 GiB with 8. Before the chunked dispatch and the sharded MLA latent no
+           slice up to v5p-2048 fitted. Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2
+           train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to a CPU smoke run (a tiny DeepSeek-V3: MLA, dense + routed + shared experts).
 """
 from experiments.lm.configs import gpt2_small
 
-CHIPS = 256          # chips the default microbatches assume (v5p-512); elsewhere set microbatches = BATCH / chips
+CHIPS = 512          # chips the default microbatches assume (v5p-1024); elsewhere set microbatches = BATCH / chips
 BATCH = 15_360       # sequences per step
 EXPERT_SHARDS = 8    # mesh `expert` axis: the padded all-to-all buffers grow with it ([n, N*k, D])
+MOE_CHUNKS = 4       # each chip's 4096 MoE tokens dispatched 1024 at a time: buffers a quarter the size
 TINY_MOE = dict(d_model=32, num_heads=4, num_layers=3, d_ff=16, head_dim=16, max_len=64, dense_layers=1,
                 dense_d_ff=64, num_experts=8, experts_per_token=2, router_groups=2, router_group_top=1,
                 shared_expert_d_ff=16, mla=dict(kv_rank=16, rope_dim=8, q_rank=16, value_dim=8),
@@ -42,7 +42,8 @@ def get_config(arg: str = "", *, preset: str = "deepseek_v3", vocab_size: int = 
     """The recipe; `preset` etc. let kimi_k2.py reuse it with its own shapes and batch."""
     c = gpt2_small.get_config()
     c.model.preset = preset
-    c.model.overrides = dict(dtype="bfloat16", attention_impl="auto", scan_layers=True, remat_policy="full")
+    c.model.overrides = dict(dtype="bfloat16", attention_impl="auto", scan_layers=True, remat_policy="full",
+                             moe_chunks=MOE_CHUNKS)
     c.vocab_size = vocab_size
     c.seq_len = 4096
     c.batch_size = batch

@@ -7,16 +7,18 @@ Preflight: python -m experiments.preflight --config=experiments/lm/configs/kimi_
 Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) in passes of
            one sequence per chip (microbatches = batch / chips); bf16 compute, fp32 parameters and AdamW (K2 trained
            with MuonClip, which tfm does not have; lr 2e-4, weight decay 0.1); FSDP over every chip
-           and expert parallelism over `expert` = 8; scanned MoE layers, full remat; see deepseek_v3.py.
-Hardware:  meant for v5p; preflight (2026-11-24, libtpu 0.0.42.1): it fits NO v5p slice tried.
-           v5p-1024 (fsdp 64 x expert 8): refused, HLO temporaries 108.93 G of 95.74 G. v5p-2048
-           (128 x 8, 16 microbatches): compiles in 540 s to 124.34 GiB per chip of 95 (state 30.54
-           GiB, 12.66 of it MLA's unsharded q_up + moments; temporaries 93.79 GiB, with 7 GiB
-           [n*N*k, D] all-to-all buffers); collectives all-to-all x9, all-gather x46, all-reduce
-           x36, collective-permute x114; no MFU (XLA's cost model returned a negative time).
-           Since then fsdp shards MLA's "latent" dim: the state is 12.10 GiB per chip on v5p-2048
-           (from the sharded abstract state, not recompiled), so ~105.9 GiB with those temporaries:
-           still over. Why, and what would fix it: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
+           and expert parallelism over `expert` = 8; scanned MoE layers, full remat, each chip's MoE
+           tokens dispatched in 4 chunks; see deepseek_v3.py.
+Hardware:  v5p-1024 (fsdp 64 x expert 8, 32 microbatches), the smallest v5p slice on which it fits,
+           with little room: preflight (2026-11-24, libtpu 0.0.42.1) 90.70 GiB per chip of 95 (95%):
+           state 24.20 GiB, temporaries 66.44 GiB (65.60 with 8 chunks); compiled in 149 s. With
+           room: v5p-2048 (128 x 8, `--config.microbatches=16`) 64.47 GiB (68%): state 12.10,
+           temporaries 52.34. Collectives (v5p-2048) all-to-all x9 (5.31 GiB), all-gather x60,
+           all-reduce x36, collective-permute x114; no MFU (XLA's cost model returned a negative
+           time). The largest arrays left are the embedding table's f32[163840, 7168] (4.38 GiB,
+           gathered and its gradient all-reduced whole). Before the chunked dispatch and the
+           sharded MLA latent: refused on v5p-1024 (temporaries 108.93 G), 124.34 GiB on v5p-2048.
+           Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2 train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to the same CPU smoke run as deepseek_v3.py:runlocal (with K2's vocabulary key).
