@@ -18,8 +18,8 @@ Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slic
            GiB, temporaries 54.56 GiB; compiled in 125 s; collectives all-to-all x9 (5.31 GiB),
            all-gather x106, all-reduce x51, collective-permute x49; no MFU (XLA's cost model
            returned a negative time). v5p-512 (32 x 8) does not fit: 112.32 GiB (118%) with 4
-           chunks, 108.73 GiB with 8. Before the chunked dispatch and the sharded MLA latent no
-           slice up to v5p-2048 fitted. Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2
+           chunks, 108.73 GiB with 8; v5p-1024 with one chunk: 78.79 GiB. Before the sharded MLA latent
+           no slice up to v5p-2048 fitted. Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2
            train steps").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
