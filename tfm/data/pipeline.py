@@ -24,23 +24,44 @@ tokens + [EOS], so no prediction crosses a segment boundary.
 """
 from __future__ import annotations
 
+import collections
 import functools
+from concurrent import futures
 from typing import Any, Sequence
 
 import grain
 import jax
 import numpy as np
 
-from tfm.data.sources import as_text
+from tfm.data.sources import as_text, read
 from tfm.data.tokenizers import Tokenizer
 
 Example = dict[str, np.ndarray]
 
-# Records are read and mapped by 4 threads, 16 ahead. Grain's default (16 threads, 500 ahead)
-# polls every pending read for each record it hands on: translation base's packed stream then does
-# ~1.9k pairs per CPU second in memory, ~6.7k with these (benchmarks/RESULTS.md, 2026-11-24).
-# Order and iterator state do not depend on them.
-READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+# Records are read READ_BLOCK at a time: one `sources.read` call (TFDS array_record's `__getitems__`:
+# ~30 us a record, against ~1.3 ms for a call of one) that also maps (tokenizes) and filters them.
+# READ_OPTIONS: blocks are read by `num_threads` threads while the stream consumes earlier ones,
+# `prefetch_buffer_size` records (rounded up to whole blocks) ahead. Order and iterator state do
+# not depend on these (benchmarks/RESULTS.md, 2026-11-24, has the rates).
+READ_BLOCK = 256
+READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * READ_BLOCK)
+
+
+class _BatchedSource:
+    """`source` with Grain's batched read (`_getitems`, which Grain's shuffle, repeat, slice, map
+    and filter pass down to the source): many records a `sources.read` call."""
+
+    def __init__(self, source: Sequence[Any]):
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._source[index]
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        return read(self._source, indices)
 
 
 def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int | None,
@@ -52,11 +73,91 @@ def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int 
                          f"{process_index}, {process_count}")
     if len(source) == 0:
         raise ValueError("the data source is empty")
-    ds = grain.MapDataset.source(source)
+    ds = grain.MapDataset.source(_BatchedSource(source))
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
     return ds[process_index::process_count]
+
+
+class BlockReadIterDataset(grain.IterDataset):
+    """`parent`'s elements in order, skipping None (what `filter` leaves), read `block` indices a
+    call of Grain's batched `_getitems` (down to one `sources.read` of the source) by
+    `read_options.num_threads` threads ahead of the consumer: Grain's `to_iter_dataset` reads one
+    index a call. Its iterator's state is Grain's ({"next_index": the next parent index}), so
+    checkpoints carry over, and resuming at any index gives the same elements."""
+
+    def __init__(self, parent: grain.MapDataset, *, block: int = READ_BLOCK,
+                 read_options: grain.ReadOptions = READ_OPTIONS):
+        super().__init__(parent)
+        if block < 1:
+            raise ValueError(f"block must be at least 1, got {block}")
+        self._block, self._read_options = block, read_options
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Reads `parent[sl]` (what Grain's worker processes ask of a source dataset)."""
+        if sequential_slice:
+            raise ValueError("BlockReadIterDataset slices by stride only (sequential_slice=False)")
+        self._parents = (self._parent.slice(sl),)
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _BlockReader(self._parent, self._block, self._read_options)
+
+
+class _BlockReader(grain.DatasetIterator):
+    def __init__(self, parent: grain.MapDataset, block: int, read_options: grain.ReadOptions):
+        super().__init__()
+        self._map_parent, self._length, self._block = parent, len(parent), block
+        threads = read_options.num_threads
+        self._ahead = -(-read_options.prefetch_buffer_size // block) if threads else 0
+        self._executor = futures.ThreadPoolExecutor(threads) if self._ahead else None
+        self._pending: collections.deque = collections.deque()  # blocks being read, in order
+        self._elements: collections.deque = collections.deque()  # the current block's rest
+        self._next = self._queued = 0  # next index to return / to read
+
+    def _read(self, start: int) -> list:
+        return self._map_parent._getitems(range(start, min(start + self._block, self._length)))  # pylint: disable=protected-access
+
+    def _next_block(self) -> list:
+        if not self._executor:
+            start, self._queued = self._queued, min(self._queued + self._block, self._length)
+            return self._read(start)
+        while len(self._pending) < self._ahead + 1 and self._queued < self._length:
+            self._pending.append(self._executor.submit(self._read, self._queued))
+            self._queued = min(self._queued + self._block, self._length)
+        return self._pending.popleft().result()
+
+    def __next__(self):
+        while True:
+            if not self._elements:
+                if self._next >= self._length:
+                    raise StopIteration
+                self._elements.extend(self._next_block())
+            element = self._elements.popleft()
+            self._next += 1
+            if element is not None:
+                return element
+
+    def get_state(self) -> dict:
+        return {"next_index": self._next}
+
+    def set_state(self, state: dict) -> None:
+        index = state["next_index"]
+        if not 0 <= index <= self._length:
+            raise IndexError(f"checkpoint next_index {index} is out of range for {self._length} records")
+        while self._pending:
+            self._pending.popleft().cancel()
+        self._elements.clear()
+        self._next = self._queued = index
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        while self._pending:
+            self._pending.popleft().cancel()
+        if self._executor:
+            self._executor.shutdown(wait=False)
 
 
 def host_batch_size(batch_size: int, process_count: int) -> int:
@@ -137,7 +238,8 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
     ds = ds.map(functools.partial(_lm_example, tokenizer=tokenizer, text_key=text_key,
-                                  seq_len=seq_len)).to_iter_dataset(read_options)
+                                  seq_len=seq_len))
+    ds = BlockReadIterDataset(ds, read_options=read_options)
     ds = _pack_or_pad(ds, {"inputs": seq_len, "targets": seq_len}, pack=pack,
                       num_bins=num_packing_bins or b, shuffle=shuffle, seed=seed)
     return fixed_batches(ds.map(_lm_output), b, drop_remainder)
@@ -193,7 +295,8 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     ds = ds.map(functools.partial(_seq2seq_example, src_tok=tokenizer,
                                   tgt_tok=target_tokenizer or tokenizer,
                                   src_key=src_key, tgt_key=tgt_key))
-    ds = ds.filter(functools.partial(_fits, max_length=max_length)).to_iter_dataset(read_options)
+    ds = BlockReadIterDataset(ds.filter(functools.partial(_fits, max_length=max_length)),
+                              read_options=read_options)
     lengths = {"inputs": max_length, "targets_in": max_length, "targets": max_length}
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)
