@@ -24,13 +24,15 @@ shrunk as above; its stream rate is `train.train_stream`'s batches over --batche
 
 is that stream rate alone (a fresh workdir W trains the vocabulary first), with the records read in
 blocks (`pipeline.BlockReadIterDataset`) and then, in the same process, one record a call (Grain's
-`to_iter_dataset`, the pipelines' former reads).
+`to_iter_dataset`, the pipelines' former reads); `--data-workers 0,1,2` times the recipe's stream
+built by each number of worker processes in turn (wall-clock pairs/s, and CPU with the workers').
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
@@ -115,13 +117,25 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
     return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": _bytes(keys["data_dir"]), **out}
 
 
-def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one_record_reads: bool = False) -> dict:
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's live multiprocessing children (data workers)."""
+    ticks = 0
+    for child in multiprocessing.active_children():
+        with open(f"/proc/{child.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one_record_reads: bool = False,
+                     workers: int = 0) -> dict:
     """Pairs and real tokens (source + target) per CPU second of the translation base recipe's
     training stream (`train.train_stream`, the SentencePiece model in `workdir`), over `batches`
-    batches after the first. `one_record_reads`: with Grain's `to_iter_dataset` in place of
-    `pipeline.BlockReadIterDataset`, one `source[i]` a record (the pipelines before 2026-11-24)."""
+    batches after the first (CPU: this process and its data workers). `one_record_reads`: with
+    Grain's `to_iter_dataset` in place of `pipeline.BlockReadIterDataset`, one `source[i]` a record
+    (the pipelines before 2026-11-24). `workers`: the recipe's data_workers."""
     config = translation_base.get_config()
-    for k, v in _translation_keys(pairs, data).items():
+    for k, v in {**_translation_keys(pairs, data), "data_workers": workers}.items():
         config[k] = v
     train, _, _ = translation_train.load_sources(common.settings_of(config, TranslationSettings), workdir)
     former = mock.patch.object(pipeline, "BlockReadIterDataset", lambda ds, read_options: ds.to_iter_dataset(read_options))
@@ -129,15 +143,16 @@ def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one
         _, exp, data_stream = translation_train.train_stream(config, workdir, train)
     it = iter(data_stream)
     next(it)
-    cpu, wall, examples, source, target = time.process_time(), time.perf_counter(), 0, 0, 0
+    cpu, wall, examples, source, target = time.process_time() + _children_cpu_seconds(), time.perf_counter(), 0, 0, 0
     for _ in range(batches):
         b = next(it)
         examples += int(b["inputs_segment_ids"].max(axis=1).sum())
         source, target = source + int((b["inputs_segment_ids"] > 0).sum()), target + int(b["weights"].sum())
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    cpu, wall = time.process_time() + _children_cpu_seconds() - cpu, time.perf_counter() - wall
+    it.close()
     tokens = source + target
     return {"recipe": "translation_base", "reads": "one record a call" if one_record_reads else "blocks",
-            "rows": exp.train.batch_size, "batches": batches,
+            "data_workers": workers, "rows": exp.train.batch_size, "batches": batches,
             "source_tokens_per_step": round(source / batches), "target_tokens_per_step": round(target / batches),
             "pairs_per_cpu_second": round(examples / cpu),
             "tokens_per_cpu_second": round(tokens / cpu), "pairs_per_second": round(examples / wall),
@@ -238,14 +253,19 @@ def main() -> None:
     p.add_argument("--workdir", help="with --translation-rate: the first step's workdir (a fresh one trains the vocabulary)")
     p.add_argument("--compare-reads", action="store_true",
                    help="with --translation-rate: also the former one-record reads, in the same process")
+    p.add_argument("--data-workers", default="0",
+                   help="with --translation-rate: comma-separated data_workers counts, each timed in turn")
     p.add_argument("--work", default="/tmp/tfm_recipe_startup", help="the recipes' workdirs go here")
     p.add_argument("--rate", choices=sorted(RECIPES), help="only the stream rate of one recipe (internal)")
     p.add_argument("--no-rates", action="store_true", help="the first steps only")
     p.add_argument("--phase", type=int, default=1, choices=(1, 2), help="with --rate: the phase streamed")
     args = p.parse_args()
     if args.translation_rate:
-        for former in (False, True)[:1 + args.compare_reads]:
-            print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches, former)))
+        for workers in (int(n) for n in args.data_workers.split(",")):
+            print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches,
+                                              workers=workers)), flush=True)
+        if args.compare_reads:
+            print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches, True)))
         return
     if args.translation_pairs:
         pairs = [int(n) for n in args.translation_pairs.split(",")]

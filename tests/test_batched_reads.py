@@ -103,7 +103,8 @@ def test_block_reads_give_the_one_record_batches_and_state(corpus, tok, monkeypa
 
 
 def test_lm_stream_with_threads_or_none_is_the_one_record_stream(corpus, tok, monkeypatch):
-    """Unpacked LM batches (no shuffle), blocks read by 2, 0 or 3 threads (2 or 3 blocks ahead): the
+    """Unpacked LM batches (no shuffle), blocks read in the consuming thread (READ_OPTIONS) or by 2
+    or 3 threads (2 or 3 blocks ahead): the
     one-record reads' batches; resuming inside a block gives the rest of it."""
     def make(options):
         def build():
@@ -112,7 +113,8 @@ def test_lm_stream_with_threads_or_none_is_the_one_record_stream(corpus, tok, mo
         return build
 
     runs = [streams(make(o), count=9, resume_at=5) for o in
-            (pipeline.READ_OPTIONS, grain.ReadOptions(num_threads=0), grain.ReadOptions(num_threads=3, prefetch_buffer_size=700))]
+            (pipeline.READ_OPTIONS, grain.ReadOptions(num_threads=2, prefetch_buffer_size=512),
+             grain.ReadOptions(num_threads=3, prefetch_buffer_size=700))]
     with monkeypatch.context() as m:
         one_record_reads(m)
         want, want_state, _ = streams(make(pipeline.READ_OPTIONS), count=9, resume_at=5)

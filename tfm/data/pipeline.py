@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import grain
 import jax
+from absl import flags
 import numpy as np
 
 from tfm.data.sources import as_text, read
@@ -40,11 +41,13 @@ Example = dict[str, np.ndarray]
 
 # Records are read READ_BLOCK at a time: one `sources.read` call (TFDS array_record's `__getitems__`:
 # ~30 us a record, against ~1.3 ms for a call of one) that also maps (tokenizes) and filters them.
-# READ_OPTIONS: blocks are read by `num_threads` threads while the stream consumes earlier ones,
-# `prefetch_buffer_size` records (rounded up to whole blocks) ahead. Order and iterator state do
-# not depend on these (benchmarks/RESULTS.md, 2026-11-24, has the rates).
+# READ_OPTIONS: in the consuming thread. Reader threads (`num_threads` > 0, `prefetch_buffer_size`
+# records ahead, rounded up to whole blocks) cost CPU and time here (GIL contention: translation
+# base's stream did 9.8k pairs per CPU second with none, 7.8k with one, 6.1k with two); more cores
+# come from worker processes (`in_workers`). Order and iterator state do not depend on these
+# (benchmarks/RESULTS.md, 2026-11-24).
 READ_BLOCK = 256
-READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * READ_BLOCK)
+READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 class _BatchedSource:
@@ -198,6 +201,51 @@ def _stack(rows: Sequence[Example], batch_size: int) -> Example:
             for k, v in out.items()}
 
 
+def in_workers(ds: grain.IterDataset, workers: int) -> grain.IterDataset:
+    """`ds` made by `workers` processes (0: in this one), with Grain's `mp_prefetch`: worker i
+    builds its batches from every `workers`-th of the records `ds` reads (packing included) and
+    the stream takes the workers' batches in turn. Deterministic and resumable for a given
+    `workers`; another count gives other batches, so resuming a state with another fails."""
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0 (0: in this process), got {workers}")
+    if workers and not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # Grain's workers read its absl flags: their defaults, unless a launcher parsed them
+    return WorkersIterDataset(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) if workers else ds,
+                              workers)
+
+
+class WorkersIterDataset(grain.IterDataset):
+    """`parent` (made by `workers` processes) whose iterator state names the worker count:
+    {"workers": n, "stream": parent's state}, or parent's own state when n is 0 (as before)."""
+
+    def __init__(self, parent: grain.IterDataset, workers: int):
+        super().__init__(parent)
+        self._workers = workers
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _WorkersIterator(iter(self._parent), self._workers)
+
+
+class _WorkersIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, workers: int):
+        super().__init__(parent)
+        self._workers = workers
+
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self) -> dict:
+        state = self._parent.get_state()
+        return {"workers": self._workers, "stream": state} if self._workers else state
+
+    def set_state(self, state: dict) -> None:
+        made_by = state.get("workers", 0)
+        if made_by != self._workers:
+            raise ValueError(f"the checkpointed data stream was made by {made_by} worker processes; "
+                             f"{self._workers} would give other batches: resume with {made_by}")
+        self._parent.set_state(state["stream"] if made_by else state)
+
+
 def fixed_batches(ds: grain.IterDataset, batch_size: int, drop_remainder: bool) -> grain.IterDataset:
     return ds.batch(batch_size, drop_remainder=drop_remainder,
                     batch_fn=functools.partial(_stack, batch_size=batch_size))
@@ -229,10 +277,11 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
                shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                drop_remainder: bool = True, process_index: int = 0, process_count: int = 1,
                num_packing_bins: int | None = None,
-               read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
+               read_options: grain.ReadOptions = READ_OPTIONS, workers: int = 0) -> grain.IterDataset:
     """Decoder-LM batches {inputs, targets, segment_ids, positions, weights}: [b, seq_len].
 
-    Texts longer than seq_len tokens are truncated (lm1b sentences rarely are).
+    Texts longer than seq_len tokens are truncated (lm1b sentences rarely are). `workers`: see
+    `in_workers`.
     """
     b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
@@ -242,7 +291,7 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
     ds = BlockReadIterDataset(ds, read_options=read_options)
     ds = _pack_or_pad(ds, {"inputs": seq_len, "targets": seq_len}, pack=pack,
                       num_bins=num_packing_bins or b, shuffle=shuffle, seed=seed)
-    return fixed_batches(ds.map(_lm_output), b, drop_remainder)
+    return in_workers(fixed_batches(ds.map(_lm_output), b, drop_remainder), workers)
 
 
 # ------------------------------------------------------------------------ sequence to sequence
@@ -283,11 +332,12 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
                     drop_remainder: bool = True, process_index: int = 0,
                     process_count: int = 1,
                     num_packing_bins: int | None = None,
-                    read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
+                    read_options: grain.ReadOptions = READ_OPTIONS, workers: int = 0) -> grain.IterDataset:
     """Translation batches (see module doc), S = T = max_length.
 
     Pairs where either side (with EOS) exceeds max_length tokens are dropped. One tokenizer
-    serves both sides (shared vocabulary) unless `target_tokenizer` is given.
+    serves both sides (shared vocabulary) unless `target_tokenizer` is given. `workers`: see
+    `in_workers`.
     """
     b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
@@ -300,7 +350,7 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     lengths = {"inputs": max_length, "targets_in": max_length, "targets": max_length}
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)
-    return fixed_batches(ds.map(_seq2seq_output), b, drop_remainder)
+    return in_workers(fixed_batches(ds.map(_seq2seq_output), b, drop_remainder), workers)
 
 
 def rows_for_token_budget(source: Sequence[dict], tokenizer: Tokenizer, *, tokens_per_batch: int,
