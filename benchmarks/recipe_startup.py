@@ -40,6 +40,8 @@ import sys
 import time
 from unittest import mock
 
+import grain
+
 from experiments import common
 from experiments.bert import pretrain
 from experiments.bert.configs import base, large, roberta
@@ -117,6 +119,10 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
     return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": _bytes(keys["data_dir"]), **out}
 
 
+# pipeline.READ_OPTIONS before 2026-11-24, with Grain's one-record reads.
+FORMER_READS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
+
 def _children_cpu_seconds() -> float:
     """User + system CPU seconds of this process's live multiprocessing children (data workers)."""
     ticks = 0
@@ -133,12 +139,12 @@ def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one
     training stream (`train.train_stream`, the SentencePiece model in `workdir`), over `batches`
     batches after the first (CPU: this process and its data workers). `one_record_reads`: with
     Grain's `to_iter_dataset` in place of `pipeline.BlockReadIterDataset`, one `source[i]` a record
-    (the pipelines before 2026-11-24). `workers`: the recipe's data_workers."""
+    by FORMER_READS (the pipelines before 2026-11-24). `workers`: the recipe's data_workers."""
     config = translation_base.get_config()
     for k, v in {**_translation_keys(pairs, data), "data_workers": workers}.items():
         config[k] = v
     train, _, _ = translation_train.load_sources(common.settings_of(config, TranslationSettings), workdir)
-    former = mock.patch.object(pipeline, "BlockReadIterDataset", lambda ds, read_options: ds.to_iter_dataset(read_options))
+    former = mock.patch.object(pipeline, "BlockReadIterDataset", lambda ds, read_options: ds.to_iter_dataset(FORMER_READS))
     with former if one_record_reads else contextlib.nullcontext():
         _, exp, data_stream = translation_train.train_stream(config, workdir, train)
     it = iter(data_stream)
