@@ -83,7 +83,8 @@ def packing_rates(batches: int = 100) -> list[dict]:
     generated sentences held in memory (their sources are random-access TFDS splits):
     `pipeline.seq2seq_dataset` at 64 tokens, batch 32, and at translation base's 256 tokens and
     100 rows; `pipeline.lm_dataset` at 128, batch 32 (tokens: the source side for translation);
-    each with the pipeline's read options and with Grain's defaults, side by side."""
+    each with the pipeline's read options (blocks read in the consuming thread), 1 and 2 reader
+    threads and Grain's defaults, side by side."""
     pairs = synthetic.translation_pairs(60_000, seed=0)
     tok = tokenizers.train_sentencepiece((t for p in pairs[:2000] for t in p), 500)
     translation = [{"en": e, "de": d} for e, d in pairs]
@@ -93,7 +94,11 @@ def packing_rates(batches: int = 100) -> list[dict]:
                                                            dict(max_length=256, batch_size=100), "inputs_segment_ids"),
              "LM (decoder, 128, 32 rows)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs],
                                             dict(seq_len=128, batch_size=32), "segment_ids")}
-    reads = {"pipeline.READ_OPTIONS": pipeline.READ_OPTIONS, "grain default": grain.ReadOptions()}
+    block = pipeline.READ_BLOCK
+    reads = {"pipeline.READ_OPTIONS (no reader threads)": pipeline.READ_OPTIONS,
+             "1 reader thread": grain.ReadOptions(num_threads=1, prefetch_buffer_size=block),
+             "2 reader threads": grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * block),
+             "grain default (16 threads, 500 ahead)": grain.ReadOptions()}
     out = []
     for name, (make, source, shape, segments) in cases.items():
         for label, read_options in reads.items():

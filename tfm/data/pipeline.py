@@ -4,6 +4,11 @@ Every pipeline is deterministic given `seed` and returns a `grain.IterDataset`; 
 it is a `grain.DatasetIterator` whose `get_state()` / `set_state(state)` the training loop
 stores in checkpoints (the state is a small JSON-able dict).
 
+Reading: records are read a block at a time (`BlockReadIterDataset`: one `__getitems__` call of the
+TFDS source per READ_BLOCK records, tokenized in the same call), never one per call; the batches and
+the state are those of one-record reads. `workers` > 0 builds the batches in that many processes
+(`in_workers`, Grain's `mp_prefetch`): other batches than in-process, deterministic for the count.
+
 Host sharding: all hosts shuffle the records with the same seed, then host `process_index`
 keeps every `process_count`-th record, so hosts read disjoint records and, without
 filtering or packing, batch k of all hosts together is batch k of a single-host run.
