@@ -16,7 +16,9 @@ made before the first batch) runs too, side by side.
 
 is one such run over a corpus directory; it prints one JSON line (tests use it).
 `--packing` prints the translation and LM packing pipelines' throughput per core instead, with
-the pipeline's Grain read options and with Grain's defaults side by side.
+the pipeline's Grain read options, 1 and 2 reader threads and Grain's defaults side by side;
+`--packing --translation-data DIR` reads the translation pairs from the array_record corpus
+`synthetic.prepare_translation` wrote in DIR instead of memory.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import sys  # noqa: E402
 
 import grain  # noqa: E402
 
-from tfm.data import documents, pipeline, pretraining, streaming, synthetic, tokenizers  # noqa: E402
+from tfm.data import documents, pipeline, pretraining, sources, streaming, synthetic, tokenizers  # noqa: E402
 
 MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
          "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
@@ -78,16 +80,18 @@ def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> di
             "examples_per_second": round(done * 32 / wall, 1) if done else None}
 
 
-def packing_rates(batches: int = 100) -> list[dict]:
+def packing_rates(batches: int = 100, translation_data: str | None = None) -> list[dict]:
     """Examples and real tokens per CPU second of the packed translation and LM pipelines over
     generated sentences held in memory (their sources are random-access TFDS splits):
     `pipeline.seq2seq_dataset` at 64 tokens, batch 32, and at translation base's 256 tokens and
     100 rows; `pipeline.lm_dataset` at 128, batch 32 (tokens: the source side for translation);
     each with the pipeline's read options (blocks read in the consuming thread), 1 and 2 reader
-    threads and Grain's defaults, side by side."""
+    threads and Grain's defaults, side by side. `translation_data`: a generated array_record
+    corpus's directory to read the translation pairs from (else the pairs are in memory)."""
     pairs = synthetic.translation_pairs(60_000, seed=0)
     tok = tokenizers.train_sentencepiece((t for p in pairs[:2000] for t in p), 500)
-    translation = [{"en": e, "de": d} for e, d in pairs]
+    translation = ([{"en": e, "de": d} for e, d in pairs] if translation_data is None else
+                   sources.load("synthetic_translate", "train", data_dir=translation_data))
     cases = {"translation (seq2seq, 64, 32 rows)": (pipeline.seq2seq_dataset, translation,
                                                     dict(max_length=64, batch_size=32), "inputs_segment_ids"),
              "translation base (seq2seq, 256, 100 rows)": (pipeline.seq2seq_dataset, translation,
@@ -128,12 +132,13 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=0, help="shuffle windows after the first, for throughput")
     p.add_argument("--lists", action="store_true", help="with --first-batch: the former in-memory path")
     p.add_argument("--packing", action="store_true", help="translation and LM packing throughput instead")
+    p.add_argument("--translation-data", help="with --packing: read the translation pairs from this prepared corpus")
     p.add_argument("--sizes-mb", default="100,1000")
     p.add_argument("--lists-sizes-mb", default="5,20", help="sizes the former in-memory path runs at, side by side")
     p.add_argument("--work", default="/tmp/tfm_input_bench")
     args = p.parse_args()
     if args.packing:
-        for r in packing_rates():
+        for r in packing_rates(translation_data=args.translation_data):
             print(json.dumps(r))
         return
     if args.first_batch:
