@@ -47,10 +47,10 @@ Example = dict[str, np.ndarray]
 # Records are read READ_BLOCK at a time: one `sources.read` call (TFDS array_record's `__getitems__`:
 # ~30 us a record, against ~1.3 ms for a call of one) that also maps (tokenizes) and filters them.
 # READ_OPTIONS: in the consuming thread. Reader threads (`num_threads` > 0, `prefetch_buffer_size`
-# records ahead, rounded up to whole blocks) cost CPU and time here (GIL contention: translation
-# base's stream did 9.8k pairs per CPU second with none, 7.8k with one, 6.1k with two); more cores
-# come from worker processes (`in_workers`). Order and iterator state do not depend on these
-# (benchmarks/RESULTS.md, 2026-11-24).
+# records ahead, rounded up to whole blocks) contend for the GIL: translation base's packed stream
+# from array_record did 10.0k pairs per CPU second with none, 9.7k with one, 5.6k with two
+# (benchmarks/RESULTS.md, 2026-11-24); more cores come from worker processes (`in_workers`).
+# Order and iterator state do not depend on these.
 READ_BLOCK = 256
 READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
