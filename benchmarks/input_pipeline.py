@@ -19,6 +19,12 @@ is one such run over a corpus directory; it prints one JSON line (tests use it).
 the pipeline's Grain read options, 1 and 2 reader threads and Grain's defaults side by side;
 `--packing --translation-data DIR` reads the translation pairs from the array_record corpus
 `synthetic.prepare_translation` wrote in DIR instead of memory.
+
+    python -m benchmarks.input_pipeline --stream-workers DIR [--mode bert|roberta] [--workers 0,1,2] [--windows N]
+
+times the stream over a corpus directory with each number of worker processes in turn
+(`PretrainingStream(workers=n)`), through N shuffle windows after the first batch: wall-clock
+examples/s and CPU seconds with the workers'.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ import os  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+
+import multiprocessing  # noqa: E402
 
 import grain  # noqa: E402
 
@@ -47,6 +55,40 @@ def _bytes(directory: str) -> int:
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its live multiprocessing children (data
+    workers), read from /proc."""
+    ticks = 0
+    for child in multiprocessing.active_children():
+        with open(f"/proc/{child.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return time.process_time() + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stream_worker_rates(directory: str, mode: str, workers: list[int], windows: int) -> list[dict]:
+    """For each worker count, a fresh stream over `directory` (as `run_once`) drawn through
+    `windows` shuffle windows after its first batch: examples and real tokens per wall second and
+    per CPU second (its workers' included)."""
+    corpus = documents.Corpus([documents.TextDocuments([directory], chunk_bytes=1 << 20)])
+    keys, _ = documents.hold_out(corpus, 100)
+    tok = tokenizers.train_wordpiece((s for d in documents.sample(corpus, 500, exclude=keys) for s in d), 1000)
+    out = []
+    for n in workers:
+        stream = streaming.PretrainingStream(corpus, tok, batch_size=32, exclude=keys, shuffle_chunks=4,
+                                             workers=n, **MODES[mode])
+        next(stream)
+        cpu, wall, tokens, rows = cpu_seconds(), time.perf_counter(), 0, 0
+        while stream.window < windows + 1 and not stream.epoch:
+            batch = next(stream)
+            tokens, rows = tokens + int(batch["attention_mask"].sum()), rows + len(batch["input_ids"])
+        cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
+        stream.close()
+        out.append({"mode": mode, "workers": n, "rows": rows, "examples_per_second": round(rows / wall, 1),
+                    "examples_per_cpu_second": round(rows / cpu, 1), "tokens_per_cpu_second": round(tokens / cpu)})
+    return out
 
 
 def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> dict:
@@ -133,6 +175,8 @@ def main() -> None:
     p.add_argument("--lists", action="store_true", help="with --first-batch: the former in-memory path")
     p.add_argument("--packing", action="store_true", help="translation and LM packing throughput instead")
     p.add_argument("--translation-data", help="with --packing: read the translation pairs from this prepared corpus")
+    p.add_argument("--stream-workers", metavar="DIR", help="the stream's rate over DIR with each --workers count")
+    p.add_argument("--workers", default="0,1,2", help="with --stream-workers: comma-separated worker counts")
     p.add_argument("--sizes-mb", default="100,1000")
     p.add_argument("--lists-sizes-mb", default="5,20", help="sizes the former in-memory path runs at, side by side")
     p.add_argument("--work", default="/tmp/tfm_input_bench")
@@ -140,6 +184,11 @@ def main() -> None:
     if args.packing:
         for r in packing_rates(translation_data=args.translation_data):
             print(json.dumps(r))
+        return
+    if args.stream_workers:
+        for r in stream_worker_rates(args.stream_workers, args.mode, [int(n) for n in args.workers.split(",")],
+                                     args.windows or 2):
+            print(json.dumps(r), flush=True)
         return
     if args.first_batch:
         print(json.dumps(run_once(args.first_batch, args.mode, args.windows, args.lists)))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import resource
 import subprocess
@@ -42,6 +41,7 @@ from unittest import mock
 
 import grain
 
+from benchmarks.input_pipeline import cpu_seconds
 from experiments import common
 from experiments.bert import pretrain
 from experiments.bert.configs import base, large, roberta
@@ -123,16 +123,6 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
 FORMER_READS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
 
 
-def _children_cpu_seconds() -> float:
-    """User + system CPU seconds of this process's live multiprocessing children (data workers)."""
-    ticks = 0
-    for child in multiprocessing.active_children():
-        with open(f"/proc/{child.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one_record_reads: bool = False,
                      workers: int = 0) -> dict:
     """Pairs and real tokens (source + target) per CPU second of the translation base recipe's
@@ -149,12 +139,12 @@ def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one
         _, exp, data_stream = translation_train.train_stream(config, workdir, train)
     it = iter(data_stream)
     next(it)
-    cpu, wall, examples, source, target = time.process_time() + _children_cpu_seconds(), time.perf_counter(), 0, 0, 0
+    cpu, wall, examples, source, target = cpu_seconds(), time.perf_counter(), 0, 0, 0
     for _ in range(batches):
         b = next(it)
         examples += int(b["inputs_segment_ids"].max(axis=1).sum())
         source, target = source + int((b["inputs_segment_ids"] > 0).sum()), target + int(b["weights"].sum())
-    cpu, wall = time.process_time() + _children_cpu_seconds() - cpu, time.perf_counter() - wall
+    cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
     it.close()
     tokens = source + target
     return {"recipe": "translation_base", "reads": "one record a call" if one_record_reads else "blocks",

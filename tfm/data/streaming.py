@@ -201,9 +201,10 @@ class PretrainingStream:
         return self._rows[1]
 
     def close(self) -> None:
-        """Stops the worker processes (a later batch starts them again)."""
+        """Stops the worker processes, once the window each is building is done (a later batch
+        starts them again)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self._pool, self._pending = None, {}
 
     # ----------------------------------------------------------------------------- batches
