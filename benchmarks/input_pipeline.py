@@ -43,7 +43,7 @@ import multiprocessing  # noqa: E402
 
 import grain  # noqa: E402
 
-from tfm.data import documents, pipeline, pretraining, sources, streaming, synthetic, tokenizers  # noqa: E402
+from tfm.data import documents, pipeline, pretraining, reading, sources, streaming, synthetic, tokenizers  # noqa: E402
 
 MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
          "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
@@ -140,8 +140,8 @@ def packing_rates(batches: int = 100, translation_data: str | None = None) -> li
                                                            dict(max_length=256, batch_size=100), "inputs_segment_ids"),
              "LM (decoder, 128, 32 rows)": (pipeline.lm_dataset, [{"text": e} for e, _ in pairs],
                                             dict(seq_len=128, batch_size=32), "segment_ids")}
-    block = pipeline.READ_BLOCK
-    reads = {"pipeline.READ_OPTIONS (no reader threads)": pipeline.READ_OPTIONS,
+    block = reading.READ_BLOCK
+    reads = {"reading.READ_OPTIONS (no reader threads)": reading.READ_OPTIONS,
              "1 reader thread": grain.ReadOptions(num_threads=1, prefetch_buffer_size=block),
              "2 reader threads": grain.ReadOptions(num_threads=2, prefetch_buffer_size=2 * block),
              "grain default (16 threads, 500 ahead)": grain.ReadOptions()}

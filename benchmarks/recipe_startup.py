@@ -23,7 +23,7 @@ shrunk as above; its stream rate is `train.train_stream`'s batches over --batche
     python -m benchmarks.recipe_startup --translation-rate N --data DIR --workdir W --compare-reads
 
 is that stream rate alone (a fresh workdir W trains the vocabulary first), with the records read in
-blocks (`pipeline.BlockReadIterDataset`) and then, in the same process, one record a call (Grain's
+blocks (`reading.BlockReadIterDataset`) and then, in the same process, one record a call (Grain's
 `to_iter_dataset`, the pipelines' former reads); `--data-workers 0,1,2` times the recipe's stream
 built by each number of worker processes in turn (wall-clock pairs/s, and CPU with the workers').
 """
@@ -119,7 +119,7 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
     return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": _bytes(keys["data_dir"]), **out}
 
 
-# pipeline.READ_OPTIONS before 2026-11-24, with Grain's one-record reads.
+# the pipelines' READ_OPTIONS before 2026-11-24, with Grain's one-record reads.
 FORMER_READS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
 
 
@@ -128,7 +128,7 @@ def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one
     """Pairs and real tokens (source + target) per CPU second of the translation base recipe's
     training stream (`train.train_stream`, the SentencePiece model in `workdir`), over `batches`
     batches after the first (CPU: this process and its data workers). `one_record_reads`: with
-    Grain's `to_iter_dataset` in place of `pipeline.BlockReadIterDataset`, one `source[i]` a record
+    Grain's `to_iter_dataset` in place of `reading.BlockReadIterDataset`, one `source[i]` a record
     by FORMER_READS (the pipelines before 2026-11-24). `workers`: the recipe's data_workers."""
     config = translation_base.get_config()
     for k, v in {**_translation_keys(pairs, data), "data_workers": workers}.items():

@@ -1,4 +1,4 @@
-"""Record reads in blocks (pipeline.BlockReadIterDataset over sources.read): the batches, their
+"""Record reads in blocks (reading.BlockReadIterDataset over sources.read): the batches, their
 order, the host split and the checkpointed state are those of Grain's one-record-a-call reads
 (`to_iter_dataset`, the path before), on a generated array_record corpus and on TFDS mock_data
 with wmt14's real split names (issue 20)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from tfm.data import pipeline, sources, synthetic, tokenizers
+from tfm.data import pipeline, reading, sources, synthetic, tokenizers
 
 tfds.disable_progress_bar()
 
@@ -45,7 +45,8 @@ def tok():
 
 
 def one_record_reads(monkeypatch):
-    """The pipelines as they were: Grain's `to_iter_dataset`, one `source[i]` a record."""
+    """The pipelines as they were: Grain's `to_iter_dataset`, one `source[i]` a record (patched
+    where the pipelines call it)."""
     monkeypatch.setattr(pipeline, "BlockReadIterDataset",
                         lambda ds, read_options: ds.to_iter_dataset(read_options))
 
@@ -87,7 +88,7 @@ def test_block_reads_give_the_one_record_batches_and_state(corpus, tok, monkeypa
                                                 process_index=h, process_count=hosts)
 
     new = [streams(make(h), count=70, resume_at=62) for h in range(hosts)]
-    assert counted.single == 0 and max(counted.batched) == pipeline.READ_BLOCK
+    assert counted.single == 0 and max(counted.batched) == reading.READ_BLOCK
     with monkeypatch.context() as m:
         one_record_reads(m)
         old = [streams(make(h), count=70, resume_at=62) for h in range(hosts)]
@@ -113,11 +114,11 @@ def test_lm_stream_with_threads_or_none_is_the_one_record_stream(corpus, tok, mo
         return build
 
     runs = [streams(make(o), count=9, resume_at=5) for o in
-            (pipeline.READ_OPTIONS, grain.ReadOptions(num_threads=2, prefetch_buffer_size=512),
+            (reading.READ_OPTIONS, grain.ReadOptions(num_threads=2, prefetch_buffer_size=512),
              grain.ReadOptions(num_threads=3, prefetch_buffer_size=700))]
     with monkeypatch.context() as m:
         one_record_reads(m)
-        want, want_state, _ = streams(make(pipeline.READ_OPTIONS), count=9, resume_at=5)
+        want, want_state, _ = streams(make(reading.READ_OPTIONS), count=9, resume_at=5)
     assert records_read(want_state) == 15
     for batches, state, resumed in runs:
         assert_same(batches, want)
@@ -133,7 +134,7 @@ def test_block_reader_skips_filtered_records_and_refuses_bad_state():
     """Over a plain list with a filter: the kept elements in order across block edges (block 4),
     the state counts records read, not kept; an out-of-range state and a bad block fail."""
     ds = pipeline.records(list(range(23)), shuffle=False, seed=0, num_epochs=1).filter(lambda x: x % 3 == 0)
-    reader = pipeline.BlockReadIterDataset(ds, block=4, read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
+    reader = reading.BlockReadIterDataset(ds, block=4, read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
     it = iter(reader)
     assert [next(it) for _ in range(4)] == [0, 3, 6, 9] and it.get_state() == {"next_index": 10}
     assert list(it) == [12, 15, 18, 21]
@@ -142,7 +143,7 @@ def test_block_reader_skips_filtered_records_and_refuses_bad_state():
     with pytest.raises(IndexError, match="out of range for 23 records"):
         it.set_state({"next_index": 24})
     with pytest.raises(ValueError, match="block must be at least 1"):
-        pipeline.BlockReadIterDataset(ds, block=0)
+        reading.BlockReadIterDataset(ds, block=0)
 
 
 def test_mock_wmt14_reads_in_blocks_and_samples(tok, monkeypatch):

@@ -1,4 +1,4 @@
-"""The training streams built by worker processes (pipeline.in_workers, Grain's mp_prefetch;
+"""The training streams built by worker processes (reading.in_workers, Grain's mp_prefetch;
 translation's `data_workers`): the same pairs as in-process, deterministic, resumed exactly from a
 checkpointed state, and a state refused by another worker count (issue 20)."""
 import json

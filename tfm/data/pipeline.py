@@ -4,10 +4,11 @@ Every pipeline is deterministic given `seed` and returns a `grain.IterDataset`; 
 it is a `grain.DatasetIterator` whose `get_state()` / `set_state(state)` the training loop
 stores in checkpoints (the state is a small JSON-able dict).
 
-Reading: records are read a block at a time (`BlockReadIterDataset`: one `__getitems__` call of the
-TFDS source per READ_BLOCK records, tokenized in the same call), never one per call; the batches and
-the state are those of one-record reads. `workers` > 0 builds the batches in that many processes
-(`in_workers`, Grain's `mp_prefetch`): other batches than in-process, deterministic for the count.
+Reading (`tfm.data.reading`): records are read a block at a time (one `__getitems__` call of the
+TFDS source per block, tokenized in the same call), never one per call; the batches and the state
+are those of one-record reads. `workers` > 0 builds the batches in that many processes
+(`reading.in_workers`, Grain's `mp_prefetch`): other batches than in-process, deterministic for
+the count.
 
 Host sharding: all hosts shuffle the records with the same seed, then host `process_index`
 keeps every `process_count`-th record, so hosts read disjoint records and, without
@@ -29,48 +30,18 @@ tokens + [EOS], so no prediction crosses a segment boundary.
 """
 from __future__ import annotations
 
-import collections
 import functools
-from concurrent import futures
 from typing import Any, Sequence
 
 import grain
 import jax
-from absl import flags
 import numpy as np
 
-from tfm.data.sources import as_text, read
+from tfm.data.reading import READ_OPTIONS, BatchedSource, BlockReadIterDataset, in_workers
+from tfm.data.sources import as_text
 from tfm.data.tokenizers import Tokenizer
 
 Example = dict[str, np.ndarray]
-
-# Records are read READ_BLOCK at a time: one `sources.read` call (TFDS array_record's `__getitems__`:
-# ~30 us a record, against ~1.3 ms for a call of one) that also maps (tokenizes) and filters them.
-# READ_OPTIONS: in the consuming thread. Reader threads (`num_threads` > 0, `prefetch_buffer_size`
-# records ahead, rounded up to whole blocks) contend for the GIL: translation base's packed stream
-# from array_record did 10.0k pairs per CPU second with none, 9.7k with one, 5.6k with two
-# (benchmarks/RESULTS.md, 2026-11-24); more cores come from worker processes (`in_workers`).
-# Order and iterator state do not depend on these.
-READ_BLOCK = 256
-READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-
-
-class _BatchedSource:
-    """`source` with Grain's batched read (`_getitems`, which Grain's shuffle, repeat, slice, map
-    and filter pass down to the source): many records a `sources.read` call."""
-
-    def __init__(self, source: Sequence[Any]):
-        self._source = source
-
-    def __len__(self) -> int:
-        return len(self._source)
-
-    def __getitem__(self, index: int) -> Any:
-        return self._source[index]
-
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
-        return read(self._source, indices)
-
 
 def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int | None,
             process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
@@ -81,91 +52,11 @@ def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int 
                          f"{process_index}, {process_count}")
     if len(source) == 0:
         raise ValueError("the data source is empty")
-    ds = grain.MapDataset.source(_BatchedSource(source))
+    ds = grain.MapDataset.source(BatchedSource(source))
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
     return ds[process_index::process_count]
-
-
-class BlockReadIterDataset(grain.IterDataset):
-    """`parent`'s elements in order, skipping None (what `filter` leaves), read `block` indices a
-    call of Grain's batched `_getitems` (down to one `sources.read` of the source) by
-    `read_options.num_threads` threads ahead of the consumer: Grain's `to_iter_dataset` reads one
-    index a call. Its iterator's state is Grain's ({"next_index": the next parent index}), so
-    checkpoints carry over, and resuming at any index gives the same elements."""
-
-    def __init__(self, parent: grain.MapDataset, *, block: int = READ_BLOCK,
-                 read_options: grain.ReadOptions = READ_OPTIONS):
-        super().__init__(parent)
-        if block < 1:
-            raise ValueError(f"block must be at least 1, got {block}")
-        self._block, self._read_options = block, read_options
-
-    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """Reads `parent[sl]` (what Grain's worker processes ask of a source dataset)."""
-        if sequential_slice:
-            raise ValueError("BlockReadIterDataset slices by stride only (sequential_slice=False)")
-        self._parents = (self._parent.slice(sl),)
-
-    def __iter__(self) -> grain.DatasetIterator:
-        return _BlockReader(self._parent, self._block, self._read_options)
-
-
-class _BlockReader(grain.DatasetIterator):
-    def __init__(self, parent: grain.MapDataset, block: int, read_options: grain.ReadOptions):
-        super().__init__()
-        self._map_parent, self._length, self._block = parent, len(parent), block
-        threads = read_options.num_threads
-        self._ahead = -(-read_options.prefetch_buffer_size // block) if threads else 0
-        self._executor = futures.ThreadPoolExecutor(threads) if self._ahead else None
-        self._pending: collections.deque = collections.deque()  # blocks being read, in order
-        self._elements: collections.deque = collections.deque()  # the current block's rest
-        self._next = self._queued = 0  # next index to return / to read
-
-    def _read(self, start: int) -> list:
-        return self._map_parent._getitems(range(start, min(start + self._block, self._length)))  # pylint: disable=protected-access
-
-    def _next_block(self) -> list:
-        if not self._executor:
-            start, self._queued = self._queued, min(self._queued + self._block, self._length)
-            return self._read(start)
-        while len(self._pending) < self._ahead + 1 and self._queued < self._length:
-            self._pending.append(self._executor.submit(self._read, self._queued))
-            self._queued = min(self._queued + self._block, self._length)
-        return self._pending.popleft().result()
-
-    def __next__(self):
-        while True:
-            if not self._elements:
-                if self._next >= self._length:
-                    raise StopIteration
-                self._elements.extend(self._next_block())
-            element = self._elements.popleft()
-            self._next += 1
-            if element is not None:
-                return element
-
-    def get_state(self) -> dict:
-        return {"next_index": self._next}
-
-    def set_state(self, state: dict) -> None:
-        index = state["next_index"]
-        if not 0 <= index <= self._length:
-            raise IndexError(f"checkpoint next_index {index} is out of range for {self._length} records")
-        while self._pending:
-            self._pending.popleft().cancel()
-        self._elements.clear()
-        self._next = self._queued = index
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        while self._pending:
-            self._pending.popleft().cancel()
-        if self._executor:
-            self._executor.shutdown(wait=False)
 
 
 def host_batch_size(batch_size: int, process_count: int) -> int:
@@ -204,51 +95,6 @@ def _stack(rows: Sequence[Example], batch_size: int) -> Example:
     missing = batch_size - len(rows)
     return {k: np.pad(v, [(0, missing)] + [(0, 0)] * (v.ndim - 1)) if missing else v
             for k, v in out.items()}
-
-
-def in_workers(ds: grain.IterDataset, workers: int) -> grain.IterDataset:
-    """`ds` made by `workers` processes (0: in this one), with Grain's `mp_prefetch`: worker i
-    builds its batches from every `workers`-th of the records `ds` reads (packing included) and
-    the stream takes the workers' batches in turn. Deterministic and resumable for a given
-    `workers`; another count gives other batches, so resuming a state with another fails."""
-    if workers < 0:
-        raise ValueError(f"workers must be >= 0 (0: in this process), got {workers}")
-    if workers and not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()  # Grain's workers read its absl flags: their defaults, unless a launcher parsed them
-    return WorkersIterDataset(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) if workers else ds,
-                              workers)
-
-
-class WorkersIterDataset(grain.IterDataset):
-    """`parent` (made by `workers` processes) whose iterator state names the worker count:
-    {"workers": n, "stream": parent's state}, or parent's own state when n is 0 (as before)."""
-
-    def __init__(self, parent: grain.IterDataset, workers: int):
-        super().__init__(parent)
-        self._workers = workers
-
-    def __iter__(self) -> grain.DatasetIterator:
-        return _WorkersIterator(iter(self._parent), self._workers)
-
-
-class _WorkersIterator(grain.DatasetIterator):
-    def __init__(self, parent: grain.DatasetIterator, workers: int):
-        super().__init__(parent)
-        self._workers = workers
-
-    def __next__(self):
-        return next(self._parent)
-
-    def get_state(self) -> dict:
-        state = self._parent.get_state()
-        return {"workers": self._workers, "stream": state} if self._workers else state
-
-    def set_state(self, state: dict) -> None:
-        made_by = state.get("workers", 0)
-        if made_by != self._workers:
-            raise ValueError(f"the checkpointed data stream was made by {made_by} worker processes; "
-                             f"{self._workers} would give other batches: resume with {made_by}")
-        self._parent.set_state(state["stream"] if made_by else state)
 
 
 def fixed_batches(ds: grain.IterDataset, batch_size: int, drop_remainder: bool) -> grain.IterDataset:
