@@ -19,17 +19,29 @@ sample, token budget, lengths and held-out sets) on the generated corpus of that
 prepared once under DIR/pairs_<n> (`synthetic.prepare_translation`, streamed to array_record),
 with the vocabulary cut to TRANSLATION_VOCAB (the generated language has few words) and the model
 shrunk as above; its stream rate is `train.train_stream`'s batches over --batches more steps.
+
+    python -m benchmarks.recipe_startup --translation-rate N --data DIR --workdir W --compare-reads
+
+is that stream rate alone (a fresh workdir W trains the vocabulary first), with the records read in
+blocks (`reading.BlockReadIterDataset`) and then, in the same process, one record a call (Grain's
+`to_iter_dataset`, the pipelines' former reads); `--data-workers 0,1,2` times the recipe's stream
+built by each number of worker processes in turn (wall-clock pairs/s, and CPU with the workers').
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import subprocess
 import sys
 import time
+from unittest import mock
 
+import grain
+
+from benchmarks.input_pipeline import cpu_seconds
 from experiments import common
 from experiments.bert import pretrain
 from experiments.bert.configs import base, large, roberta
@@ -37,7 +49,7 @@ from experiments.bert.settings import BertSettings
 from experiments.translation import train as translation_train
 from experiments.translation.configs import base as translation_base
 from experiments.translation.settings import TranslationSettings
-from tfm.data import documents
+from tfm.data import documents, pipeline
 from tfm.train import MLMTask
 
 RECIPES = {"bert_base": base, "bert_large": large, "roberta": roberta}
@@ -107,25 +119,36 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
     return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": _bytes(keys["data_dir"]), **out}
 
 
-def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20) -> dict:
+# the pipelines' READ_OPTIONS before 2026-11-24, with Grain's one-record reads.
+FORMER_READS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
+
+def translation_rate(pairs: int, data: str, workdir: str, batches: int = 20, one_record_reads: bool = False,
+                     workers: int = 0) -> dict:
     """Pairs and real tokens (source + target) per CPU second of the translation base recipe's
     training stream (`train.train_stream`, the SentencePiece model in `workdir`), over `batches`
-    batches after the first."""
+    batches after the first (CPU: this process and its data workers). `one_record_reads`: with
+    Grain's `to_iter_dataset` in place of `reading.BlockReadIterDataset`, one `source[i]` a record
+    by FORMER_READS (the pipelines before 2026-11-24). `workers`: the recipe's data_workers."""
     config = translation_base.get_config()
-    for k, v in _translation_keys(pairs, data).items():
+    for k, v in {**_translation_keys(pairs, data), "data_workers": workers}.items():
         config[k] = v
     train, _, _ = translation_train.load_sources(common.settings_of(config, TranslationSettings), workdir)
-    _, exp, data_stream = translation_train.train_stream(config, workdir, train)
+    former = mock.patch.object(pipeline, "BlockReadIterDataset", lambda ds, read_options: ds.to_iter_dataset(FORMER_READS))
+    with former if one_record_reads else contextlib.nullcontext():
+        _, exp, data_stream = translation_train.train_stream(config, workdir, train)
     it = iter(data_stream)
     next(it)
-    cpu, wall, examples, source, target = time.process_time(), time.perf_counter(), 0, 0, 0
+    cpu, wall, examples, source, target = cpu_seconds(), time.perf_counter(), 0, 0, 0
     for _ in range(batches):
         b = next(it)
         examples += int(b["inputs_segment_ids"].max(axis=1).sum())
         source, target = source + int((b["inputs_segment_ids"] > 0).sum()), target + int(b["weights"].sum())
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
+    it.close()
     tokens = source + target
-    return {"recipe": "translation_base", "rows": exp.train.batch_size, "batches": batches,
+    return {"recipe": "translation_base", "reads": "one record a call" if one_record_reads else "blocks",
+            "data_workers": workers, "rows": exp.train.batch_size, "batches": batches,
             "source_tokens_per_step": round(source / batches), "target_tokens_per_step": round(target / batches),
             "pairs_per_cpu_second": round(examples / cpu),
             "tokens_per_cpu_second": round(tokens / cpu), "pairs_per_second": round(examples / wall),
@@ -223,14 +246,22 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=20, help="translation: stream batches timed after the first")
     p.add_argument("--spm-sentences", type=int, help="translation: override the recipe's spm_sentences")
     p.add_argument("--translation-rate", type=int, help="only the translation stream rate at this size (internal)")
-    p.add_argument("--workdir", help="with --translation-rate: the first step's workdir")
+    p.add_argument("--workdir", help="with --translation-rate: the first step's workdir (a fresh one trains the vocabulary)")
+    p.add_argument("--compare-reads", action="store_true",
+                   help="with --translation-rate: also the former one-record reads, in the same process")
+    p.add_argument("--data-workers", default="0",
+                   help="with --translation-rate: comma-separated data_workers counts, each timed in turn")
     p.add_argument("--work", default="/tmp/tfm_recipe_startup", help="the recipes' workdirs go here")
     p.add_argument("--rate", choices=sorted(RECIPES), help="only the stream rate of one recipe (internal)")
     p.add_argument("--no-rates", action="store_true", help="the first steps only")
     p.add_argument("--phase", type=int, default=1, choices=(1, 2), help="with --rate: the phase streamed")
     args = p.parse_args()
     if args.translation_rate:
-        print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches)))
+        for workers in (int(n) for n in args.data_workers.split(",")):
+            print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches,
+                                              workers=workers)), flush=True)
+        if args.compare_reads:
+            print(json.dumps(translation_rate(args.translation_rate, args.data, args.workdir, args.batches, True)))
         return
     if args.translation_pairs:
         pairs = [int(n) for n in args.translation_pairs.split(",")]

@@ -124,10 +124,10 @@ def batch_shape(settings: BertSettings, phase: Phase) -> dict:
 def train_stream(settings: BertSettings, phase: Phase, docs: documents.Corpus, tok, exclude: frozenset, *,
                  seed: int, process_index: int = 0, process_count: int = 1) -> streaming.PretrainingStream:
     """This host's training batches of `phase`: its chunks of `docs` (less `exclude`, the
-    held-out keys), streamed."""
+    held-out keys), streamed (the next windows built by `data_workers` processes)."""
     return streaming.PretrainingStream(docs, tok, exclude=exclude, shuffle_chunks=settings.shuffle_chunks,
                                        seed=seed, process_index=process_index, process_count=process_count,
-                                       **batch_shape(settings, phase))
+                                       workers=settings.data_workers, **batch_shape(settings, phase))
 
 
 class PhasedBatches:

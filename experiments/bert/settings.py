@@ -37,3 +37,10 @@ class BertSettings:
     phase2_batch_size: Optional[int] = None  # None: batch_size (LAMB recipe: 32k after 64k)
     vocab_path: Optional[str] = None  # an existing vocab.txt (or a dir holding one); else trained
     data_dir: Optional[str] = None    # TFDS data dir; default <workdir>/data for generated data
+    data_workers: int = 0             # processes building the next shuffle windows' examples; 0: the
+                                      # training process. The batches are the same whatever the count.
+
+    def __post_init__(self):
+        if not isinstance(self.data_workers, int) or self.data_workers < 0:
+            raise ValueError(f"data_workers={self.data_workers}: the training stream's worker processes, "
+                             ">= 0 (0: in the training process)")

@@ -22,3 +22,10 @@ class TranslationSettings:
     alpha: float             # GNMT length penalty
     average_last: int        # final BLEU with the average of the last k checkpoints
     data_dir: Optional[str] = None  # default <workdir>/data
+    data_workers: int = 0    # processes building the training batches (Grain mp_prefetch); 0: the
+                             # training process. Batches depend on it: resume with the same count.
+
+    def __post_init__(self):
+        if not isinstance(self.data_workers, int) or self.data_workers < 0:
+            raise ValueError(f"data_workers={self.data_workers}: the training stream's worker processes, "
+                             ">= 0 (0: in the training process)")

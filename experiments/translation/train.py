@@ -60,14 +60,14 @@ def train_stream(config, workdir: str, train):
     """(tokenizer, resolved experiment, this host's training batches): what the run prepares
     before its first step. It reads a bounded number of training pairs whatever the corpus size
     (the tokenizer's sample, the token budget's packed sample, then the stream itself: a lazy
-    seeded permutation of record indices, every `process_count`-th for this host, its position
-    checkpointed with the model)."""
+    seeded permutation of record indices, every `process_count`-th for this host, read in blocks,
+    built by `data_workers` processes, its position checkpointed with the model)."""
     s = common.settings_of(config, TranslationSettings)
     tok = tokenizer(s, workdir, train)
     exp = common.resolve(config, TranslationSettings, Seq2SeqTask, **batch_rows(s, train, tok))
     data = pipeline.seq2seq_dataset(train, tok, batch_size=exp.train.batch_size, max_length=s.max_length,
                                     seed=exp.train.seed, process_index=jax.process_index(),
-                                    process_count=jax.process_count())
+                                    process_count=jax.process_count(), workers=s.data_workers)
     return tok, exp, data
 
 

@@ -8,7 +8,8 @@
 
 Modules: `synthetic` (offline corpora), `sources` (wmt14, lm1b, wikipedia, bookcorpus, glue,
 synthetic via `tfds.data_source`), `tokenizers` (SentencePiece, WordPiece), `pipeline`
-(LM and seq2seq batches with packing and host sharding), `pretraining` (BERT MLM+NSP),
+(LM and seq2seq batches with packing and host sharding), `reading` (how they read records: in
+blocks, optionally in worker processes), `pretraining` (BERT MLM+NSP),
 `documents` (corpora read lazily in chunks: TFDS, text directories) and `streaming` (BERT and
 RoBERTa batches streamed from them per host, checkpointable, in bounded memory).
 """

@@ -4,6 +4,12 @@ Every pipeline is deterministic given `seed` and returns a `grain.IterDataset`; 
 it is a `grain.DatasetIterator` whose `get_state()` / `set_state(state)` the training loop
 stores in checkpoints (the state is a small JSON-able dict).
 
+Reading (`tfm.data.reading`): records are read a block at a time (one `__getitems__` call of the
+TFDS source per block, tokenized in the same call), never one per call; the batches and the state
+are those of one-record reads. `workers` > 0 builds the batches in that many processes
+(`reading.in_workers`, Grain's `mp_prefetch`): other batches than in-process, deterministic for
+the count.
+
 Host sharding: all hosts shuffle the records with the same seed, then host `process_index`
 keeps every `process_count`-th record, so hosts read disjoint records and, without
 filtering or packing, batch k of all hosts together is batch k of a single-host run.
@@ -31,17 +37,11 @@ import grain
 import jax
 import numpy as np
 
+from tfm.data.reading import READ_OPTIONS, BatchedSource, BlockReadIterDataset, in_workers
 from tfm.data.sources import as_text
 from tfm.data.tokenizers import Tokenizer
 
 Example = dict[str, np.ndarray]
-
-# Records are read and mapped by 4 threads, 16 ahead. Grain's default (16 threads, 500 ahead)
-# polls every pending read for each record it hands on: translation base's packed stream then does
-# ~1.9k pairs per CPU second in memory, ~6.7k with these (benchmarks/RESULTS.md, 2026-11-24).
-# Order and iterator state do not depend on them.
-READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
-
 
 def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int | None,
             process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
@@ -52,7 +52,7 @@ def records(source: Sequence[Any], *, shuffle: bool, seed: int, num_epochs: int 
                          f"{process_index}, {process_count}")
     if len(source) == 0:
         raise ValueError("the data source is empty")
-    ds = grain.MapDataset.source(source)
+    ds = grain.MapDataset.source(BatchedSource(source))
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
@@ -128,19 +128,21 @@ def lm_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size: int,
                shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                drop_remainder: bool = True, process_index: int = 0, process_count: int = 1,
                num_packing_bins: int | None = None,
-               read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
+               read_options: grain.ReadOptions = READ_OPTIONS, workers: int = 0) -> grain.IterDataset:
     """Decoder-LM batches {inputs, targets, segment_ids, positions, weights}: [b, seq_len].
 
-    Texts longer than seq_len tokens are truncated (lm1b sentences rarely are).
+    Texts longer than seq_len tokens are truncated (lm1b sentences rarely are). `workers`: see
+    `in_workers`.
     """
     b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
                  process_index=process_index, process_count=process_count)
     ds = ds.map(functools.partial(_lm_example, tokenizer=tokenizer, text_key=text_key,
-                                  seq_len=seq_len)).to_iter_dataset(read_options)
+                                  seq_len=seq_len))
+    ds = BlockReadIterDataset(ds, read_options=read_options)
     ds = _pack_or_pad(ds, {"inputs": seq_len, "targets": seq_len}, pack=pack,
                       num_bins=num_packing_bins or b, shuffle=shuffle, seed=seed)
-    return fixed_batches(ds.map(_lm_output), b, drop_remainder)
+    return in_workers(fixed_batches(ds.map(_lm_output), b, drop_remainder), workers)
 
 
 # ------------------------------------------------------------------------ sequence to sequence
@@ -181,11 +183,12 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
                     drop_remainder: bool = True, process_index: int = 0,
                     process_count: int = 1,
                     num_packing_bins: int | None = None,
-                    read_options: grain.ReadOptions = READ_OPTIONS) -> grain.IterDataset:
+                    read_options: grain.ReadOptions = READ_OPTIONS, workers: int = 0) -> grain.IterDataset:
     """Translation batches (see module doc), S = T = max_length.
 
     Pairs where either side (with EOS) exceeds max_length tokens are dropped. One tokenizer
-    serves both sides (shared vocabulary) unless `target_tokenizer` is given.
+    serves both sides (shared vocabulary) unless `target_tokenizer` is given. `workers`: see
+    `in_workers`.
     """
     b = host_batch_size(batch_size, process_count)
     ds = records(source, shuffle=shuffle, seed=seed, num_epochs=num_epochs,
@@ -193,11 +196,12 @@ def seq2seq_dataset(source: Sequence[dict], tokenizer: Tokenizer, *, batch_size:
     ds = ds.map(functools.partial(_seq2seq_example, src_tok=tokenizer,
                                   tgt_tok=target_tokenizer or tokenizer,
                                   src_key=src_key, tgt_key=tgt_key))
-    ds = ds.filter(functools.partial(_fits, max_length=max_length)).to_iter_dataset(read_options)
+    ds = BlockReadIterDataset(ds.filter(functools.partial(_fits, max_length=max_length)),
+                              read_options=read_options)
     lengths = {"inputs": max_length, "targets_in": max_length, "targets": max_length}
     ds = _pack_or_pad(ds, lengths, pack=pack, num_bins=num_packing_bins or b,
                       shuffle=shuffle, seed=seed)
-    return fixed_batches(ds.map(_seq2seq_output), b, drop_remainder)
+    return in_workers(fixed_batches(ds.map(_seq2seq_output), b, drop_remainder), workers)
 
 
 def rows_for_token_budget(source: Sequence[dict], tokenizer: Tokenizer, *, tokens_per_batch: int,

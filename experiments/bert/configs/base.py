@@ -49,6 +49,7 @@ def get_config(arg: str = ""):
     c.chunk_documents = 2_000  # ~6 MB of Wikipedia a chunk: instances made per chunk, streamed
     c.chunk_bytes = 8 << 20  # text_dirs: ~16 books a chunk
     c.shuffle_chunks = 8  # instances shuffled over 8 chunks at a time (~16k documents)
+    c.data_workers = 0  # processes building the next windows (0: the training process); RESULTS.md, 2026-11-24
     c.vocab_documents = 200_000  # Google trained BERT's 30,522 WordPieces offline; vocab_path takes a file
     c.tokenizer = "wordpiece"  # uncased (lower-cased, accents stripped)
     c.vocab_size = 30_522

@@ -30,6 +30,9 @@ def get_config(runlocal: str = ""):
     # the whole corpus; a sample bounds the startup's time and memory whatever the corpus size)
     c.spm_sentences = 1_000_000
     c.max_length = 256
+    # processes building the training batches (0: the training process). A core streams ~200k
+    # real tokens/s of generated pairs, the v5p-8's chips take ~3.3M: ~16-18 (RESULTS.md, 2026-11-24)
+    c.data_workers = 0
     c.eval_examples = 3003  # all of newstest2014 for the final BLEU; newstest2013 for eval loss
     c.eval_bleu_examples = 500  # newstest2013 sentences decoded at each eval (0: loss only)
     c.decode_length = 256
