@@ -431,14 +431,15 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                 status[name, label] = budget.skipped()
                 continue
             try:
-                step, where, trainer = train_run(bench, label, name, B, T, smoke)
+                step, where, trainer, batch = train_run(bench, label, name, B, T, smoke)
                 seconds, = bench.interleaved([step], steps)
+                memory = step_memory(bench, trainer, batch)
             except Unavailable as e:
                 status[name, label] = f"unavailable: {e}"
             except Exception as e:  # shown in the report, not fatal
                 status[name, label] = f"error: {short(e)}"
             else:
-                status[name, label] = (seconds, where)
+                status[name, label] = (seconds, where, memory)
                 if trainer is not None:
                     cfg = trainer.model.config
                     flops_per_step[name] = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
@@ -449,23 +450,42 @@ def train(smoke: bool, budget: Budget) -> list[str]:
         for label in [f"tfm {impl}" for impl in TFM_IMPLS] + ["torch eager", "torch compile"]:
             result = status[name, label]
             if isinstance(result, str):
-                rows.append([name, f"{B}×{T}", label, "", "", "", result])
+                rows.append([name, f"{B}×{T}", label, "", "", "", "", result])
                 continue
-            seconds, where = result
+            seconds, where, memory = result
             flops = flops_per_step.get(name)
             mfu = "n/a" if peak is None or flops is None else f"{flops / seconds / peak:.1%}"
-            rows.append([name, f"{B}×{T}", label, f"{seconds * 1e3:.1f}", f"{B * T / seconds:,.0f}", mfu, where])
+            rows.append([name, f"{B}×{T}", label, f"{seconds * 1e3:.1f}", f"{B * T / seconds:,.0f}", mfu, memory,
+                         where])
     lines = [f"One train step (forward, backward, AdamW), bf16, dropout 0; fastest of {steps} after a warm-up. "
              f"MFU = 6·params + 12·layers·D·T FLOPs per token (`tfm.train.metrics.flops_per_token`, tfm's "
              f"parameter count for both sides) over the device's dense bf16 peak "
              f"({'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown for this device: n/a'}). tfm: bf16 "
              f"computation, fp32 parameters (`ModelConfig.dtype`), per attention impl; torch: Hugging Face "
-             f"with autocast bf16, SDPA, fused AdamW on CUDA; eager and `torch.compile`.", ""]
-    return lines + table(["model", "batch", "impl", "ms/step", "tokens/s", "MFU", "where"], rows)
+             f"with autocast bf16, SDPA, fused AdamW on CUDA; eager and `torch.compile`. Memory (GiB per "
+             f"device): XLA's figure for the compiled step, as the preflight counts it (arguments + outputs "
+             f"- donated + temporaries), then what the device measured: JAX's peak bytes in use so far in "
+             f"this process (the step's own for the first tfm run of a `--only train` command), torch's "
+             f"peak allocated during its run.", ""]
+    return lines + table(["model", "batch", "impl", "ms/step", "tokens/s", "MFU", "memory: compiled / measured",
+                          "where"], rows)
+
+
+def step_memory(bench, trainer, batch) -> str:
+    """'compiled / measured' GiB of the step just timed: tfm's compiled figure and JAX's device peak
+    so far (trainer given), or torch's peak since its run began; "n/a" where a device keeps no
+    statistics (CPU)."""
+    gib = lambda n: f"{n / 2**30:.3g}"
+    if trainer is None:
+        torch = sys.modules["torch"]
+        return f"— / {gib(torch.cuda.max_memory_allocated())}" if torch.cuda.is_available() else "— / n/a"
+    stats = jax.devices()[0].memory_stats()
+    measured = gib(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else "n/a"
+    return f"{gib(bench.compiled_total_bytes(trainer, batch))} / {measured}"
 
 
 def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):
-    """(step, where, tfm trainer or None) for one of TRAIN_RUNS."""
+    """(step, where, tfm trainer and batch or None, None) for one of TRAIN_RUNS."""
     framework, kind = label.split()
     if framework == "tfm":
         return tfm_train_step(bench, name, B, T, kind, smoke)
@@ -473,22 +493,24 @@ def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):
 
 
 def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
-    """(step, where, trainer) of tfm's bf16 train step with one attention impl."""
+    """(step, where, trainer, batch) of tfm's bf16 train step with one attention impl."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
     tiny = bench.TINY if smoke else {}
-    step, trainer = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
-    return step, jax.devices()[0].device_kind, trainer
+    step, trainer, batch = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
+    return step, jax.devices()[0].device_kind, trainer, batch
 
 
 def torch_train_step(bench, name: str, B: int, T: int, mode: str, smoke: bool):
-    """(step, where, None) of the Hugging Face model's train step, eager or compiled."""
+    """(step, where, None, None) of the Hugging Face model's train step, eager or compiled."""
     device = torch_device(smoke)
     if mode == "compile" and device == "cpu":
         raise Unavailable("torch.compile is timed on CUDA only (its CPU compile outlasts a smoke run)")
+    if device == "cuda":
+        sys.modules["torch"].cuda.reset_peak_memory_stats()
     step = bench.torch_stepper(name, B, T, device=device, bf16=True, compile=mode == "compile",
                                fused=device == "cuda", tiny=smoke)
-    return step, device + (", 1 thread (smoke)" if smoke else ""), None
+    return step, device + (", 1 thread (smoke)" if smoke else ""), None, None
 
 
 # ---------------------------------------------------------------- 4. decode

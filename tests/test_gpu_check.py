@@ -65,6 +65,10 @@ def test_unavailable_cases_say_why(smoke):
     train = table_rows(section(report, 3))
     assert any(r[2] == "torch compile" and r[-1].startswith("unavailable: torch.compile") for r in train)
     assert all(re.fullmatch(r"[\d.]+", r[3]) for r in train if not r[-1].startswith("unavailable"))
+    # memory: XLA's compiled figure for tfm's steps (a positive number); the CPU device keeps no statistics
+    ran = [r for r in train if not r[-1].startswith("unavailable")]
+    assert all(re.fullmatch(r"[\d.e-]+ / n/a", r[6]) and float(r[6].split()[0]) > 0 for r in ran if r[2].startswith("tfm")), ran
+    assert all(r[6] == "— / n/a" for r in ran if r[2].startswith("torch")), ran
 
 
 def test_decode_and_auto_sections_have_figures(smoke):
