@@ -431,9 +431,9 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                 status[name, label] = budget.skipped()
                 continue
             try:
-                step, where, trainer, batch = train_run(bench, label, name, B, T, smoke)
+                step, where, trainer, compiled = train_run(bench, label, name, B, T, smoke)
                 seconds, = bench.interleaved([step], steps)
-                memory = step_memory(bench, trainer, batch)
+                memory = step_memory(bench, compiled)
             except Unavailable as e:
                 status[name, label] = f"unavailable: {e}"
             except Exception as e:  # shown in the report, not fatal
@@ -471,21 +471,21 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                           "where"], rows)
 
 
-def step_memory(bench, trainer, batch) -> str:
-    """'compiled / measured' GiB of the step just timed: tfm's compiled figure and JAX's device peak
-    so far (trainer given), or torch's peak since its run began; "n/a" where a device keeps no
-    statistics (CPU)."""
+def step_memory(bench, compiled) -> str:
+    """'compiled / measured' GiB of the step just timed: tfm's compiled figure (its `memory_analysis()`
+    given) and JAX's device peak so far, or torch's peak since its run began; "n/a" where a device
+    keeps no statistics (CPU)."""
     gib = lambda n: f"{n / 2**30:.3g}"
-    if trainer is None:
+    if compiled is None:
         torch = sys.modules["torch"]
         return f"— / {gib(torch.cuda.max_memory_allocated())}" if torch.cuda.is_available() else "— / n/a"
     stats = jax.devices()[0].memory_stats()
     measured = gib(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else "n/a"
-    return f"{gib(bench.compiled_total_bytes(trainer, batch))} / {measured}"
+    return f"{gib(bench.total_bytes(compiled))} / {measured}"
 
 
 def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):
-    """(step, where, tfm trainer and batch or None, None) for one of TRAIN_RUNS."""
+    """(step, where, tfm trainer and its step's memory_analysis() or None, None) for one of TRAIN_RUNS."""
     framework, kind = label.split()
     if framework == "tfm":
         return tfm_train_step(bench, name, B, T, kind, smoke)
@@ -493,12 +493,12 @@ def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):
 
 
 def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
-    """(step, where, trainer, batch) of tfm's bf16 train step with one attention impl."""
+    """(step, where, trainer, memory_analysis() of the step) of tfm's bf16 train step with one attention impl."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
     tiny = bench.TINY if smoke else {}
-    step, trainer, batch = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
-    return step, jax.devices()[0].device_kind, trainer, batch
+    step, trainer, memory = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
+    return step, jax.devices()[0].device_kind, trainer, memory
 
 
 def torch_train_step(bench, name: str, B: int, T: int, mode: str, smoke: bool):

@@ -60,32 +60,26 @@ def _trainer(name, B, T, vocab_chunk=None, **model_changes):
 
 
 def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
-    """(step, trainer, batch): step() runs one train step to completion; warmed up (compiled).
+    """(step, trainer, memory): step() runs one train step to completion, warmed up; memory is
+    XLA's `memory_analysis()` of the step it runs (the Trainer's, compiled once ahead of time).
     model_changes replace ModelConfig fields (attention_impl, or TINY for a smoke run)."""
     trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
     state, gb = [trainer.init_state()], trainer.global_batch(batch)
+    with trainer.context():
+        compiled = trainer._step.lower(state[0], gb).compile()  # pylint: disable=protected-access
 
     def step():
-        state[0], metrics = trainer.train_step(state[0], gb)
+        state[0], metrics = compiled(state[0], gb)
         jax.block_until_ready(metrics)
     step()
-    return step, trainer, batch
+    return step, trainer, compiled.memory_analysis()
 
 
-def compiled_memory(trainer, batch):
-    """XLA's `memory_analysis()` of the trainer's train step compiled for the default device as
-    the Trainer compiles it (state donated), not run."""
-    step = make_train_step(trainer.model, trainer.task, trainer.tx, trainer.schedule)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    with trainer.context():
-        return jax.jit(step, donate_argnums=0).lower(trainer.abstract_state, batch).compile().memory_analysis()
-
-
-def compiled_total_bytes(trainer, batch) -> int:
-    """The step's memory per device as the preflight counts it: arguments + outputs - donated +
-    temporaries (`tfm.preflight`)."""
-    m = compiled_memory(trainer, batch)
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+def total_bytes(memory) -> int:
+    """A compiled step's memory per device as the preflight counts it (`tfm.preflight`): arguments +
+    outputs - donated + temporaries, from its `memory_analysis()`."""
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
 
 
 def interleaved(steps, rounds: int) -> list[float]:
@@ -103,7 +97,12 @@ def interleaved(steps, rounds: int) -> list[float]:
 def compiled_temp_bytes(vocab_chunk, B=8, T=1024) -> int:
     """XLA's temp memory of the GPT-2-small fp32 train step (chunked attention), compiled
     as the Trainer compiles it (state donated) but not run."""
-    return compiled_memory(*_trainer("gpt2", B, T, vocab_chunk, attention_impl="chunked")).temp_size_in_bytes
+    trainer, batch = _trainer("gpt2", B, T, vocab_chunk, attention_impl="chunked")
+    step = make_train_step(trainer.model, trainer.task, trainer.tx, trainer.schedule)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    with trainer.context():
+        compiled = jax.jit(step, donate_argnums=0).lower(trainer.abstract_state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def memory_table(vocab_chunks):
