@@ -23,7 +23,7 @@ after each section, so a run cut short still leaves the finished sections.
 Carried packages. On the image of 2026-11-24 (jax 0.11.2 with CUDA 13, flax 0.12.10, torch
 2.11.0, transformers 5.17.0) none were needed: `PYTHONPATH=. python3 -m benchmarks.gpu_check`
 ran from the repository root without any install. Otherwise: the check imports only `tfm.ops`,
-`tfm.models`, `tfm.decode` and `tfm.train` (never tfm.data, experiments, TFDS, Grain,
+`tfm.models`, `tfm.decode`, `tfm.train` and `tfm.preflight.analysis` (never tfm.data, experiments, TFDS, Grain,
 SentencePiece, sacreBLEU or ml_collections). Beyond jax, numpy, torch and transformers these
 import flax, optax, absl-py, treescope, rich (markdown-it-py, mdurl, pygments), msgpack and
 PyYAML (both fall back to pure Python without their C extensions), etils, and for the train
@@ -433,7 +433,7 @@ def train(smoke: bool, budget: Budget) -> list[str]:
             try:
                 step, where, trainer, compiled = train_run(bench, label, name, B, T, smoke)
                 seconds, = bench.interleaved([step], steps)
-                memory = step_memory(bench, compiled)
+                memory = step_memory(compiled)
             except Unavailable as e:
                 status[name, label] = f"unavailable: {e}"
             except Exception as e:  # shown in the report, not fatal
@@ -471,17 +471,18 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                           "where"], rows)
 
 
-def step_memory(bench, compiled) -> str:
+def step_memory(compiled) -> str:
     """'compiled / measured' GiB of the step just timed: tfm's compiled figure (its `memory_analysis()`
     given) and JAX's device peak so far, or torch's peak since its run began; "n/a" where a device
     keeps no statistics (CPU)."""
+    from tfm.preflight.analysis import memory_bytes
     gib = lambda n: f"{n / 2**30:.3g}"
     if compiled is None:
         torch = sys.modules["torch"]
         return f"— / {gib(torch.cuda.max_memory_allocated())}" if torch.cuda.is_available() else "— / n/a"
     stats = jax.devices()[0].memory_stats()
     measured = gib(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else "n/a"
-    return f"{gib(bench.total_bytes(compiled))} / {measured}"
+    return f"{gib(memory_bytes(compiled))} / {measured}"
 
 
 def train_run(bench, label: str, name: str, B: int, T: int, smoke: bool):

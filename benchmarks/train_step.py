@@ -75,13 +75,6 @@ def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
     return step, trainer, compiled.memory_analysis()
 
 
-def total_bytes(memory) -> int:
-    """A compiled step's memory per device as the preflight counts it (`tfm.preflight`): arguments +
-    outputs - donated + temporaries, from its `memory_analysis()`."""
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
-
-
 def interleaved(steps, rounds: int) -> list[float]:
     """Fastest seconds per call of each step function, called round-robin so that load from
     other jobs on a shared machine falls on all of them alike."""

@@ -202,11 +202,18 @@ def _cost(compiled) -> dict:
     return dict(cost or {})
 
 
+def memory_bytes(memory) -> int:
+    """A compiled step's bytes per device from its `memory_analysis()`: arguments + outputs -
+    donated (aliased) + temporaries."""
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
+
+
 def _fill(report: StepReport, compiled, target: Target, loop_factor: float) -> None:
     mem = compiled.memory_analysis()
     report.argument_bytes, report.output_bytes = mem.argument_size_in_bytes, mem.output_size_in_bytes
     report.alias_bytes, report.temp_bytes = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-    report.total_bytes = report.argument_bytes + report.output_bytes - report.alias_bytes + report.temp_bytes
+    report.total_bytes = memory_bytes(mem)
     report.fits = report.total_bytes <= report.hbm_bytes
     report.collectives, report.kernels, report.largest = read_hlo(compiled.as_text())
     cost = _cost(compiled)
