@@ -1,7 +1,7 @@
 """Compiled memory of one encoder layer's forward + backward against sequence length: full
 attention (the xla reference and the flash kernels) against Linformer's length projection, with the
 low-rank value projection's parameter saving beside them; and the share of (128 x 128) tiles the
-flash kernels visit under each sparse pattern (tfm.ops.sparsity), against full attention.
+flash kernels visit under each sparse pattern (tfm.kernels.sparsity), against full attention.
 
 XLA's memory_analysis() of the compiled step (temporaries, per device) is a property of the
 program, not of the machine, so the figures are exact on any CPU; the visited tiles are the kernels'
@@ -20,7 +20,7 @@ import numpy as np
 
 from tfm.kernels import flash_attention as fa
 from tfm.models import EncoderModel, presets
-from tfm.ops import sparsity
+from tfm.kernels import sparsity
 
 WIDTH = dict(d_model=768, num_heads=12, d_ff=3072, num_layers=1)  # one BERT-base layer
 

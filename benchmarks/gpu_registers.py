@@ -166,7 +166,8 @@ def versions(ptxas: str) -> str:
 def table(variants, *, backward: bool):
     """Yields a markdown table, a row per (variant, H in 64, 128): each kernel's registers and
     headroom at the default blocks (forward block_q x block_kv / backward ones)."""
-    from tfm.kernels.flash_attention import GPU_NUM_STAGES, BlockSizes
+    from tfm.kernels.flash_attention import GPU_NUM_STAGES
+    from tfm.kernels.tiles import BlockSizes
     from tfm.preflight.targets import parse_target
 
     devices, ptxas = parse_target("h100-1").devices(), ptxas_path()

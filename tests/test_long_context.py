@@ -14,7 +14,7 @@ from experiments.long_context import compare, documents, train
 from experiments.long_context.configs import tiny
 from experiments.long_context.settings import LongContextSettings
 from tfm.models import EncoderModel
-from tfm.ops import sparsity
+from tfm.kernels import sparsity
 from tfm.train import ClassificationTask, OptimizerConfig, TrainState, make_optimizer, make_train_step
 
 L = 128  # the recipe's variants at a quarter of its length: window 32 still reaches 62 < L - 1

@@ -14,9 +14,9 @@ from test_convert_parity import max_abs, padding_mask, randomize  # noqa: E402
 from tfm.convert import ConversionError, from_hf  # noqa: E402
 from tfm.convert import longformer as longformer_convert  # noqa: E402
 from tfm.convert.common import HFConfig  # noqa: E402
-from tfm.kernels.flash_attention import BlockSizes  # noqa: E402
+from tfm.kernels.tiles import BlockSizes  # noqa: E402
 from tfm.models import EncoderModel  # noqa: E402
-from tfm.ops.sparsity import Longformer  # noqa: E402
+from tfm.kernels.sparsity import Longformer  # noqa: E402
 
 TOL = 1e-4
 V, B, T, WINDOW, GLOBALS = 100, 2, 21, 6, 2  # one-sided window 3: tfm's Longformer(window=4)

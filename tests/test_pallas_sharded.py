@@ -17,7 +17,7 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm.config import ModelConfig
-from tfm.kernels.flash_attention import BlockSizes
+from tfm.kernels.tiles import BlockSizes
 from tfm.models import DecoderLM, presets
 from tfm.ops import pallas
 from tfm.ops.attention import alibi_slopes, dot_product_attention

@@ -1,4 +1,4 @@
-"""Sparse attention patterns (tfm.ops.sparsity) through the one entry point: the Pallas kernels (interpret
+"""Sparse attention patterns (tfm.kernels.sparsity) through the one entry point: the Pallas kernels (interpret
 mode; the loop driver of GPU/CPU, and the TPU grid driver with its scalar-prefetched block lists) against the
 xla reference with the same mask materialised (and, for BigBird, the chunked backend, which masks every
 chunk: its padding of S to a chunk multiple must not resize a BigBird table), and the tiles the kernels visit

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from tfm.kernels.flash_attention import BlockSizes
-from tfm.ops import sparsity as sparsity_lib
+from tfm.kernels.tiles import BlockSizes
+from tfm.kernels import sparsity as sparsity_lib
 from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 from tfm.ops.context import STRATEGIES as CONTEXT_STRATEGIES
 
@@ -249,7 +249,7 @@ class ModelConfig:
     # Linformer (encoders): keys and values projected along the length to this many rows (one learned
     # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
     linformer_length: Optional[int] = None
-    # Sparse self-attention on every layer (tfm.ops.sparsity; not cross-attention): a pattern or a dict
+    # Sparse self-attention on every layer (tfm.kernels.sparsity; not cross-attention): a pattern or a dict
     # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; any attention_impl but cudnn.
     attention_sparsity: Union[sparsity_lib.Pattern, dict, None] = None
     # Longformer (HF LongformerModel): the rows of the global tokens attend to every key through their own

@@ -34,7 +34,7 @@ from experiments.long_context.configs import tiny
 from experiments.long_context.settings import LongContextSettings
 from tfm.kernels import flash_attention as fa
 from tfm.models import EncoderModel
-from tfm.ops import sparsity
+from tfm.kernels import sparsity
 from tfm.train import ClassificationTask
 
 

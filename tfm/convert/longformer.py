@@ -16,7 +16,7 @@ from tfm.config import ModelConfig
 from tfm.convert import bert
 from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, linear, linear_pair
 from tfm.models import EncoderModel
-from tfm.ops.sparsity import Longformer
+from tfm.kernels.sparsity import Longformer
 
 GLOBAL_PROJECTIONS = ("query_global", "key_global", "value_global")
 

@@ -16,7 +16,7 @@ that share the same per-tile math:
         and their index maps clamped so no DMA is issued for them.
 
 The visible blocks are a range per block row (causal, window) or, with a sparsity pattern
-(`tfm.ops.sparsity`), block lists: `visible_tiles` -> `block_lists`, index [n, M] and count [n]
+(`tfm.kernels.sparsity`), block lists: `visible_tiles` -> `block_lists`, index [n, M] and count [n]
 per row. The loop driver loops over index[r, :count[r]]; the grid driver's block axis has M
 steps, step t loading block index[r, t] (scalar-prefetched) and computing while t < count[r].
 
@@ -42,7 +42,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tfm.ops import sparsity as sparsity_lib
+from tfm.kernels import sparsity as sparsity_lib
+from tfm.kernels.tiles import GPU_DTYPES, BlockSizes
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
@@ -51,61 +52,6 @@ _BACKENDS = ("tpu", "gpu", "cpu")
 # 128-row query tile) halve each thread's share of the fp32 tiles and keep the tiles, so the
 # K/V traffic per query is unchanged (benchmarks/gpu_registers.py, benchmarks/RESULTS.md).
 GPU_NUM_WARPS, GPU_NUM_STAGES = 8, 2
-GPU_DTYPES = ("bfloat16", "float16")  # Triton: the tensor-core dtypes; float32 is refused
-
-
-# --------------------------------------------------------------------------------------
-# Block sizes
-# --------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes: forward (block_q, block_kv) and backward (block_q_bwd, block_kv_bwd).
-
-    All are powers of two >= 8 (the Triton lowering needs powers of two). Backward sizes
-    default to the forward ones. TPU also needs block_kv, block_q_bwd and block_kv_bwd to be
-    multiples of 128 (they become lane dimensions); `check_backend` says so.
-    """
-    block_q: int = 128
-    block_kv: int = 128
-    block_q_bwd: Optional[int] = None
-    block_kv_bwd: Optional[int] = None
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None and field.name.endswith("_bwd"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r}")
-            if value < 8 or value & (value - 1):
-                raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 8, got {value}")
-
-    @property
-    def backward(self) -> tuple[int, int]:
-        """(block_q, block_kv) for the backward kernels."""
-        return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
-
-    def check_backend(self, backend: str) -> None:
-        """Raises ValueError if these sizes cannot lower on `backend`."""
-        if backend == "tpu":
-            for name, value in (("block_kv", self.block_kv), ("block_kv_bwd", self.backward[1]),
-                                ("block_q_bwd", self.backward[0])):
-                if value % 128:
-                    raise ValueError(f"on TPU BlockSizes.{name} must be a multiple of 128, got {value}")
-        if backend == "gpu" and min(self.block_q, self.block_kv, *self.backward) < 16:
-            raise ValueError(f"on GPU every block size must be >= 16 (Triton dot); got {self}")
-
-    @classmethod
-    def default(cls, backend: str, head_dim: int) -> "BlockSizes":
-        """Per-backend defaults (not yet timed on hardware; on GPU they leave every kernel
-        register headroom with GPU_NUM_WARPS: benchmarks/RESULTS.md)."""
-        if backend == "tpu":
-            return cls(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=256)
-        if backend == "gpu":
-            return cls(block_q=128, block_kv=64 if head_dim <= 64 else 32,
-                       block_q_bwd=64, block_kv_bwd=64 if head_dim <= 64 else 32)
-        return cls(block_q=128, block_kv=128)
 
 
 # --------------------------------------------------------------------------------------
@@ -837,7 +783,7 @@ def flash_attention(q, k, v, **options):
     options: causal, q_segment_ids, kv_segment_ids, window, alibi_slopes, softcap, sparsity, scale,
     block_sizes, backend, interpret. backend: "tpu" (grid driver, Mosaic), "gpu" (loop driver,
     Triton; q, k, v in GPU_DTYPES) or "cpu"; default the JAX default backend. interpret: run the
-    Pallas interpreter; default on CPU. sparsity (`tfm.ops.sparsity`): both drivers visit only
+    Pallas interpreter; default on CPU. sparsity (`tfm.kernels.sparsity`): both drivers visit only
     the tiles of `visible_tiles`.
     """
     c = _prepare(q, k, v, **options)

@@ -45,7 +45,7 @@ class Attention(nn.Module):
     qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
     attending (Mllama's cross-attention layers; config.qk_norm: every layer, Qwen3); cached keys are the normed ones.
 
-    config.attention_sparsity patterns self-attention (tfm.ops.sparsity); with config.global_projections the
+    config.attention_sparsity patterns self-attention (tfm.kernels.sparsity); with config.global_projections the
     Longformer global rows are recomputed through their own projections (`_global_rows`).
     """
 

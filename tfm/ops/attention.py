@@ -14,7 +14,7 @@ Masking is described, never materialised by the caller:
   softcap         logits -> softcap * tanh(logits / softcap), after scaling, before ALiBi.
   bias            float [B|1, N, T, S] added to the logits (T5's relative position bias);
                   impl="xla" only.
-  sparsity        a `tfm.ops.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
+  sparsity        a `tfm.kernels.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
                   Longformer), ANDed with the rest; impl "xla" (materialised), "chunked" (masked
                   per chunk) or "pallas" (the kernels visit only the tiles it leaves non-empty).
                   Not with explicit positions (cached decoding) nor context parallelism.
@@ -35,8 +35,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from tfm.kernels.flash_attention import BlockSizes
-from tfm.ops import chunked, context, cudnn, pallas, select, shard, sparsity as sparsity_lib, xla
+from tfm.kernels.tiles import BlockSizes
+from tfm.kernels import sparsity as sparsity_lib
+from tfm.ops import chunked, context, cudnn, pallas, select, shard, xla
 from tfm.ops.masks import alibi_slopes, check_attention_inputs, visibility
 
 __all__ = ["IMPLEMENTATIONS", "alibi_slopes", "dot_product_attention", "visibility"]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.ops.masks import NEG_INF, scores, visibility
-from tfm.ops.sparsity import Pattern
+from tfm.kernels.sparsity import Pattern
 
 
 class ChunkConfig(NamedTuple):

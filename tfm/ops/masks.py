@@ -18,7 +18,7 @@ def visibility(q_pos, kv_pos, q_seg, kv_seg, *, causal: bool, window: Optional[i
     """Boolean [B, T, S] (or broadcastable): may query t see key s.
 
     q_pos [B|1, T], kv_pos [B|1, S] ints; q_seg / kv_seg int [B, T] / [B, S] or None; sparsity a
-    `tfm.ops.sparsity` pattern or None, laid over `lengths` (T, S) (default: these positions' lengths;
+    `tfm.kernels.sparsity` pattern or None, laid over `lengths` (T, S) (default: these positions' lengths;
     a BigBird table is sized by them, so a chunk of keys passes the whole lengths).
     """
     T, S = lengths or (q_pos.shape[1], kv_pos.shape[1])

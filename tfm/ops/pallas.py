@@ -15,13 +15,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from tfm.kernels import flash_attention
+from tfm.kernels.tiles import BlockSizes
 from tfm.ops.shard import per_device
 from tfm.parallel.mesh import current_platform
 
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
               window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
-              sparsity=None, scale: float, block_sizes: Optional[flash_attention.BlockSizes] = None,
+              sparsity=None, scale: float, block_sizes: Optional[BlockSizes] = None,
               backend: Optional[str] = None, interpret: Optional[bool] = None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
@@ -42,7 +43,7 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
 
 
 def blocks(q_run: int, kv_run: int, *, causal: bool, window: Optional[int], softcap: Optional[float], scale: float,
-           block_sizes: Optional[flash_attention.BlockSizes] = None) -> "Blocks":
+           block_sizes: Optional[BlockSizes] = None) -> "Blocks":
     """`Blocks` for the current mesh's platform (interpreted on CPU)."""
     backend = current_platform()
     options = dict(causal=causal, window=window, softcap=softcap, scale=scale, block_sizes=block_sizes,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from tfm.kernels.flash_attention import GPU_DTYPES
+from tfm.kernels.tiles import GPU_DTYPES
 from tfm.parallel.mesh import current_platform
 
 # Above this many fp32 logit bytes (B*N*T*S*4) the xla reference's memory dominates on CPU.

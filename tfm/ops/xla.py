@@ -14,7 +14,7 @@ from tfm.ops.masks import NEG_INF, scores, visibility
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
               dropout_rate, dropout_rng, bias=None, sparsity=None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H]. q_pos [B|1, T], kv_pos [B|1, S];
-    bias [B|1, N, T, S] is added to the logits; sparsity (`tfm.ops.sparsity`) is materialised [T, S]."""
+    bias [B|1, N, T, S] is added to the logits; sparsity (`tfm.kernels.sparsity`) is materialised [T, S]."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
