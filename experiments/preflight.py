@@ -74,11 +74,11 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
     plan = module.blueprint(config, len(devices))
     mesh = parallel.make_mesh(plan.train.mesh, devices)
     say(target.describe())
-    context = (f" (sequences split over context: context_strategy {plan.model.config.context_strategy})"
+    context = (f" (sequences split over context: context_strategy {plan.model.config.execution.context_strategy})"
                if mesh.shape["context"] > 1 and "context" in parallel.parse_parallelism(plan.train.parallelism) else "")
     say(f"mesh {dict(mesh.shape)}, parallelism {plan.train.parallelism}, "
-        f"attention_impl {plan.model.config.attention_impl}{context}, scan_layers {plan.model.config.scan_layers}, "
-        f"remat {plan.model.config.remat_policy}, dtype {plan.model.config.dtype}")
+        f"attention_impl {plan.model.config.execution.attention_impl}{context}, scan_layers {plan.model.config.execution.scan_layers}, "
+        f"remat {plan.model.config.execution.remat_policy}, dtype {plan.model.config.execution.dtype}")
     records = []
     for shape_name, batch in plan.batches.items():
         trainer = Trainer(plan.model, plan.task, plan.train, mesh)

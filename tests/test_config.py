@@ -1,12 +1,21 @@
 """Parameter counts from `jax.eval_shape` with the formulas written out, and clear errors for
 bad configurations and bad inputs."""
+import ast
+import dataclasses
+import json
+import pathlib
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tfm.config import ExecutionConfig, ModelConfig
 from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def count_params(model, *inputs):
@@ -92,7 +101,8 @@ def test_gpt2_small_and_llama_counts():
     (dict(num_experts=4, moe_impl="einsum", moe_chunks=2), r"moe_chunks=2 must be >= 1, and > 1 needs moe_impl='ragged'"),
     (dict(num_experts=4, moe_chunks=0), r"moe_chunks=0 must be >= 1"),
     (dict(shared_expert_d_ff=16), r"shared_expert_d_ff=16 needs num_experts > 0"),
-    (dict(attention_dropout=0.1, attention_impl="chunked"), "attention_dropout > 0 needs"),
+    (dict(attention_dropout=0.1, attention_impl="chunked"), "attention_dropout needs an attention backend that "
+                                                                "implements dropout"),
     (dict(heads=("mlm", "qa")), "unknown"),
     (dict(pad_id=64), "pad_id=64 outside the vocabulary"),
     (dict(remat_policy="sometimes"), "remat_policy='sometimes'"),
@@ -162,10 +172,7 @@ def test_derived_fields_are_set_and_follow_what_they_derive_from():
 def test_rope_is_one_nested_config():
     """A dict sets some RoPE fields over the current ones; a RopeConfig replaces them all; configs
     recorded with the old flat names (rope_theta, rotary_dim, ...) still load."""
-    import dataclasses
-    import json
-
-    from tfm.config import ModelConfig, RopeConfig
+    from tfm.config import RopeConfig
     cfg = presets.tiny("llama").replace(rope=dict(scaling="linear", factor=2.0))
     assert (cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor) == (500_000.0, "linear", 2.0)
     assert cfg.replace(rope=RopeConfig(theta=10.0)).rope == RopeConfig(theta=10.0, dim=cfg.head_dim)
@@ -192,3 +199,101 @@ def test_moe_presets_hold_their_published_sizes(preset, total, active):
     act = n - unused - cfg.vocab_size * cfg.d_model
     print(f"{preset}: {n / 1e9:.2f}B total, {act / 1e9:.2f}B active")
     assert abs(n - total) / total < 0.015 and abs(act - active) / active < 0.015, (n, act)
+
+
+# ModelConfig's top-level fields say what a model computes. A new one is classified here: a field
+# that changes how a run executes the model (a backend, a chunking, tiles, a dtype, remat, scan, ...)
+# and not the function it computes belongs in ExecutionConfig instead.
+WHAT_FIELDS = (
+    'vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'num_kv_heads', 'head_dim', 'num_decoder_layers',
+    'max_len', 'norm', 'norm_eps', 'norm_position', 'final_norm', 'embedding_norm', 'norm_bias', 'position', 'rope',
+    'alibi_bias_max', 'position_offset', 'padding_positions', 'relative_buckets', 'relative_max_distance',
+    'attention_bias', 'attention_out_bias', 'attention_dropout', 'scale_attention', 'sliding_window',
+    'attention_pattern', 'attn_logit_softcap', 'qk_norm', 'mla', 'value_rank', 'linformer_length',
+    'attention_sparsity', 'global_projections', 'activation', 'ffn_bias', 'num_experts', 'experts_per_token',
+    'router_aux_loss_coef', 'router_seq_aux_loss_coef', 'router_norm_topk', 'shared_expert_d_ff',
+    'shared_expert_gate', 'router_score', 'router_groups', 'router_group_top', 'router_bias', 'router_bias_rate',
+    'router_scale', 'dense_layers', 'dense_d_ff', 'parallel_block', 'parallel_norms', 'dropout_rate',
+    'type_vocab_size', 'scale_embeddings', 'tie_embeddings', 'share_source_target_embeddings', 'output_bias',
+    'rescale_tied_output', 'pad_id', 'heads', 'num_labels', 'head_activation', 'image_size', 'patch_size',
+    'num_channels', 'multimodal')
+_EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
+
+
+def test_execution_settings_live_in_one_group():
+    """Every top-level field is a classified 'what' field; none is named like an execution setting;
+    and no tfm, experiments or benchmarks module lists execution fields again (ExecutionConfig.names())."""
+    top = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "execution"]
+    assert set(top) == set(WHAT_FIELDS), ("classify the new/removed ModelConfig fields (WHAT_FIELDS, or "
+                                          f"ExecutionConfig if they change how, not what): {set(top) ^ set(WHAT_FIELDS)}")
+    assert not [name for name in top if _EXECUTION_LIKE.search(name)]
+    assert all(_EXECUTION_LIKE.search(name) for name in ExecutionConfig.names() if name != "context_strategy")
+    names, found = set(ExecutionConfig.names()), []
+    for folder in ("tfm", "experiments", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                    strings = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                    if len(strings & names) >= 2:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"lists of execution fields (read ExecutionConfig.names()): {found}"
+
+
+def test_execution_is_one_nested_group_and_flat_names_still_load():
+    """A dict changes the fields it names over the current ones; flat names (replace, from_dict of an
+    old record, experiment overrides) land in the group; a name given twice is refused."""
+    cfg = presets.tiny("llama").replace(execution=dict(attention_impl="chunked", attention_chunk_size=16))
+    assert (cfg.execution.attention_impl, cfg.execution.attention_chunk_size) == ("chunked", 16)
+    assert cfg.replace(execution=dict(dtype="bfloat16")).execution.attention_chunk_size == 16
+    assert cfg.replace(remat_policy="full").execution == dataclasses.replace(cfg.execution, remat_policy="full")
+    record = json.loads(json.dumps(dataclasses.asdict(cfg.replace(attention_impl="pallas"))))
+    assert ModelConfig.from_dict(record).execution.attention_impl == "pallas"
+    flat = {k: v for k, v in record.items() if k != "execution"}
+    flat.update(record["execution"])
+    assert ModelConfig.from_dict(flat) == ModelConfig.from_dict(record)
+    assert presets.build("tiny_llama", 64, {"scan_layers": True}).execution.scan_layers
+    assert presets.build("tiny_llama", 64, {"execution": {"scan_layers": True}}).execution.scan_layers
+    with pytest.raises(ValueError, match=r"\['dtype'\] given both flat and in execution"):
+        cfg.replace(dtype="float16", execution=dict(dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"execution has no field\(s\) \['dtpye'\]"):
+        cfg.replace(execution=dict(dtpye="bfloat16"))
+    with pytest.raises(ValueError, match=r"execution.attention_block_sizes are the Pallas kernels' tiles"):
+        cfg.replace(attention_block_sizes=(16, 16))
+
+
+def test_a_backend_declaration_drives_validation_auto_and_the_entry_point(monkeypatch):
+    """Flip one declaration in tfm.capabilities: ModelConfig validation, `auto` and the entry point follow."""
+    from tfm import capabilities
+    from tfm.ops import attention, select
+    monkeypatch.setattr(select, "current_platform", lambda: "tpu")
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+
+    def outcome():
+        try:
+            presets.tiny("encoder", attention_dropout=0.1, attention_impl="pallas")
+        except ValueError as e:
+            assert "attention_dropout needs an attention backend that implements dropout" in str(e)
+            return False, select.choose_impl(q, q, dropout_rate=0.1)
+        return True, select.choose_impl(q, q, dropout_rate=0.1)
+
+    pallas = capabilities.ATTENTION["pallas"]
+    for declared in (pallas.dropout, not pallas.dropout):
+        monkeypatch.setitem(capabilities.ATTENTION, "pallas", dataclasses.replace(pallas, dropout=declared))
+        assert outcome() == (declared, "pallas" if declared else "xla")
+    monkeypatch.setitem(capabilities.ATTENTION, "pallas", dataclasses.replace(pallas, dropout=False))
+    x = jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match=r"^attention impl 'pallas' does not implement dropout \(impl 'xla'"):
+        attention.dot_product_attention(x, x, x, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0), impl="pallas")
+    presets.tiny("encdec", position="relative")
+    monkeypatch.setitem(capabilities.ATTENTION, "xla", dataclasses.replace(capabilities.ATTENTION["xla"], bias=False))
+    with pytest.raises(ValueError, match=r"position='relative' .* needs an attention backend that implements bias"):
+        presets.tiny("encdec", position="relative")
+
+
+def test_import_of_the_config_loads_no_kernel():
+    import subprocess
+    import sys
+    code = ("import sys, tfm.config; bad = [m for m in sys.modules if m.startswith(('tfm.ops', 'tfm.kernels.flash', "
+            "'jax.experimental.pallas'))]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

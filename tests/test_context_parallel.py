@@ -172,4 +172,4 @@ def test_context_parallelism_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="unknown context_strategy"):
         dot_product_attention(q, q, q, context_strategy="tree")
     with pytest.raises(ValueError, match="context_strategy"):
-        ModelConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_ff=8, context_strategy="tree")
+        ModelConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_ff=8, execution=dict(context_strategy="tree"))

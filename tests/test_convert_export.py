@@ -40,7 +40,7 @@ CASES = {
     # GQA, head_dim != D / N, linear RoPE scaling, biases on, untied output; scanned layers.
     "llama": ("LlamaForCausalLM", ModelConfig(
         **LLAMA, head_dim=16, rope=dict(theta=500.0, scaling="linear", factor=2.0),
-        tie_embeddings=False, scan_layers=True), "AutoModelForCausalLM"),
+        tie_embeddings=False, execution=dict(scan_layers=True)), "AutoModelForCausalLM"),
     # 4 experts top-2, a sliding window shorter than the sequence, tied output.
     "mixtral": ("MixtralForCausalLM", ModelConfig(
         **LLAMA, head_dim=8, rope=dict(theta=1e6), attention_bias=False, ffn_bias=False, num_experts=4,
@@ -141,7 +141,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_round_trips(case, tm
     print(f"{case}: HF vs tfm max-abs {diffs}")
     assert max(diffs.values()) < TOL, diffs
 
-    back_cfg, back_params, _ = from_hf(directory, scan_layers=cfg.scan_layers)
+    back_cfg, back_params, _ = from_hf(directory, scan_layers=cfg.execution.scan_layers)
     assert back_cfg == cfg
     assert jax.tree.structure(back_params) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, back_params, params)

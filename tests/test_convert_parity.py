@@ -185,7 +185,7 @@ def test_decoder_logits(decoder, source):
     print(f"{type(hf).__name__}[{source}] max-abs {diff:.2e}")
     assert diff < TOL
     if name == "mixtral":
-        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2 and cfg.moe_impl == "ragged"
+        assert cfg.num_experts == 4 and cfg.sliding_window == 4 and cfg.num_kv_heads == 2 and cfg.execution.moe_impl == "ragged"
     if name == "deepseek_v3":
         assert cfg.mla.softmax_scale_factor > 1 and (cfg.head_dim, cfg.rope.dim, cfg.mla.value_dim) == (12, 4, 6)
         moe = (cfg.dense_layers, cfg.dense_d_ff, cfg.d_ff, cfg.shared_expert_d_ff, cfg.router_groups)
@@ -204,11 +204,11 @@ def test_runtime_overrides(decoder):
     ids = tokens(5)
     _, params, model = from_hf(hf)
     cfg, scanned, scanned_model = from_hf(hf, scan_layers=True)
-    assert "layers" in scanned["decoder"] and cfg.scan_layers
+    assert "layers" in scanned["decoder"] and cfg.execution.scan_layers
     a = model.apply({"params": params}, jnp.asarray(ids)).logits
     b = scanned_model.apply({"params": scanned}, jnp.asarray(ids)).logits
     assert max_abs(a, b) < 1e-5
-    assert from_hf(hf, dtype="bfloat16")[0].dtype == "bfloat16"
+    assert from_hf(hf, dtype="bfloat16")[0].execution.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("decoder", ["gpt2"], indirect=True)

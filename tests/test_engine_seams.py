@@ -360,3 +360,24 @@ def test_batch_not_divisible_into_microbatches_is_refused():
     from tfm.train import TrainConfig
     with pytest.raises(ValueError, match="TrainConfig.batch_size 6 is not divisible by TrainConfig.microbatches 4"):
         TrainConfig(batch_size=6, microbatches=4)
+
+
+def test_a_run_recorded_with_flat_execution_fields_resumes(tmp_path):
+    """A workdir whose config.json holds the execution settings flat (as before ModelConfig.execution
+    grouped them) resumes from its checkpoint, its model_config loads as the same ModelConfig, and
+    the run's losses equal an undisturbed run's."""
+    from tfm.config import ExecutionConfig, ModelConfig
+    exp = _experiment(checkpoint_every=2)
+    config = DecoderLM(exp.model(train_job.VOCAB)).config
+    _train(exp, tmp_path / "old", 2, config_dict=exp.record(config))
+    record = json.load(open(tmp_path / "old" / "config.json"))
+    flat = record["model_config"].pop("execution")
+    record["model_config"].update(flat)
+    record["model"]["overrides"].update({k: v for k, v in flat.items() if k in ("dtype", "scan_layers")})
+    json.dump(record, open(tmp_path / "old" / "config.json", "w"))
+    assert set(flat) == set(ExecutionConfig.names()) and ModelConfig.from_dict(record["model_config"]) == config
+    resumed = _train(exp, tmp_path / "old", 4, config_dict=exp.record(config))
+    whole = _train(exp, tmp_path / "whole", 4, config_dict=exp.record(config))
+    assert [r["step"] for r in resumed.history] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in resumed.history],
+                               [r["loss"] for r in whole.history], rtol=1e-6)

@@ -53,7 +53,7 @@ def test_global_projections_are_refused_without_longformer_globals(longformer):
     _, (cfg, _, _) = longformer
     with pytest.raises(ValueError, match="global_projections needs"):
         cfg.replace(attention_sparsity=Longformer(window=4, globals=0))
-    with pytest.raises(ValueError, match="not 'cudnn'"):
+    with pytest.raises(ValueError, match="attention_impl='cudnn' does not"):
         cfg.replace(attention_impl="cudnn", attention_dropout=0.0)
 
 

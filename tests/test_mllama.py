@@ -235,7 +235,7 @@ def test_multimodal_config_round_trips_and_refuses_what_it_cannot_build(vision_l
     assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg  # nested vision config too
     base = dict(vocab_size=V, d_model=D, num_heads=4, num_layers=4, d_ff=48)
     bad = {"must lie in": dict(multimodal=dict(cross_attention_layers=(4,))),
-           "looped": dict(scan_layers=True, multimodal=dict(cross_attention_layers=(1,))),
+           "looped": dict(execution=dict(scan_layers=True), multimodal=dict(cross_attention_layers=(1,))),
            "tie_embeddings": dict(multimodal=dict(extra_tokens=8)),
            "set max_num_tiles": dict(multimodal=dict(num_global_layers=2)),
            "tiled vision encoder": dict(multimodal=dict(vision=dict(base, image_size=8, patch_size=4)))}

@@ -73,7 +73,7 @@ def _train_losses(build, cfg, impl: str, steps: int = 3):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_pallas_training_matches_xla(name):
     build, cfg = FAMILIES[name]
-    assert cfg.dtype == "float32"
+    assert cfg.execution.dtype == "float32"
     xla, pallas = _train_losses(build, cfg, "xla"), _train_losses(build, cfg, "pallas")
     assert np.all(np.isfinite(pallas)) and xla[-1] < xla[0]  # it trains
     np.testing.assert_allclose(pallas, xla, rtol=0, atol=1e-5)

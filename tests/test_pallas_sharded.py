@@ -264,6 +264,6 @@ def test_model_config_rejects_bad_block_sizes(value, message):
 
 def test_model_config_block_sizes_are_stored_frozen_and_never_ignored():
     cfg = presets.tiny("decoder", attention_impl="pallas", attention_block_sizes=(16, 32))
-    assert cfg.attention_block_sizes == BlockSizes(16, 32) and hash(cfg)
-    with pytest.raises(ValueError, match="attention_impl='xla' would ignore it"):
+    assert cfg.execution.attention_block_sizes == BlockSizes(16, 32) and hash(cfg)
+    with pytest.raises(ValueError, match="attention_impl='xla' would ignore them"):
         cfg.replace(attention_impl="xla")

@@ -95,6 +95,14 @@ def test_collectives_and_largest_arrays_are_read_from_the_compiled_program():
     assert collectives == {"all-reduce": {"count": 1, "bytes": 16 * 32 * 4, "shapes": ["f32[16,32]"]}}
     assert kernels == []
     assert largest[0][0] == 16 * 32 * 4
+    # the [256, 256] bf16 result split over rows instead: TPU's reduce-scatter, a fusion whose computation
+    # all-reduces and slices, counted once as the [64, 256] shard it leaves
+    scattered = jax.jit(lambda x, w: x @ w, out_shardings=split(("x",))).lower(
+        jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=split((None, "x"))),
+        jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=split(("x",)))).compile().as_text()
+    assert "calls=%all-reduce-scatter" in scattered
+    collectives, _, _ = preflight.read_hlo(scattered)
+    assert collectives == {"reduce-scatter": {"count": 1, "bytes": 64 * 256 * 2, "shapes": ["bf16[64,256]"]}}
 
 
 def _pallas_trainer(target_name, mesh_config, parallelism):

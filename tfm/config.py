@@ -1,20 +1,22 @@
 """Frozen, validated model configuration shared by every family.
 
 One `ModelConfig` describes a stack of identical `Block`s plus embeddings and heads; the
-family (encoder, decoder-only, encoder-decoder) is the model class that consumes it. RoPE's
-settings are one nested `RopeConfig` (`config.rope.theta`); fields left None to be derived
-(num_kv_heads, head_dim, num_decoder_layers, rope.dim) hold their value once built.
-Impossible combinations raise `ValueError` naming the field.
+family (encoder, decoder-only, encoder-decoder) is the model class that consumes it. Its fields
+say what the model computes; how a run executes it (compute dtype, scan, remat, attention and
+MoE implementations, kernel tiles) is the nested `ExecutionConfig` (`config.execution`), whose
+fields are the one list of such settings. RoPE's settings are one nested `RopeConfig`
+(`config.rope.theta`); fields left None to be derived (num_kv_heads, head_dim,
+num_decoder_layers, rope.dim) hold their value once built. Impossible combinations raise
+`ValueError` naming the field. Which backend supports which feature is `tfm.capabilities`'.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from tfm.kernels.tiles import BlockSizes
+from tfm import capabilities
 from tfm.kernels import sparsity as sparsity_lib
-from tfm.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
-from tfm.ops.context import STRATEGIES as CONTEXT_STRATEGIES
+from tfm.kernels.tiles import BlockSizes
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
@@ -25,15 +27,21 @@ ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
-MOE_IMPLS = ("ragged", "einsum")  # ModelConfig.moe_impl: sorted grouped matmuls (dropless), one-hot dispatch
 REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
+# ModelConfig's regularisation: it changes training, not the function a trained model computes.
+REGULARISATION = ("dropout_rate", "attention_dropout")
 
 
 class _FieldGroup:
     """A frozen group of ModelConfig fields (ModelConfig.<FIELD>), given as itself or a dict of its fields."""
 
     FIELD = ""
+
+    @classmethod
+    def names(cls) -> tuple:
+        """The group's field names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
     def coerce(cls, value, base=None):
@@ -126,6 +134,80 @@ class MlaConfig(_FieldGroup):
             raise ValueError(f"ModelConfig.mla.rope_dim must be even, got {self.rope_dim}")
         if self.softmax_scale_factor <= 0:
             raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig(_FieldGroup):
+    """How a run executes a model (ModelConfig.execution), never what it computes: the same
+    parameters compute the same function under any ExecutionConfig (up to the compute dtype's
+    rounding; scan_layers stacks each layer's arrays along a leading axis, and capacity_factor is
+    the one setting that may drop tokens). Its fields are the one list of such settings: import
+    overrides, export, the vision-language model and old flat records read them from here.
+
+    dtype: the computation dtype (params are float32).
+    scan_layers: the stack as one `nn.scan` over stacked layer params (compiles once per layer kind).
+    remat_policy: what each block saves for the backward ("none", "full", or a jax.checkpoint policy).
+    attention_impl: a backend of `tfm.capabilities.ATTENTION`, or "auto" (tfm.ops.select per call).
+    attention_chunk_size: the chunked backend's key block (and context parallelism's chunked blocks).
+    attention_block_sizes: the Pallas kernel tiles: a BlockSizes, a dict of its fields, or
+      (block_q, block_kv[, block_q_bwd, block_kv_bwd]); None = the kernel's per-backend default.
+    context_strategy: the sequence split over the mesh's `context` axis: "ring" passes K/V blocks
+      around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
+    moe_impl: "ragged" (sort by expert + grouped matmuls, dropless) or "einsum" (one-hot slots).
+    capacity_factor: moe_impl="einsum" slots per expert, ceil(factor * T * k / E), tokens past them
+      dropped; None = dropless (C = T).
+    moe_chunks: moe_impl="ragged": each device dispatches its tokens in this many sequential chunks,
+      each rematerialised, so the sort and all-to-all buffers ([n, N*k, D]) are 1/moe_chunks the
+      size; must divide the tokens per device. Values and gradients do not change.
+    """
+
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    attention_impl: str = "xla"
+    attention_chunk_size: int = 128
+    attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
+    context_strategy: str = "ring"
+    moe_impl: str = "ragged"
+    capacity_factor: Optional[float] = None
+    moe_chunks: int = 1
+
+    FIELD = "execution"
+
+    def __post_init__(self):
+        choices = dict(dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES, attention_impl=capabilities.ATTENTION_IMPLS,
+                       context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.execution.{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.attention_chunk_size < 1:
+            raise ValueError(f"ModelConfig.execution.attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+        object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))
+        if self.attention_block_sizes is not None and not self.may_use("block_sizes"):
+            raise ValueError(f"ModelConfig.execution.attention_block_sizes are the Pallas kernels' tiles; "
+                             f"attention_impl={self.attention_impl!r} would ignore them")
+        moe = capabilities.MOE[self.moe_impl]
+        if self.moe_chunks < 1 or (self.moe_chunks > 1 and not moe.chunks):
+            raise ValueError(f"ModelConfig.execution.moe_chunks={self.moe_chunks} must be >= 1, and > 1 needs "
+                             f"{_having('chunks')} (moe_impl={self.moe_impl!r})")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"ModelConfig.execution.capacity_factor must be > 0, got {self.capacity_factor}")
+        if self.capacity_factor is not None and not moe.capacity:
+            raise ValueError(f"ModelConfig.execution.capacity_factor={self.capacity_factor} needs "
+                             f"{_having('capacity')} (moe_impl={self.moe_impl!r} is dropless)")
+
+    def may_use(self, *features: str) -> bool:
+        """Whether attention_impl can compute every named feature: its backend's declaration, or for
+        "auto" some backend's (auto picks one that can, per call)."""
+        wanted = {name: True for name in features}
+        if self.attention_impl == "auto":
+            return bool(capabilities.supporting(**wanted))
+        return not capabilities.ATTENTION[self.attention_impl].missing(**wanted)
+
+
+def _having(feature: str) -> str:
+    """"moe_impl='x' or moe_impl='y'": the MoE implementations declaring `feature`."""
+    return " or ".join(f"moe_impl={n!r}" for n, s in capabilities.MOE.items() if getattr(s, feature))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,33 +332,17 @@ class ModelConfig:
     # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
     linformer_length: Optional[int] = None
     # Sparse self-attention on every layer (tfm.kernels.sparsity; not cross-attention): a pattern or a dict
-    # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; any attention_impl but cudnn.
+    # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; backends declaring sparsity (tfm.capabilities).
     attention_sparsity: Union[sparsity_lib.Pattern, dict, None] = None
     # Longformer (HF LongformerModel): the rows of the global tokens attend to every key through their own
     # projections query_global, key_global, value_global; needs a Longformer attention_sparsity.
     global_projections: bool = False
-    attention_impl: str = "xla"
-    attention_chunk_size: int = 128
-    # Pallas kernel tiles: a BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd,
-    # block_kv_bwd]); stored as a BlockSizes. None = the kernel's per-backend default.
-    attention_block_sizes: Union[BlockSizes, dict, tuple, None] = None
-    # The sequence split over the mesh's `context` axis (rule set "context"): "ring" passes K/V
-    # blocks around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
-    # Each block is computed by the Pallas kernels (attention_impl "pallas", or "auto" on TPU and
-    # bf16/fp16 GPU) or else the chunked backend (attention_chunk_size); "cudnn" is refused there.
-    context_strategy: str = "ring"
 
     # Feed-forward
     activation: str = "relu"
     ffn_bias: bool = True
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
-    moe_impl: str = "ragged"  # "ragged": sort by expert + grouped matmuls, dropless; "einsum": one-hot slots
-    capacity_factor: Optional[float] = None  # moe_impl="einsum" slots per expert; None = dropless (C = T)
-    # moe_impl="ragged": each device dispatches its tokens in this many sequential chunks, each
-    # rematerialised, so the sort and all-to-all buffers ([n, N*k, D]) are 1/moe_chunks the size; must
-    # divide the tokens per device. Values and gradients do not change.
-    moe_chunks: int = 1
     router_aux_loss_coef: float = 0.01
     # DeepSeek-V3's sequence-wise balance loss (eq. 17-20): alpha * sum_e f_e P_e per sequence (batch row), averaged
     router_seq_aux_loss_coef: float = 0.0
@@ -321,18 +387,17 @@ class ModelConfig:
     # MultimodalConfig's fields is accepted); the default is none of either.
     multimodal: Union[MultimodalConfig, dict, None] = None
 
-    # Numerics and memory
-    dtype: str = "float32"  # computation dtype; params are float32
-    scan_layers: bool = False
-    remat_policy: str = "none"
+    # How a run executes the model (dtype, scan, remat, backends): an ExecutionConfig or a dict of its
+    # fields (over the defaults; over the current execution in `replace`).
+    execution: Union[ExecutionConfig, dict, None] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "execution", ExecutionConfig.coerce(self.execution))
         choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       attention_impl=ATTENTION_IMPLS, moe_impl=MOE_IMPLS, router_score=ROUTER_SCORES, dtype=DTYPE_NAMES,
-                       remat_policy=REMAT_POLICY_NAMES, context_strategy=CONTEXT_STRATEGIES)
+                       router_score=ROUTER_SCORES)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -379,27 +444,14 @@ class ModelConfig:
         for name in ("attention_dropout", "dropout_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.attention_dropout > 0 and self.attention_impl != "xla":
-            raise ValueError("ModelConfig.attention_dropout > 0 needs attention_impl='xla'")
-        object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))
         self._check_sparsity()
-        if self.attention_block_sizes is not None and self.attention_impl not in ("pallas", "auto"):
-            raise ValueError(f"ModelConfig.attention_block_sizes is used by attention_impl 'pallas' or "
-                             f"'auto' only; attention_impl={self.attention_impl!r} would ignore it")
+        self._check_attention_features()
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} must be in "
                                  f"[1, num_experts={self.num_experts}]")
-            if self.capacity_factor is not None and self.capacity_factor <= 0:
-                raise ValueError(f"ModelConfig.capacity_factor must be > 0, got {self.capacity_factor}")
             if self.shared_expert_d_ff < 0:
                 raise ValueError(f"ModelConfig.shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
-            if self.moe_chunks < 1 or (self.moe_chunks > 1 and self.moe_impl != "ragged"):
-                raise ValueError(f"ModelConfig.moe_chunks={self.moe_chunks} must be >= 1, and > 1 needs "
-                                 f"moe_impl='ragged' (moe_impl={self.moe_impl!r})")
-            if self.capacity_factor is not None and self.moe_impl != "einsum":
-                raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor} needs moe_impl='einsum' "
-                                 f"(moe_impl={self.moe_impl!r} is dropless)")
         self._check_routing()
         if self.router_seq_aux_loss_coef < 0 or (self.router_seq_aux_loss_coef and not self.num_experts):
             raise ValueError(f"ModelConfig.router_seq_aux_loss_coef={self.router_seq_aux_loss_coef} must be >= 0 "
@@ -422,9 +474,6 @@ class ModelConfig:
         for name in ("relative_buckets", "relative_max_distance"):
             if getattr(self, name) < 2:
                 raise ValueError(f"ModelConfig.{name} must be >= 2, got {getattr(self, name)}")
-        if self.position == "relative" and self.attention_impl != "xla":
-            raise ValueError(f"ModelConfig.position='relative' (T5 relative position bias) needs "
-                             f"attention_impl='xla'; attention_impl={self.attention_impl!r} takes no additive bias")
         if self.rescale_tied_output and not self.tie_embeddings:
             raise ValueError("ModelConfig.rescale_tied_output scales the tied output projection; it needs "
                              "tie_embeddings=True")
@@ -460,7 +509,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be in [0, num_layers={self.num_layers}]")
         if self.dense_d_ff is not None and self.dense_d_ff < 1:
             raise ValueError(f"ModelConfig.dense_d_ff must be >= 1 or None, got {self.dense_d_ff}")
-        if self.scan_layers and self.dense_layers % self.pattern_period:
+        if self.execution.scan_layers and self.dense_layers % self.pattern_period:
             raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} must be a multiple of the attention "
                              f"pattern's period {self.pattern_period} to scan the MoE layers after them")
 
@@ -514,8 +563,9 @@ class ModelConfig:
             if layers and layers[-1] >= self.num_layers:
                 raise ValueError(f"ModelConfig.multimodal.{name}={layers} must lie in "
                                  f"[0, num_layers={self.num_layers})")
-        if mm.cross_attention_layers and (self.scan_layers or self.parallel_block or self.norm_position != "pre"):
-            raise ValueError("ModelConfig.multimodal.cross_attention_layers need a looped (scan_layers=False), "
+        if mm.cross_attention_layers and (self.execution.scan_layers or self.parallel_block or
+                                          self.norm_position != "pre"):
+            raise ValueError("ModelConfig.multimodal.cross_attention_layers need a looped (execution.scan_layers=False), "
                              "sequential (parallel_block=False), pre-norm stack")
         if mm.vision is not None and not (mm.vision.multimodal.max_num_tiles and mm.cross_attention_layers):
             raise ValueError("ModelConfig.multimodal.vision must be a tiled vision encoder (multimodal.max_num_tiles "
@@ -523,9 +573,9 @@ class ModelConfig:
         if mm.extra_tokens and self.tie_embeddings:
             raise ValueError("ModelConfig.multimodal.extra_tokens (embedded, never predicted) need "
                              "tie_embeddings=False")
-        if mm.max_num_tiles and (not self.image_size or self.scan_layers):
+        if mm.max_num_tiles and (not self.image_size or self.execution.scan_layers):
             raise ValueError("ModelConfig.multimodal.max_num_tiles describes a tiled vision encoder: it needs "
-                             "image_size and looped layers (scan_layers=False)")
+                             "image_size and looped layers (execution.scan_layers=False)")
 
     def _check_sparsity(self):
         try:
@@ -533,9 +583,6 @@ class ModelConfig:
         except ValueError as e:
             raise ValueError(f"ModelConfig.attention_sparsity: {e}") from None
         pattern = self.attention_sparsity
-        if pattern is not None and self.attention_impl == "cudnn":
-            raise ValueError("ModelConfig.attention_sparsity runs on attention_impl 'xla', 'chunked', 'pallas' or "
-                             "'auto', not 'cudnn'")
         if pattern is not None and self.linformer_length is not None:
             raise ValueError("ModelConfig.attention_sparsity: Linformer's projected keys have no positions to pattern")
         if self.global_projections and not (isinstance(pattern, sparsity_lib.Longformer) and pattern.globals):
@@ -543,6 +590,20 @@ class ModelConfig:
         if self.global_projections and (self.mla is not None or self.position in ("rope", "alibi", "relative")):
             raise ValueError("ModelConfig.global_projections (Longformer) projects plain heads without positions in "
                              "attention: not with mla, nor position rope/alibi/relative")
+
+    def _check_attention_features(self):
+        """The attention features this model uses must be ones execution.attention_impl computes
+        (tfm.capabilities); with "auto", ones some backend computes."""
+        uses = dict(dropout=("attention_dropout", self.attention_dropout > 0),
+                    bias=("position='relative' (T5's relative position bias)", self.position == "relative"),
+                    sparsity=("attention_sparsity", self.attention_sparsity is not None),
+                    softcap=("attn_logit_softcap", self.attn_logit_softcap is not None))
+        for feature, (field, used) in uses.items():
+            if used and not self.execution.may_use(feature):
+                able = capabilities.supporting(**{feature: True})
+                raise ValueError(f"ModelConfig.{field} needs an attention backend that implements {feature} "
+                                 f"({' or '.join(map(repr, able + ['auto']))}); execution.attention_impl="
+                                 f"{self.execution.attention_impl!r} does not")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of layer `layer` (None = global) under attention_pattern."""
@@ -560,7 +621,10 @@ class ModelConfig:
         """A copy with `changes`. A derived field (num_kv_heads, head_dim, num_decoder_layers,
         rope.dim) whose value is still its derivation follows the fields it derives from unless
         `changes` sets it: tiny(d_model=32, num_heads=4) of a 768-wide preset gets head_dim 8.
-        rope: a RopeConfig replaces the current one; a dict changes only the fields it names."""
+        rope, mla, execution: an instance replaces the current one; a dict changes only the fields it
+        names. The execution fields may also be named flat (replace(attention_impl="pallas")): they
+        change `execution`."""
+        changes = _nest_execution(changes)
         derived = dict(num_kv_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
                        num_decoder_layers=self.num_layers)
         for name, value in derived.items():
@@ -573,6 +637,7 @@ class ModelConfig:
         if self.mla is not None and rope.dim == self.mla.rope_dim:  # follows mla.rope_dim
             rope = dataclasses.replace(rope, dim=None)
         changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
+        changes["execution"] = ExecutionConfig.coerce(changes.get("execution"), self.execution)
         if self.mla is not None and changes.get("mla", self.mla) is not None:
             mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
             changes["mla"] = MlaConfig.coerce(changes.get("mla"), mla)
@@ -581,8 +646,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> "ModelConfig":
         """A ModelConfig from `dataclasses.asdict` of one, as JSON gives it back (lists for tuples),
-        including records written before RoPE's fields were grouped into `rope` (rope_theta, ...)."""
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        including records written before RoPE's fields were grouped into `rope` (rope_theta, ...) and
+        before the execution settings were grouped into `execution` (attention_impl, ...)."""
+        fields = _nest_execution({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
         legacy = {LEGACY_ROPE_FIELDS[k]: fields.pop(k) for k in list(fields) if k in LEGACY_ROPE_FIELDS}
         if legacy:
             fields["rope"] = {**legacy, **dict(fields.get("rope") or {})}
@@ -593,8 +659,22 @@ class ModelConfig:
         return cls(**fields)
 
 
+def _nest_execution(fields: dict) -> dict:
+    """`fields` with ExecutionConfig's fields named flat (as ModelConfig had them) moved into `execution`."""
+    flat = {name: fields.pop(name) for name in ExecutionConfig.names() if name in fields}
+    if not flat:
+        return fields
+    nested = fields.get("execution")
+    if isinstance(nested, ExecutionConfig):
+        nested = dataclasses.asdict(nested)
+    clash = sorted(set(flat) & set(nested or {}))
+    if clash:
+        raise ValueError(f"ModelConfig: {clash} given both flat and in execution; give them once")
+    return {**fields, "execution": {**dict(nested or {}), **flat}}
+
+
 def _block_sizes(value) -> Optional[BlockSizes]:
-    """ModelConfig.attention_block_sizes as a (frozen, hashable) BlockSizes, or None."""
+    """ExecutionConfig.attention_block_sizes as a (frozen, hashable) BlockSizes, or None."""
     if value is None or isinstance(value, BlockSizes):
         return value
     try:
@@ -602,4 +682,4 @@ def _block_sizes(value) -> Optional[BlockSizes]:
             return BlockSizes(*value)
         return BlockSizes(**dict(value))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"ModelConfig.attention_block_sizes={value!r}: {e}") from None
+        raise ValueError(f"ModelConfig.execution.attention_block_sizes={value!r}: {e}") from None

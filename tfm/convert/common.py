@@ -285,7 +285,7 @@ def stack_params(w: Weights, cfg, stacks: Mapping[str, Stack]) -> dict:
     out = {}
     for name, s in stacks.items():
         layers = [s.layer(i) for i in range(s.num_layers)]
-        out[name] = {**stack_layers(layers, cfg.scan_layers, cfg.pattern_period, cfg.dense_layers),
+        out[name] = {**stack_layers(layers, cfg.execution.scan_layers, cfg.pattern_period, cfg.dense_layers),
                      **(s.extra or {})}
         if s.final_norm is not None:
             out[name]["final_norm"] = norm(w, s.final_norm, s.norm_kind or cfg.norm)

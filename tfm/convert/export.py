@@ -28,7 +28,7 @@ only what HF has a field for, and let the round-trip check refuse the rest. An H
 importer does not read is an error naming it: nothing is written as a placeholder. Importers must not look at tensor values (other than through `w.tied`): under
 export they see indices; tensors HF recomputes and leaves out of its files (`_keys_to_ignore_on_save`,
 like Marian's position tables) are hidden from them. Tensors are written in float32; ModelConfig fields that do not change the
-function (dtype, scan_layers, remat, attention backend, dropout) are not compared. Memory: the
+function (`ModelConfig.execution`, dropout) are not compared. Memory: the
 placeholder indices and the flat HF vector take about 9 bytes per parameter (13 past 2**31) on top
 of the params, plus the verifying import.
 """
@@ -43,18 +43,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from tfm.config import ModelConfig
+from tfm.config import REGULARISATION, ExecutionConfig, ModelConfig
 from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
 from tfm.convert.importer import from_hf
 from tfm.convert.registry import CONVERTERS
 
 __all__ = ["to_hf"]
-
-# ModelConfig fields that do not change the function a checkpoint computes; HF configs need not
-# carry them, and `from_hf(..., **overrides)` sets them again.
-_NOT_COMPARED = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
-                 "attention_block_sizes", "dropout_rate", "attention_dropout", "context_strategy", "moe_chunks")
-
 
 # ---- export -------------------------------------------------------------------------------
 
@@ -140,17 +134,23 @@ def _check_round_trip(arch: str, converter: Converter, config: ModelConfig, fiel
 
 
 def _flat_fields(cfg: ModelConfig) -> dict:
-    """{field: value} of a ModelConfig, RoPE's as rope.theta, rope.scaling, ... (so a refusal names one)."""
-    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "rope"}
-    out.update({f"rope.{f.name}": getattr(cfg.rope, f.name) for f in dataclasses.fields(cfg.rope)})
+    """{field: value} of a ModelConfig, RoPE's as rope.theta, ... and execution's as execution.moe_impl, ...
+    (so a refusal names one)."""
+    groups = ("rope", "execution")
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in groups}
+    for group in groups:
+        out.update({f"{group}.{f.name}": getattr(getattr(cfg, group), f.name)
+                    for f in dataclasses.fields(getattr(cfg, group))})
     return out
 
 
 def _canonical(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with the fields that do not change the function reset (derived ones are always set); the
-    MoE implementation too when dropless (capacity_factor None: both compute the same function)."""
-    fields = _NOT_COMPARED + (("moe_impl",) if cfg.capacity_factor is None else ())
-    return cfg.replace(**{f: ModelConfig.__dataclass_fields__[f].default for f in fields})
+    """`cfg` with the fields that do not change the function reset: the execution settings (derived
+    fields are always set) and the regularisation. An expert capacity (execution.capacity_factor)
+    drops tokens, which HF's dropless MoE layers never do: it is kept, so the comparison refuses it."""
+    capacity = cfg.execution.capacity_factor
+    execution = ExecutionConfig() if capacity is None else ExecutionConfig(moe_impl="einsum", capacity_factor=capacity)
+    return cfg.replace(execution=execution, **{f: ModelConfig.__dataclass_fields__[f].default for f in REGULARISATION})
 
 
 def _meta_model(arch: str, hf_cfg):
@@ -235,8 +235,8 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
 
 
 def _verify(directory: str, arch: str, config: ModelConfig, params):
-    """Importing `directory` again must give `config` (up to _NOT_COMPARED) and identical params."""
-    back_config, back_params, _ = from_hf(directory, architecture=arch, scan_layers=config.scan_layers)
+    """Importing `directory` again must give `config` (up to `_canonical`) and identical params."""
+    back_config, back_params, _ = from_hf(directory, architecture=arch, scan_layers=config.execution.scan_layers)
     if _canonical(back_config) != _canonical(config):
         raise ConversionError(f"to_hf: {directory} imports as a different config: {back_config}")
     want, got = _flat(params), _flat(back_params)

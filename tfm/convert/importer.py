@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tfm.config import ModelConfig
+from tfm.config import REGULARISATION, ExecutionConfig, ModelConfig
 from tfm.convert.common import ConversionError, HFConfig, Weights
 from tfm.convert.loading import from_directory, from_model
 from tfm.convert.registry import CONVERTERS, SUPPORTED
@@ -28,8 +28,10 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jn
       model.safetensors / pytorch_model.bin (sharded checkpoints with their index too).
     architecture: the HF class name, when config.json does not say (its `architectures`).
     param_dtype: dtype of the returned params (float32, like tfm's own init).
-    config_overrides: tfm-only ModelConfig fields such as dtype="bfloat16", scan_layers=True,
-      attention_impl="chunked", remat_policy=...; fields that change the math are refused.
+    config_overrides: what a checkpoint leaves to the user: `execution` (an ExecutionConfig or a dict)
+      or its fields by name (dtype="bfloat16", scan_layers=True, attention_impl="chunked", ...), the
+      regularisation (dropout_rate, attention_dropout) and max_len; fields that change the math are
+      refused.
     Returns (config, params, model): params is a plain pytree of jnp arrays for
       `model.apply({"params": params}, ...)`.
     """
@@ -53,16 +55,12 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jn
     return config, params, model
 
 
-_RUNTIME_FIELDS = ("dtype", "scan_layers", "remat_policy", "attention_impl", "attention_chunk_size",
-                   "dropout_rate", "attention_dropout", "max_len", "moe_impl",
-                   "capacity_factor", "moe_chunks", "context_strategy")
-
-
 def _runtime_overrides(overrides: dict) -> dict:
-    bad = sorted(set(overrides) - set(_RUNTIME_FIELDS))
+    allowed = ("execution",) + ExecutionConfig.names() + REGULARISATION + ("max_len",)
+    bad = sorted(set(overrides) - set(allowed))
     if bad:
         raise ValueError(f"from_hf cannot override {bad}: they change the converted model; "
-                         f"allowed overrides are {list(_RUNTIME_FIELDS)}")
+                         f"allowed overrides are {list(allowed)}")
     return overrides
 
 

@@ -18,7 +18,7 @@ from tfm.models import DecoderLM
 def config(hf: HFConfig) -> ModelConfig:
     E = hf.require("num_local_experts")
     return llama.config(hf, default_theta=1e6, num_experts=E, experts_per_token=hf.get("num_experts_per_tok", 2),
-                        capacity_factor=None, router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                        router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                         sliding_window=hf.get("sliding_window"), max_len=hf.get("max_position_embeddings", 4096 * 32))
 
 

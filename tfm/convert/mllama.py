@@ -110,7 +110,7 @@ def vision_params(w: Weights, cfg: ModelConfig, p: str = "") -> dict:
             "post_norm": norm(w, f"{p}layernorm_post", "layernorm"),
             "post_tile": tile("post_tile_positional_embedding.embedding.weight", (X, D)),
             "post_tile_gate": gate("post_tile_positional_embedding.gate"),
-            "global": stack_layers(glob, cfg.scan_layers)}
+            "global": stack_layers(glob, cfg.execution.scan_layers)}
 
 
 def vision_hf_config(cfg: ModelConfig) -> dict:

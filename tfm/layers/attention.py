@@ -104,9 +104,9 @@ class Attention(nn.Module):
             softcap=cfg.attn_logit_softcap, sparsity=None if self.cross else cfg.attention_sparsity, bias=bias,
             scale=scale, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions or kv_mask is not None else cfg.attention_impl,
-            chunk_size=cfg.attention_chunk_size, block_sizes=cfg.attention_block_sizes,
-            context_strategy=cfg.context_strategy)
+            impl="xla" if use_positions or kv_mask is not None else cfg.execution.attention_impl,
+            chunk_size=cfg.execution.attention_chunk_size, block_sizes=cfg.execution.attention_block_sizes,
+            context_strategy=cfg.execution.context_strategy)
         if cfg.global_projections and not self.cross:
             o = self._global_rows(x, o, q_segment_ids, kv_segment_ids, scale, dropout)
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
@@ -125,8 +125,8 @@ class Attention(nn.Module):
         o_global = dot_product_attention(
             q, k, v, q_segment_ids=None if q_segment_ids is None else q_segment_ids[:, :g],
             kv_segment_ids=kv_segment_ids, scale=scale, dropout_rate=dropout,
-            dropout_rng=self.make_rng("dropout") if dropout > 0 else None, impl=cfg.attention_impl,
-            block_sizes=cfg.attention_block_sizes, context_strategy=cfg.context_strategy)
+            dropout_rng=self.make_rng("dropout") if dropout > 0 else None, impl=cfg.execution.attention_impl,
+            block_sizes=cfg.execution.attention_block_sizes, context_strategy=cfg.execution.context_strategy)
         return o.at[:, :g].set(o_global.astype(o.dtype))
 
     def _projection(self, spec: str, shape, axes, name: str, use_bias=None):

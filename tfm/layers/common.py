@@ -12,7 +12,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def compute_dtype(config: ModelConfig):
-    return DTYPES[config.dtype]
+    return DTYPES[config.execution.dtype]
 
 
 def param_init(init, axes: Tuple[str, ...]):

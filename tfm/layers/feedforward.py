@@ -48,9 +48,9 @@ class Mlp(nn.Module):
 
 def expert_capacity(tokens_per_group: int, config: ModelConfig) -> int:
     """Slots per expert per group (moe_impl="einsum"): ceil(capacity_factor * T * k / E); all T when None."""
-    if config.capacity_factor is None:
+    if config.execution.capacity_factor is None:
         return tokens_per_group
-    c = math.ceil(config.capacity_factor * tokens_per_group * config.experts_per_token / config.num_experts)
+    c = math.ceil(config.execution.capacity_factor * tokens_per_group * config.experts_per_token / config.num_experts)
     return max(1, min(c, tokens_per_group))
 
 
@@ -191,9 +191,9 @@ class MoeMlp(nn.Module):
         if bias is not None:
             load = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(0, 1, 2))  # [E] tokens per expert
             self.sow("losses", "router_balance", balance_signal(bias, load))
-        if cfg.moe_impl == "ragged":
+        if cfg.execution.moe_impl == "ragged":
             y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E,
-                                chunks=cfg.moe_chunks)
+                                chunks=cfg.execution.moe_chunks)
         else:
             y = self._einsum(x, gates, experts, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)

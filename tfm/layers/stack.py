@@ -20,10 +20,10 @@ REMAT_POLICIES = {
 
 
 def remat_block(config: ModelConfig):
-    """Block, or Block under config.remat_policy."""
-    if config.remat_policy == "none":
+    """Block, or Block under config.execution.remat_policy."""
+    if config.execution.remat_policy == "none":
         return Block
-    return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not config.scan_layers)
+    return nn.remat(Block, policy=REMAT_POLICIES[config.execution.remat_policy], prevent_cse=not config.execution.scan_layers)
 
 
 class Stack(nn.Module):
@@ -50,9 +50,9 @@ class Stack(nn.Module):
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
             inputs = inputs.replace(relative_table=table)
         dense = cfg.dense_layers  # a MoE model's first, dense layers (0 without experts): never scanned
-        for i in range(dense if cfg.scan_layers else self.num_layers):
+        for i in range(dense if cfg.execution.scan_layers else self.num_layers):
             x, _ = block(cfg, layer_index=i, dense_ffn=i < dense, name=f"layer_{i}", **kw)(x, inputs)
-        if cfg.scan_layers:
+        if cfg.execution.scan_layers:
             unit = block if period == 1 else functools.partial(BlockGroup, block=block)
             scanned = nn.scan(
                 unit, variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True, "dropout": True},

@@ -6,7 +6,7 @@ import functools
 import math
 from typing import Optional
 
-from tfm.config import LEGACY_ROPE_FIELDS, ModelConfig
+from tfm.config import LEGACY_ROPE_FIELDS, ExecutionConfig, ModelConfig
 
 
 def transformer_base(vocab_size: int = 37_000, **overrides) -> ModelConfig:
@@ -135,7 +135,7 @@ def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> Mod
     if preset not in PRESETS:
         raise ValueError(f"model.preset {preset!r} unknown; choose from {sorted(PRESETS)}")
     overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} | set(ExecutionConfig.names())  # flat: into execution
     unknown = sorted(set(overrides) - fields)
     if unknown:
         moved = [f"rope.{LEGACY_ROPE_FIELDS[k]}" for k in unknown if k in LEGACY_ROPE_FIELDS]

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from tfm.config import ModelConfig
+from tfm.config import REGULARISATION, ModelConfig
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.models.decoder import DecoderLM
 from tfm.models.vision import TiledVisionEncoder
-
-# Fields of the text config that set how (not what) the model computes; the image encoder runs with them too.
-RUNTIME_FIELDS = ("dtype", "remat_policy", "attention_impl", "attention_chunk_size", "dropout_rate")
-
 
 class VisionLanguageModel(nn.Module):
     """tokens [B, T] and images -> `LMOutput` with logits [B, T, V] (fp32).
 
     config: the text decoder's ModelConfig; config.multimodal.vision the image encoder's (which runs
-    with the text config's dtype, remat, attention backend and dropout).
+    with the text config's `execution` and dropout).
     images [B, I, X, H, W, C], aspect_ratio_ids [B, I], aspect_ratio_mask [B, I, X]: see
     `TiledVisionEncoder`; their features [B, I, X, L, D'] are projected to [B, I * X * L, D].
     cross_attention_mask [B, T, I, X]: which image tiles each token sees (None = all; a token that
@@ -40,7 +36,7 @@ class VisionLanguageModel(nn.Module):
         vision_cfg = cfg.multimodal.vision
         if vision_cfg is None:
             raise ValueError("VisionLanguageModel needs ModelConfig.multimodal.vision (the image encoder's config)")
-        vision_cfg = vision_cfg.replace(**{f: getattr(cfg, f) for f in RUNTIME_FIELDS})
+        vision_cfg = vision_cfg.replace(execution=cfg.execution, **{f: getattr(cfg, f) for f in REGULARISATION})
         memory = None
         if images is not None:
             features = TiledVisionEncoder(vision_cfg, name="vision")(images, aspect_ratio_ids, aspect_ratio_mask,

@@ -12,20 +12,22 @@ Masking is described, never materialised by the caller:
                   them; causal, window and ALiBi are functions of positions.
   alibi_slopes    float [N]; adds -slope * |q_pos - kv_pos| to the logits.
   softcap         logits -> softcap * tanh(logits / softcap), after scaling, before ALiBi.
-  bias            float [B|1, N, T, S] added to the logits (T5's relative position bias);
-                  impl="xla" only.
+  bias            float [B|1, N, T, S] added to the logits (T5's relative position bias).
   sparsity        a `tfm.kernels.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
-                  Longformer), ANDed with the rest; impl "xla" (materialised), "chunked" (masked
-                  per chunk) or "pallas" (the kernels visit only the tiles it leaves non-empty).
-                  Not with explicit positions (cached decoding) nor context parallelism.
-A row with no visible key outputs 0 (never NaN).
+                  Longformer), ANDed with the rest: materialised by "xla", masked per chunk by
+                  "chunked"; the kernels visit only the tiles it leaves non-empty. Not with
+                  explicit positions (cached decoding).
+A row with no visible key outputs 0 (never NaN). Which backend computes which of these is
+declared once in `tfm.capabilities`; a call asking a backend for a feature it lacks is refused
+in one line naming the backends that have it.
 
 Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
 last two run per device under a mesh (`tfm.ops.shard`). Under a mesh whose rules split
 "length" over `context`, attention is context-parallel (`tfm.ops.context`, by
 `context_strategy`), each block computed by the Pallas kernels for impl "pallas" (and "auto"
-where `select.choose_context_impl` says so), else by the chunked backend; cudnn is refused
-there. `masks` holds what they share.
+where `select.choose_context_impl` says so), else by the chunked backend; it computes the
+features `capabilities.CONTEXT` declares, for the impls declaring `context`. `masks` holds what
+they share.
 `alibi_slopes` and `visibility` are re-exported here for callers of the entry point.
 """
 from __future__ import annotations
@@ -36,13 +38,12 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels.tiles import BlockSizes
+from tfm import capabilities
 from tfm.kernels import sparsity as sparsity_lib
 from tfm.ops import chunked, context, cudnn, pallas, select, shard, xla
 from tfm.ops.masks import alibi_slopes, check_attention_inputs, visibility
 
-__all__ = ["IMPLEMENTATIONS", "alibi_slopes", "dot_product_attention", "visibility"]
-
-IMPLEMENTATIONS = ("xla", "chunked", "pallas", "cudnn", "auto")
+__all__ = ["alibi_slopes", "dot_product_attention", "visibility"]
 
 
 def dot_product_attention(
@@ -77,50 +78,47 @@ def dot_product_attention(
     split over the mesh's `context` axis (and no positions are given).
     """
     check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLEMENTATIONS}")
+    if impl not in capabilities.ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose from {capabilities.ATTENTION_IMPLS}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if context_strategy not in context.STRATEGIES:
-        raise ValueError(f"unknown context_strategy {context_strategy!r}; choose from {context.STRATEGIES}")
+    if context_strategy not in capabilities.CONTEXT_STRATEGIES:
+        raise ValueError(f"unknown context_strategy {context_strategy!r}; choose from {capabilities.CONTEXT_STRATEGIES}")
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError("attention dropout_rate > 0 needs a dropout_rng")
     B, T, N, H = q.shape
     S = k.shape[1]
     scale = H ** -0.5 if scale is None else scale
     sparsity = sparsity_lib.coerce(sparsity)
-    if sparsity is not None and (q_positions is not None or kv_positions is not None):
+    positions_given = q_positions is not None or kv_positions is not None
+    if sparsity is not None and positions_given:
         raise ValueError("sparse attention patterns are described over a whole sequence; explicit positions "
                          "(cached decoding) are not supported with them")
-    if q_positions is None and kv_positions is None and shard.context_size() > 1:
-        if impl == "cudnn" or bias is not None or dropout_rate > 0.0 or sparsity:
-            raise ValueError(f"context-parallel attention (a mesh splitting 'length' over 'context') computes "
-                             f"each block with the chunked backend or the Pallas kernels: it takes impl "
-                             f"xla/chunked/pallas/auto (got {impl!r}), no additive bias, no dropout and no "
-                             "sparsity pattern")
+    call = dict(dropout_rate=dropout_rate, bias=bias is not None, positions_given=positions_given,
+                sparse=sparsity is not None, softcap=softcap, window=window, causal=causal)
+    features = capabilities.call_features(**call)
+    if not positions_given and shard.context_size() > 1:
+        missing = capabilities.CONTEXT.missing(**features)
+        if missing or (impl != "auto" and not capabilities.ATTENTION[impl].context):
+            able = [name for name, s in capabilities.ATTENTION.items() if s.context] + ["auto"]
+            raise ValueError(f"context-parallel attention (a mesh splitting 'length' over 'context') takes impl "
+                             f"{'/'.join(able)} (got {impl!r}) and none of {missing or 'these features'}: it "
+                             f"computes blocks with the chunked backend or the Pallas kernels")
         block_impl = select.choose_context_impl(q) if impl == "auto" else "pallas" if impl == "pallas" else "chunked"
         return context.attention(q, k, v, strategy=context_strategy, impl=block_impl, causal=causal,
                                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
                                  alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, chunk_size=chunk_size,
                                  block_sizes=block_sizes)
     if impl == "auto":
-        impl = select.choose_impl(q, k, dropout_rate=dropout_rate, positions_given=q_positions is not None,
-                                  causal=causal, window=window, softcap=softcap,
-                                  alibi=alibi_slopes is not None, segments=kv_segment_ids is not None,
-                                  sparse=sparsity is not None)
-    if sparsity is not None and impl == "cudnn":
-        raise ValueError("sparse attention patterns are implemented by impl 'xla', 'chunked' and 'pallas', not 'cudnn'")
-    if dropout_rate > 0.0 and impl != "xla":
-        raise ValueError(f"attention dropout is implemented only by impl='xla', not {impl!r}")
-    if bias is not None:
-        if impl != "xla":
-            raise ValueError(f"an additive attention bias (relative position bias) is implemented only by "
-                             f"impl='xla', not {impl!r}")
-        if bias.ndim != 4 or bias.shape[1:] != (N, T, S) or bias.shape[0] not in (1, B):
-            raise ValueError(f"attention bias must be [{B} or 1, {N}, {T}, {S}]; got {bias.shape}")
+        impl = select.choose_impl(q, k, alibi=alibi_slopes is not None, segments=kv_segment_ids is not None, **call)
+    missing = capabilities.ATTENTION[impl].missing(**features)
+    if missing:
+        able = {f: capabilities.supporting(**{f: True}) for f in missing}
+        raise ValueError(f"attention impl {impl!r} does not implement " +
+                         "; ".join(f"{f} (impl {' / '.join(map(repr, a))} does)" for f, a in able.items()))
+    if bias is not None and (bias.ndim != 4 or bias.shape[1:] != (N, T, S) or bias.shape[0] not in (1, B)):
+        raise ValueError(f"attention bias must be [{B} or 1, {N}, {T}, {S}]; got {bias.shape}")
     if impl in ("pallas", "cudnn"):
-        if q_positions is not None or kv_positions is not None:
-            raise ValueError(f"impl={impl!r} takes no explicit positions (decode with impl='xla')")
         kernel_args = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
         if impl == "pallas":

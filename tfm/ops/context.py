@@ -3,7 +3,7 @@
 Under a mesh whose rules give "length" the `context` axis (c devices), q [B, T, N, H] and
 k, v [B, S, K, H] arrive split along T and S (device i holds the i-th contiguous 1/c). Each
 device then runs, inside `shard_map` (`tfm.ops.shard.per_device`, which splits batch and heads
-too), one of two strategies (ModelConfig.context_strategy):
+too), one of two strategies (ModelConfig.execution.context_strategy, `tfm.capabilities.CONTEXT_STRATEGIES`):
 
   all_gather  every device gathers the whole of K and V (and their positions and segment
               ids) and attends its own queries to them: simple, O(S) memory per device.
@@ -39,9 +39,6 @@ import jax.numpy as jnp
 from tfm.ops import chunked, pallas
 from tfm.ops.shard import context_size, per_device
 from tfm.parallel.mesh import CONTEXT
-
-STRATEGIES = ("all_gather", "ring")
-
 
 def zigzag_chunks(index: int, size: int) -> tuple[int, int]:
     """The two chunks (of 2 * size, in sequence order) that device `index` of `size` holds."""

@@ -1,62 +1,64 @@
 """`impl="auto"`: the attention backend to use per device backend, shape and mask features.
 
-The rules follow benchmarks/RESULTS.md. GPU (measured on an H100 by `benchmarks.gpu_check`,
-2026-11-24): cuDNN's fused kernel ran forward+backward at 2.5-4.6x the Pallas (Triton) kernels
-on every measured shape (bf16, H 64/128, L 1k-16k, causal and not), so it is chosen wherever it
-computes the layer without a materialised operand: no soft-cap, no bidirectional window (it has
-neither), no ALiBi (a [1, N, T, S] bias) and no segment ids (a [B, 1, T, S] mask; its speed there
-is unmeasured), head dim a multiple of 8 up to 128. Elsewhere on GPU the Pallas kernels, except
-float32, which the Triton kernels refuse: xla. Without the cuDNN library (a compile-only H100 in
-`tfm.preflight`, where JAX cannot lower cuDNN calls) the Pallas kernels. TPU is unmeasured: the
-Pallas kernels. A sparsity pattern: the Pallas kernels on TPU and bf16/fp16 GPU (they alone skip
-its empty tiles); elsewhere the rules above (never cuDNN).
+A backend qualifies where its declaration (`tfm.capabilities.ATTENTION`) says it runs on the
+platform, takes the dtype and head dim, and computes every feature of the call; among those,
+the first in this order of preference, which follows benchmarks/RESULTS.md:
 
-Under context parallelism (`choose_context_impl`) a block is the Pallas kernels' on TPU and on
-bf16/fp16 GPU (the memory- and speed-relevant path; unmeasured against the chunked blocks on
-hardware), else the chunked backend's.
+GPU (measured on an H100 by `benchmarks.gpu_check`, 2026-11-24): cuDNN's fused kernel ran
+forward+backward at 2.5-4.6x the Pallas (Triton) kernels on every measured shape (bf16, H 64/128,
+L 1k-16k, causal and not), so it comes first wherever it computes the layer without a
+materialised operand: not with ALiBi (a [1, N, T, S] bias) nor segment ids (a [B, 1, T, S] mask;
+its speed there is unmeasured), nor without the cuDNN library (a compile-only H100 in
+`tfm.preflight`, where JAX cannot lower cuDNN calls). Then the Pallas kernels, then xla.
+TPU (unmeasured): the Pallas kernels, then xla. CPU: xla while its fp32 logits stay under 1 GiB,
+else chunked (the kernels only interpret there).
+
+Under context parallelism (`choose_context_impl`) a block is the Pallas kernels' where they run
+compiled for the dtype (TPU, bf16/fp16 GPU; unmeasured against the chunked blocks on hardware),
+else the chunked backend's.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
-from tfm.kernels.tiles import GPU_DTYPES
+from tfm import capabilities
 from tfm.parallel.mesh import current_platform
 
 # Above this many fp32 logit bytes (B*N*T*S*4) the xla reference's memory dominates on CPU.
 _CPU_XLA_MAX_LOGIT_BYTES = 1 << 30
 
 
-def choose_impl(q, k, *, dropout_rate: float = 0.0, positions_given: bool = False, causal: bool = False,
-                window: Optional[int] = None, softcap: Optional[float] = None, alibi: bool = False,
-                segments: bool = False, sparse: bool = False) -> str:
-    """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the current mesh's platform,
-    given the mask features the call uses."""
-    if dropout_rate > 0.0 or positions_given:
-        return "xla"  # only xla implements dropout and explicit (KV-cache) positions
-    platform = current_platform()
-    if sparse and (platform == "tpu" or (platform == "gpu" and q.dtype.name in GPU_DTYPES)):
-        return "pallas"  # only the kernels skip a pattern's empty tiles (cuDNN takes no pattern)
+def choose_impl(q, k, *, alibi: bool = False, segments: bool = False, **call) -> str:
+    """A concrete impl name for q [B, T, N, H] and k [B, S, K, H] on the current mesh's platform.
+    call: the call's mask arguments, as `capabilities.call_features` takes them (dropout_rate,
+    positions_given, causal, window, softcap, sparse, bias); alibi, segments: whether it has them."""
+    wanted = capabilities.call_features(**call)
+    platform, dtype, H = current_platform(), q.dtype.name, q.shape[-1]
+    for name in _preference(platform, q, k, cudnn_first=not (alibi or segments)):
+        support = capabilities.ATTENTION[name]
+        if support.takes(platform, dtype, H) and not support.missing(**wanted):
+            return name
+    asked = sorted(f for f, used in wanted.items() if used)
+    raise ValueError(f"no attention backend computes {asked} for {dtype} on {platform} (tfm.capabilities)")
+
+
+def _preference(platform: str, q, k, *, cudnn_first: bool) -> list:
+    """Backend names in the order `auto` tries them (module doc)."""
     if platform == "gpu":
-        if q.dtype.name not in GPU_DTYPES:
-            return "xla"  # the Triton kernels and cuDNN take bf16/fp16 only
-        H = q.shape[-1]
-        plain = softcap is None and (window is None or causal) and not alibi and not segments
-        return "cudnn" if plain and H % 8 == 0 and H <= 128 and cudnn_present() else "pallas"
+        return (["cudnn"] if cudnn_first and cudnn_present() else []) + ["pallas", "xla"]
     if platform == "tpu":
-        return "pallas"
+        return ["pallas", "xla"]
     B, T, N, _ = q.shape
-    logit_bytes = B * N * T * k.shape[1] * 4
-    return "xla" if logit_bytes <= _CPU_XLA_MAX_LOGIT_BYTES else "chunked"
+    small = B * N * T * k.shape[1] * 4 <= _CPU_XLA_MAX_LOGIT_BYTES
+    return ["xla", "chunked"] if small else ["chunked", "xla"]
 
 
 def choose_context_impl(q) -> str:
     """The per-block computation of context-parallel attention (`tfm.ops.context`) for q [B, T, N, H]
     on the current mesh's platform: "pallas" or "chunked"."""
     platform = current_platform()
-    if platform == "tpu" or (platform == "gpu" and q.dtype.name in GPU_DTYPES):
-        return "pallas"
-    return "chunked"
+    compiled = platform != "cpu" and capabilities.ATTENTION["pallas"].takes(platform, q.dtype.name, q.shape[-1])
+    return "pallas" if compiled else "chunked"
 
 
 @functools.cache

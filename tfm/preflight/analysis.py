@@ -22,6 +22,7 @@ from tfm.preflight.targets import GiB, Target
 from tfm.train.step import make_eval_step
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_REDUCE_SCATTER_FUSION = "all-reduce-scatter"  # the computation name XLA TPU gives its reduce-scatter fusions
 KERNEL_TARGETS = {"tpu_custom_call": "pallas (Mosaic)", "__gpu$xla.gpu.triton": "pallas (Triton)",
                   "__cudnn$fmha": "cudnn"}
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -141,12 +142,17 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
     """(collectives {kind: {count, bytes, shapes}}, kernel calls, `top` largest arrays (bytes,
     shape, opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's
     largest element), `shapes` the distinct such arrays per device ("bf16[2,64,2,16]": the
-    blocks a ring passes on); instructions in a loop body count once."""
+    blocks a ring passes on); instructions in a loop body count once. TPU's reduce-scatter, a
+    fusion whose computation all-reduces and slices, counts as one reduce-scatter of its result
+    (the shard), not as the all-reduce inside it."""
     shapes, collectives, kernels, sizes = {}, {}, [], {}
     fused = False  # inside a fusion's computation: its values live in registers, not in memory
+    scatter_body = False  # inside the computation of a reduce-scatter fusion (counted at its call)
     for line in text.splitlines():
         if line.rstrip().endswith("{") and " = " not in line:  # a computation's header
-            fused = "fused" in line.split("(")[0] or "fusion" in line.split("(")[0]
+            header = line.split("(")[0]
+            fused = "fused" in header or "fusion" in header
+            scatter_body = header.strip().lstrip("%").startswith(_REDUCE_SCATTER_FUSION)
             continue
         parts = _split_instruction(line)
         if parts is None:
@@ -155,6 +161,10 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
         shapes[name] = shape
         nbytes, array = _largest_array(shape)
         kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+        if f"calls=%{_REDUCE_SCATTER_FUSION}" in rest:
+            kind = "reduce-scatter"
+        elif scatter_body:
+            kind = None
         if kind in COLLECTIVES:
             entry = collectives.setdefault(kind, {"count": 0, "bytes": 0, "shapes": []})
             entry["count"] += 1

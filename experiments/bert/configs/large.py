@@ -8,7 +8,7 @@ Target and preflight: TPU v5p-16 (8 chips), data parallel. `python -m experiment
   --config=experiments/bert/configs/large.py --target=v5p-16` (2026-11-24, libtpu 0.0.42.1):
   fits in both phases: 9.33 GiB per chip at 256 x 128 and 34.96 GiB at 256 x 512, of 95 (3.76
   params + Adam); XLA cost-model steps 51.1 / 182.6 ms, MFU 32.8% / 39.0% (estimates, fp32
-  compute). With `--config.model.overrides.dtype=bfloat16 --config.parallelism=fsdp
+  compute). With `--config.model.overrides.execution.dtype=bfloat16 --config.parallelism=fsdp
   --config.mesh.data=1 --config.mesh.fsdp=-1`: 5.78 / 34.35 GiB, 38.2% / 43.7%; also without
   attention dropout (not the paper's) and with the flash kernels: 39.6% / 68.1%. See
   benchmarks/RESULTS.md.

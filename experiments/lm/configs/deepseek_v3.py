@@ -12,7 +12,7 @@ Train:     4096 tokens, global batch 15360 sequences (the paper's batch after it
            FSDP over every chip and expert parallelism over `expert` = 8 (each chip sends its tokens
            to the experts' chips by all-to-all: `tfm.parallel.experts`); the MoE layers scanned,
            each layer rematerialised from its input, each chip's MoE tokens dispatched in
-           `moe_chunks` = 4 chunks of 1024; auxiliary-loss-free balancing (the bias).
+           `execution.moe_chunks` = 4 chunks of 1024; auxiliary-loss-free balancing (the bias).
 Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits:
            preflight (2026-11-24, libtpu 0.0.42.1) 71.82 GiB per chip of 95 (76%): state 17.26
            GiB, temporaries 54.56 GiB; compiled in 125 s; collectives all-to-all x9 (5.31 GiB),
@@ -42,8 +42,8 @@ def get_config(arg: str = "", *, preset: str = "deepseek_v3", vocab_size: int = 
     """The recipe; `preset` etc. let kimi_k2.py reuse it with its own shapes and batch."""
     c = gpt2_small.get_config()
     c.model.preset = preset
-    c.model.overrides = dict(dtype="bfloat16", attention_impl="auto", scan_layers=True, remat_policy="full",
-                             moe_chunks=MOE_CHUNKS)
+    c.model.overrides = dict(execution=dict(dtype="bfloat16", attention_impl="auto", scan_layers=True,
+                                            remat_policy="full", moe_chunks=MOE_CHUNKS))
     c.vocab_size = vocab_size
     c.seq_len = 4096
     c.batch_size = batch
@@ -54,7 +54,7 @@ def get_config(arg: str = "", *, preset: str = "deepseek_v3", vocab_size: int = 
     c.parallelism = "fsdp+expert"
     if arg == "runlocal":
         gpt2_small.shrink(c)
-        c.model.overrides.update(TINY_MOE, attention_impl="xla", remat_policy="none")
+        c.model.overrides.update(TINY_MOE, execution=dict(attention_impl="xla", remat_policy="none"))
         c.microbatches, c.mesh.expert = 1, 1
     elif arg:
         raise ValueError(f"{preset}.py:{arg}: the only argument is runlocal")

@@ -20,7 +20,7 @@ from tfm.train import LMTask
 def get_config(arg: str = ""):
     c = common.new_config(LMSettings, LMTask)
     c.model.preset = "gpt2_small"
-    c.model.overrides = dict(dtype="bfloat16")
+    c.model.overrides = dict(execution=dict(dtype="bfloat16"))
     c.dataset = "lm1b"
     c.vocab_size = 32_000
     c.seq_len = 256

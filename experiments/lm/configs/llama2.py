@@ -27,7 +27,7 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            block (impl auto; per device [1, 32, 4096, 128] runs with their position offset), 40
            collective-permutes (the ring's bf16[1, 8192, 32, 128] K/V blocks, the zig-zag
            re-layout), 22 all-reduces; compiled in 392 s on 2 loaded cores. With the chunked
-           backend per block (--config.model.overrides.attention_impl=chunked): 64.20 GiB.
+           backend per block (--config.model.overrides.execution.attention_impl=chunked): 64.20 GiB.
            Preflight (2026-11-24, h100-8): fits, 40.27 GiB of 79.14 GiB per GPU (9.41 GiB params +
            Adam, 30.84 GiB temporaries; the Triton flash kernels per block), 39 collective-permutes,
            20 all-gathers, 6 reduce-scatters; 188 s (chunked blocks: 60.34 GiB). Without context
@@ -41,11 +41,11 @@ Expected:  no published lm1b figure at this scale; the loss must fall below the 
 """
 from experiments.lm.configs import gpt2_small
 
-SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, d_ff=11008,
-                    remat_policy="dots_with_no_batch_dims_saveable"),
-          # 70b saves only each layer's input: its matmul outputs, kept for the backward as 7b's
-          # are, would take 108 GiB per v5p chip and 229 GiB per H100 (preflight)
-          "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672, remat_policy="full")}
+SHAPES = {"7b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, d_ff=11008),
+          "70b": dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672)}
+# 70b saves only each layer's input: its matmul outputs, kept for the backward as 7b's are, would
+# take 108 GiB per v5p chip and 229 GiB per H100 (preflight)
+REMAT = {"7b": "dots_with_no_batch_dims_saveable", "70b": "full"}
 LONG_TOKENS, LONG_CONTEXT = 32_768, 4  # `:long`: each device holds 32k / 4 = 8k tokens of a sequence
 
 
@@ -58,8 +58,9 @@ def get_config(arg: str = "7b"):
         raise ValueError(f"llama2.py:{arg}: choose 7b, 70b or long (optionally ,runlocal)")
     c = gpt2_small.get_config()
     c.model.preset = "llama"
-    c.model.overrides = dict(SHAPES[size], max_len=4096, rope=dict(theta=10_000.0), dtype="bfloat16",
-                             attention_impl="auto", scan_layers=True)
+    c.model.overrides = dict(SHAPES[size], max_len=4096, rope=dict(theta=10_000.0),
+                             execution=dict(dtype="bfloat16", attention_impl="auto", scan_layers=True,
+                                            remat_policy=REMAT[size]))
     c.seq_len = 4096
     c.batch_size = 256 if size == "7b" else 1024  # 1M / 4M tokens per step (Llama-2: 4M)
     c.optimizer.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, schedule="cosine",
@@ -74,6 +75,6 @@ def get_config(arg: str = "7b"):
         c.parallelism = "fsdp+context"
     if local == "runlocal":
         gpt2_small.shrink(c)
-        c.model.overrides.update(num_kv_heads=4, attention_impl="xla", remat_policy="none")
+        c.model.overrides.update(num_kv_heads=4, execution=dict(attention_impl="xla", remat_policy="none"))
         c.mesh.context = 1  # one CPU device: the sequence stays whole
     return c

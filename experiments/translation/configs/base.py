@@ -43,7 +43,7 @@ def get_config(runlocal: str = ""):
     c.model.preset = "transformer_base"
     # how, not what: bf16 compute (fp32 parameters and Adam) and the flash kernels on TPU/GPU
     # ("auto"; xla on CPU). The preflight's estimate on v5p-8: MFU 22.3% -> 37.7% (RESULTS.md).
-    c.model.overrides = dict(dtype="bfloat16", attention_impl="auto")
+    c.model.overrides = dict(execution=dict(dtype="bfloat16", attention_impl="auto"))
     c.task.label_smoothing = 0.1
 
     c.tokens_per_batch = 25_000  # per side, as the paper (~25k source + ~25k target tokens per step)
@@ -67,7 +67,7 @@ def get_config(runlocal: str = ""):
         c.eval_bleu_examples = 0
         c.decode_length = 40
         c.model.overrides = dict(d_model=64, num_heads=4, num_layers=2, d_ff=256, dropout_rate=0.0,
-                                 dtype="float32", attention_impl="xla")
+                                 execution=dict(dtype="float32", attention_impl="xla"))
         c.tokens_per_batch = 1_000  # ~30 packed rows of 40
         c.num_train_steps = 600
         c.optimizer.update(warmup_steps=100, learning_rate=0.3, noam_d_model=64)
