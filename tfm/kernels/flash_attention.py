@@ -236,18 +236,18 @@ def _drop_key(seed_ref, batch, head):
 
 
 def _dropout_mask(shape, q_start, kv_start, drop, cfg: _Config):
-    """fp32 [bq, bk]: the tile's keep mask / (1 - rate), the tile's query positions from q_start, keys
-    from kv_start; None without dropout (drop None)."""
+    """bool [bq, bk]: the tile's keep mask, its query positions from q_start and keys from kv_start (the
+    row and column hashes O(bq + bk), one mix per element); None without dropout (drop None)."""
     if drop is None:
         return None
     rows = q_start + lax.broadcasted_iota(jnp.int32, (shape[0], 1), 0)
     cols = kv_start + lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
-    kept = dropout_lib.keep(drop, rows, cols, cfg.dropout)
-    return jnp.where(kept, jnp.float32(1.0 / (1.0 - cfg.dropout)), jnp.float32(0.0))
+    return dropout_lib.keep(drop, rows, cols, cfg.dropout)
 
 
-def _masked(x, mask):
-    return x if mask is None else x * mask
+def _masked(x, kept, cfg: _Config):
+    """x [bq, bk] * keep mask / (1 - rate); x without dropout (kept None)."""
+    return x if kept is None else jnp.where(kept, x * (1.0 / (1.0 - cfg.dropout)), 0.0)
 
 
 def _fwd_tile(carry, q, k, v, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg):
@@ -259,7 +259,7 @@ def _fwd_tile(carry, q, k, v, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg
     p = _probs(s, visible, m_new)
     correction = jnp.exp(m - m_new)
     l = l * correction + p.sum(axis=-1, keepdims=True)
-    p = _masked(p, _dropout_mask(p.shape, q_start, kv_start, drop, cfg))
+    p = _masked(p, _dropout_mask(p.shape, q_start, kv_start, drop, cfg), cfg)
     acc = acc * correction + _dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
@@ -278,11 +278,11 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, d
     rowsum(dO * O), M the forward's mask (drop: `_drop_key`)."""
     s, visible, capped = _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg)
     p = _probs(s, visible, lse)
-    mask = _dropout_mask(s.shape, q_start, kv_start, drop, cfg)
-    ds = p * (_masked(_dot(do, v, (1, 1)), mask) - delta)
+    kept = _dropout_mask(s.shape, q_start, kv_start, drop, cfg)
+    ds = p * (_masked(_dot(do, v, (1, 1)), kept, cfg) - delta)
     if capped is not None:
         ds = ds * (1.0 - capped * capped)
-    return _masked(p, mask), ds * cfg.scale
+    return _masked(p, kept, cfg), ds * cfg.scale
 
 
 # --------------------------------------------------------------------------------------
