@@ -29,6 +29,14 @@ Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `bl
 positions shifted by a traced int32 scalar relative to the keys (`_Config.shifted`): an operand of
 the loop driver, scalar-prefetched by the grid driver so its index maps still skip empty blocks.
 Causal, window and ALiBi read the shifted positions; without a shift the kernels are unchanged.
+
+Attention dropout (`_Config.dropout`, rate > 0): each kernel regenerates the keep mask M of its tile from
+`tfm.kernels.dropout` (a hash of the seed, the global batch row and query head, and the query and key
+positions; the seed and the call's batch/head offsets are one int32 [3] operand, scalar-prefetched by the
+grid driver), so it depends on neither tiles nor driver and is never stored. The softmax statistics (lse)
+see every probability; o = (P * M / (1 - rate)) V; the backward: dV = (P * M / (1 - rate))^T dO,
+dP = (dO V^T) * M / (1 - rate), dS = P * (dP - delta) with delta = rowsum(dO * O) as without dropout.
+The blocks of context parallelism take no dropout.
 """
 from __future__ import annotations
 
