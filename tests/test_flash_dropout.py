@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from test_flash_attention import Case, _inputs, _segment_ids
-from tfm.kernels import dropout
+from tfm.kernels import dropout, sparsity
 from tfm.kernels import flash_attention as fa
 from tfm.ops import attention, pallas, xla
 from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules, parse_parallelism
@@ -23,7 +23,7 @@ RATE = 0.3
 RNG = jax.random.PRNGKey(7)
 # name -> (case, backend): the loop driver ("cpu") and the TPU grid driver ("tpu"), both interpreted
 CASES = {
-    "causal_gqa_cross": (Case(T=40, S=56, N=4, K=2, H=16, causal=True, blocks=fa.BlockSizes(8, 16, 16, 8)), "cpu"),
+    "causal_gqa_cross": (Case(T=40, S=56, N=4, K=2, H=16, causal=True, blocks=fa.BlockSizes(16, 32, 32, 16)), "cpu"),
     "all_features": (Case(T=48, S=48, N=4, K=2, H=16, causal=True, window=20, segments="packed", alibi=True,
                           softcap=3.0, blocks=fa.BlockSizes(16, 8)), "cpu"),
     "grid_mqa_window_segments": (Case(T=40, S=72, N=4, K=1, H=16, window=24, segments="packed",
@@ -76,6 +76,21 @@ def test_kernels_match_xla_given_the_same_mask(name):
     got = _value_and_grads(_pallas(case, backend), *inputs)
     _assert_close(got, _value_and_grads(_xla(case), *inputs))
     assert np.abs(np.asarray(got[0] - _xla(case, rate=0.0)(*inputs[:3]))).max() > 0.1  # dropout changed o
+
+
+def test_grid_driver_with_block_lists_matches_xla():
+    """A sparsity pattern's block lists and the seed, both scalar-prefetched by the grid driver."""
+    case = Case(T=64, S=64, N=2, K=1, H=16, causal=True, blocks=fa.BlockSizes(16, 16))
+    pattern = sparsity.Strided(8)
+    inputs = _inputs(case, jnp.float32)
+    xla_sparse = lambda q, k, v: xla.attention(
+        q, k, v, causal=True, q_seg=None, kv_seg=None, q_pos=jnp.arange(case.T)[None],
+        kv_pos=jnp.arange(case.S)[None], window=None, slopes=None, softcap=None, scale=case.H ** -0.5,
+        dropout_rate=RATE, dropout_rng=RNG, sparsity=pattern)
+    kernels = lambda q, k, v: pallas.attention(
+        q, k, v, causal=True, sparsity=pattern, scale=case.H ** -0.5, block_sizes=case.blocks, backend="tpu",
+        interpret=True, dropout_rate=RATE, dropout_rng=RNG)
+    _assert_close(_value_and_grads(kernels, *inputs), _value_and_grads(xla_sparse, *inputs))
 
 
 def test_mask_is_the_same_for_any_tiles_and_driver():
@@ -158,7 +173,7 @@ def test_hash_keep_rate_and_independence(rate):
 
 def test_sharded_call_drops_what_the_unsharded_call_drops():
     """8 simulated devices, batch over (data, fsdp) (2 x 2) and heads over tensor (2): the shards' global
-    batch and head offsets enter the hash, so values and gradients equal the unsharded kernels' and xla's."""
+    batch and head offsets enter the hash, so values and gradients equal xla's (unsharded, global indices)."""
     case = Case(T=24, S=24, N=4, K=2, H=16, causal=True, blocks=fa.BlockSizes(8, 8))
     B = 8
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
@@ -169,12 +184,10 @@ def test_sharded_call_drops_what_the_unsharded_call_drops():
 
     f = lambda q, k, v: pallas.attention(q, k, v, causal=True, scale=case.H ** -0.5, block_sizes=case.blocks,
                                          dropout_rate=RATE, dropout_rng=RNG)
-    unsharded = run(f)
-    _assert_close(unsharded, run(_xla(case)))
     rules = flax_rules(make_rules(*parse_parallelism("data+fsdp+tensor"), activations=True))
     with jax.set_mesh(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))), nn.logical_axis_rules(rules):
         sharded = run(f)
-    _assert_close(sharded, unsharded)
+    _assert_close(sharded, run(_xla(case)))
 
 
 def test_refusals():
