@@ -196,9 +196,11 @@ def test_block_kernels_with_a_position_shift_match_xla():
     assert np.abs(np.asarray(want[0][0])).max() == 0 and np.abs(np.asarray(want[0][2])).max() > 0
 
 
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.1])
 @pytest.mark.parametrize("platform,backend", [("cuda", "gpu"), ("tpu", "tpu")])
-def test_kernels_lower_for_gpu_and_tpu(platform, backend):
-    """Forward and backward lower to Triton (GPU) and Mosaic (TPU) from this CPU machine."""
+def test_kernels_lower_for_gpu_and_tpu(platform, backend, dropout_rate):
+    """Forward and backward lower to Triton (GPU) and Mosaic (TPU) from this CPU machine, also with
+    dropout (the seed a scalar operand, scalar-prefetched on TPU)."""
     B, T, N, K, H = 1, 256, 4, 1, 128
     q = jnp.zeros((B, T, N, H), jnp.bfloat16)
     k = jnp.zeros((B, T, K, H), jnp.bfloat16)
@@ -206,7 +208,8 @@ def test_kernels_lower_for_gpu_and_tpu(platform, backend):
 
     def loss(q, k, v):
         o = fa.flash_attention(q, k, v, causal=True, window=100, softcap=5.0, alibi_slopes=jnp.ones(N),
-                               q_segment_ids=seg, kv_segment_ids=seg, backend=backend, interpret=False)
+                               q_segment_ids=seg, kv_segment_ids=seg, backend=backend, interpret=False,
+                               dropout_rate=dropout_rate, dropout_seed=jnp.int32(1))
         return o.astype(jnp.float32).sum()
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=(platform,))

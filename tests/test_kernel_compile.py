@@ -9,7 +9,8 @@ spilling refused). Each compile is of the gradients, so it holds the forward ker
 custom VJP's forward is the primal's kernel) and the dQ and dK/dV kernels. Also: the context-
 parallel ring with the kernels as its blocks (traced position shifts; impl "auto" picks them)
 under a context=2 mesh of two v5p chips and of two H100s of one host; the GPU forward kernel's
-register headroom (when ptxas is installed) and fp32 refused on Triton.
+register headroom (when ptxas is installed) and fp32 refused on Triton. Attention dropout in the
+kernels (with every mask feature) compiles for both targets.
 """
 import functools
 import re
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks import gpu_registers
 from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
 from tfm.kernels import flash_attention as fa
-from tfm.ops import select
+from tfm.ops import pallas, select
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.parallel import flax_rules, make_rules
 from tfm.parallel.mesh import MeshConfig, make_mesh
@@ -56,6 +57,41 @@ def _kernels(hlo: str, target: str) -> list[str]:
 def test_kernels_compile(target, variant, head_dim):
     options = REFUSE_SPILLS if target == "h100-1" else None  # a spilling kernel raises
     compiled = gpu_registers.compile_attention(variant, head_dim, _devices(target), compiler_options=options)
+    assert _kernels(compiled.as_text(), target) == ["dkv", "dq", "fwd"]
+
+
+# BERT's attention (H 64, MHA, padding segment ids) and every mask feature with GQA at H 128. At H 64 with
+# every feature the Triton dK/dV kernel spills 12 bytes with dropout (255 registers; 233 without dropout).
+DROPOUT_CASES = {"bert_h64": (64, 4, {}),
+                 "all_gqa_h128": (128, 2, dict(causal=True, window=96, softcap=30.0, alibi_slopes=alibi_slopes(4)))}
+
+
+@pytest.mark.parametrize("case", list(DROPOUT_CASES))
+@pytest.mark.parametrize("target", list(KERNEL_CALLS))
+def test_kernels_with_dropout_compile(target, case):
+    """Attention dropout in the kernels (`tfm.ops.pallas.attention`, the seed from an rng), bf16, the
+    gradients under a batch-split mesh: the three kernels compile for a v5p-8 slice and for an H100
+    without register spills."""
+    head_dim, K, features = DROPOUT_CASES[case]
+    devices = _devices(target)
+    mesh = make_mesh(MeshConfig(), devices)
+    B, T, N = len(devices), 512, 4
+    batch = NamedSharding(mesh, P("data"))
+    q = jax.ShapeDtypeStruct((B, T, N, head_dim), jnp.bfloat16, sharding=batch)
+    kv = jax.ShapeDtypeStruct((B, T, K, head_dim), jnp.bfloat16, sharding=batch)
+    segments = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+
+    def grads(q, k, v, segments, rng):
+        loss = lambda q, k, v: pallas.attention(
+            q, k, v, causal=features.get("causal", False), q_segment_ids=segments, kv_segment_ids=segments,
+            scale=head_dim ** -0.5, dropout_rate=0.1, dropout_rng=rng,
+            **{name: value for name, value in features.items() if name != "causal"}).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    options = REFUSE_SPILLS if target == "h100-1" else None
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(grads).lower(q, kv, kv, segments, rng).compile(compiler_options=options)
     assert _kernels(compiled.as_text(), target) == ["dkv", "dq", "fwd"]
 
 

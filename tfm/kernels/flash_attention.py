@@ -29,6 +29,14 @@ Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `bl
 positions shifted by a traced int32 scalar relative to the keys (`_Config.shifted`): an operand of
 the loop driver, scalar-prefetched by the grid driver so its index maps still skip empty blocks.
 Causal, window and ALiBi read the shifted positions; without a shift the kernels are unchanged.
+
+Attention dropout (`_Config.dropout`, rate > 0): each kernel regenerates the keep mask M of its tile from
+`tfm.kernels.dropout` (a hash of the seed, the global batch row and query head, and the query and key
+positions; the seed and the call's batch/head offsets are one int32 [3] operand, scalar-prefetched by the
+grid driver), so it depends on neither tiles nor driver and is never stored. The softmax statistics (lse)
+see every probability; o = (P * M / (1 - rate)) V; the backward: dV = (P * M / (1 - rate))^T dO,
+dP = (dO V^T) * M / (1 - rate), dS = P * (dP - delta) with delta = rowsum(dO * O) as without dropout.
+The blocks of context parallelism take no dropout.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tfm.kernels import dropout as dropout_lib
 from tfm.kernels import sparsity as sparsity_lib
 from tfm.kernels.tiles import GPU_DTYPES, BlockSizes
 
@@ -74,6 +83,7 @@ class _Config(NamedTuple):
     interpret: bool
     sparsity: Optional[sparsity_lib.Pattern] = None  # its block lists (`visible_tiles`) pick the blocks
     shifted: bool = False  # a shift operand: query i sits at position i + shift relative to key 0
+    dropout: float = 0.0   # attention dropout rate; > 0: a seed operand (`_drop_key`)
 
 
 def _div(x, d: int):
@@ -224,14 +234,40 @@ def _probs(s, visible, lse):
     return p if visible is None else jnp.where(visible, p, 0.0)
 
 
-def _fwd_tile(carry, q, k, v, q_start, kv_start, q_seg, kv_seg, slope, cfg):
-    """One online-softmax step. carry = (m [bq, 1], l [bq, 1], acc [bq, H]) fp32."""
+def _drop_key(seed_ref, batch, head):
+    """The dropout key (`tfm.kernels.dropout.head_key`) of this call's batch row and query head, or None
+    without dropout. seed_ref int32 [3]: the seed, and the global index of the call's batch row 0 and query
+    head 0 (a device's shard offsets under a mesh)."""
+    if seed_ref is None:
+        return None
+    return dropout_lib.head_key(seed_ref[0], seed_ref[1] + batch, seed_ref[2] + head)
+
+
+def _dropout_mask(shape, q_start, kv_start, drop, cfg: _Config):
+    """bool [bq, bk]: the tile's keep mask, its query positions from q_start and keys from kv_start (the
+    row and column hashes O(bq + bk), one mix per element); None without dropout (drop None)."""
+    if drop is None:
+        return None
+    rows = q_start + lax.broadcasted_iota(jnp.int32, (shape[0], 1), 0)
+    cols = kv_start + lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
+    return dropout_lib.keep(drop, rows, cols, cfg.dropout)
+
+
+def _masked(x, kept, cfg: _Config):
+    """x [bq, bk] * keep mask / (1 - rate); x without dropout (kept None)."""
+    return x if kept is None else jnp.where(kept, x * (1.0 / (1.0 - cfg.dropout)), 0.0)
+
+
+def _fwd_tile(carry, q, k, v, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg):
+    """One online-softmax step. carry = (m [bq, 1], l [bq, 1], acc [bq, H]) fp32. The softmax statistics
+    m, l see every probability; with dropout (drop: `_drop_key`) acc sums the kept ones, rescaled."""
     m, l, acc = carry
     s, visible, _ = _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg)
     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
     p = _probs(s, visible, m_new)
     correction = jnp.exp(m - m_new)
     l = l * correction + p.sum(axis=-1, keepdims=True)
+    p = _masked(p, _dropout_mask(p.shape, q_start, kv_start, drop, cfg), cfg)
     acc = acc * correction + _dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
@@ -244,29 +280,34 @@ def _fwd_finish(m, l, acc, o_ref, lse_ref):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(safe_l))
 
 
-def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg):
-    """Recomputed p [bq, bk] and dlogits ds [bq, bk] (scale folded in), fp32."""
+def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg):
+    """Recomputed probabilities after dropout, P * M / (1 - rate) [bq, bk] (P without dropout), and dlogits
+    ds [bq, bk] (scale folded in), fp32: dP = (dO V^T) * M / (1 - rate), dS = P * (dP - delta), delta =
+    rowsum(dO * O), M the forward's mask (drop: `_drop_key`)."""
     s, visible, capped = _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg)
     p = _probs(s, visible, lse)
-    ds = p * (_dot(do, v, (1, 1)) - delta)
+    kept = _dropout_mask(s.shape, q_start, kv_start, drop, cfg)
+    ds = p * (_masked(_dot(do, v, (1, 1)), kept, cfg) - delta)
     if capped is not None:
         ds = ds * (1.0 - capped * capped)
-    return p, ds * cfg.scale
+    return _masked(p, kept, cfg), ds * cfg.scale
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [shift], [block index, count],
-# outputs, scratch; the grid driver takes the block lists and the shift first instead (TPU scalar prefetch).
+# Kernels. Ref order: q, k, v, [do, lse, delta], [q_seg, kv_seg], [slope], [shift], [seed], [block index, count],
+# outputs, scratch; the grid driver takes the block lists, the shift and the seed first instead (TPU scalar
+# prefetch).
 # --------------------------------------------------------------------------------------
 
 def _split_refs(refs, cfg: _Config, num_main: int):
-    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, shift, rest);
-    shift: the queries' position offset (a traced int32 scalar, `_Config.shifted`) or 0."""
-    q_seg_ref = kv_seg_ref = slope_ref = lists = None
+    """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, shift,
+    seed_ref, rest); shift: the queries' position offset (a traced int32 scalar, `_Config.shifted`) or 0;
+    seed_ref: int32 [3] with dropout (`_drop_key`), else None."""
+    q_seg_ref = kv_seg_ref = slope_ref = lists = seed_ref = None
     shift = 0
     if cfg.driver == "grid":
         count = _num_prefetched(cfg)
-        (lists, shift), refs = _prefetched(cfg, refs[:count]), refs[count:]
+        (lists, shift, seed_ref), refs = _prefetched(cfg, refs[:count]), refs[count:]
     main, refs = refs[:num_main], refs[num_main:]
     if cfg.segments:
         (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
@@ -274,9 +315,11 @@ def _split_refs(refs, cfg: _Config, num_main: int):
         slope_ref, refs = refs[0], refs[1:]
     if cfg.shifted and cfg.driver == "loop":
         shift, refs = refs[0][0], refs[1:]
+    if cfg.dropout and cfg.driver == "loop":
+        seed_ref, refs = refs[0], refs[1:]
     if cfg.sparsity is not None and cfg.driver == "loop":
         lists, refs = tuple(refs[:2]), refs[2:]
-    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, refs
+    return main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, refs
 
 
 def _grid_step(row, step, lists, lo, hi):
@@ -294,10 +337,12 @@ def _load(ref, *idx):
 
 def _fwd_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (o_ref, lse_ref) = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (o_ref, lse_ref) = \
+        _split_refs(refs, cfg, 3)
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, q_seg, slope = q_ref[...], _load(q_seg_ref, ...), _load(slope_ref, ...)
+    drop = _drop_key(seed_ref, pl.program_id(0), pl.program_id(1))
     lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk, shift))
 
     def body(t, carry):
@@ -305,7 +350,7 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
         rows = pl.ds(start, bk)
         kv_seg = _load(kv_seg_ref, slice(None), rows)
         return _fwd_tile(carry, q, k_ref[rows, :], v_ref[rows, :], qi * bq + shift, start, q_seg, kv_seg,
-                         slope, cfg)
+                         slope, drop, cfg)
 
     init = (jnp.full((bq, 1), _NEG_INF, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros(o_ref.shape, jnp.float32))
@@ -314,11 +359,12 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
 
 def _fwd_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, rest = _split_refs(refs, cfg, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, rest = _split_refs(refs, cfg, 3)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     bq, bk = cfg.block_q, cfg.block_kv
     qi, t = pl.program_id(2), pl.program_id(3)
     active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3), shift))
+    drop = _drop_key(seed_ref, pl.program_id(0), pl.program_id(1))
 
     @pl.when(t == 0)
     def _init():
@@ -330,7 +376,7 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
     def _step():
         carry = _fwd_tile((m_ref[...], l_ref[...], acc_ref[...]), q_ref[...], k_ref[...], v_ref[...],
                           qi * bq + shift, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
-                          _load(slope_ref, ...), cfg)
+                          _load(slope_ref, ...), drop, cfg)
         m_ref[...], l_ref[...], acc_ref[...] = carry
 
     @pl.when(t == pl.num_programs(3) - 1)
@@ -340,12 +386,13 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
 
 def _dq_loop_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dq_ref,) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dq_ref,) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_seg, slope = _load(q_seg_ref, ...), _load(slope_ref, ...)
+    drop = _drop_key(seed_ref, pl.program_id(0), pl.program_id(1))
     lo, hi, block = _visits(lists, *kv_block_range(qi, cfg, bq, bk, k_ref.shape[0] // bk, shift))
 
     def body(t, dq):
@@ -353,7 +400,7 @@ def _dq_loop_kernel(*refs, cfg: _Config):
         rows = pl.ds(start, bk)
         k = k_ref[rows, :]
         _, ds = _ds_tile(q, k, v_ref[rows, :], do, lse, delta, qi * bq + shift, start, q_seg,
-                         _load(kv_seg_ref, slice(None), rows), slope, cfg)
+                         _load(kv_seg_ref, slice(None), rows), slope, drop, cfg)
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(dq_ref.shape, jnp.float32)).astype(dq_ref.dtype)
@@ -361,11 +408,12 @@ def _dq_loop_kernel(*refs, cfg: _Config):
 
 def _dq_grid_kernel(*refs, cfg: _Config):
     """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk = cfg.block_q, cfg.block_kv
     qi, t = pl.program_id(2), pl.program_id(3)
     active, j = _grid_step(qi, t, lists, *kv_block_range(qi, cfg, bq, bk, pl.num_programs(3), shift))
+    drop = _drop_key(seed_ref, pl.program_id(0), pl.program_id(1))
 
     @pl.when(t == 0)
     def _init():
@@ -376,7 +424,7 @@ def _dq_grid_kernel(*refs, cfg: _Config):
         k = k_ref[...]
         _, ds = _ds_tile(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...],
                          qi * bq + shift, j * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
-                         _load(slope_ref, ...), cfg)
+                         _load(slope_ref, ...), drop, cfg)
         acc_ref[...] += _dot(ds.astype(k.dtype), k)
 
     @pl.when(t == pl.num_programs(3) - 1)
@@ -384,9 +432,9 @@ def _dq_grid_kernel(*refs, cfg: _Config):
         dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg):
+def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg):
     """dk, dv [bk, H] fp32 += the contribution of one query tile."""
-    p, ds = _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, cfg)
+    p, ds = _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, drop, cfg)
     dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
     dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
     return dk, dv
@@ -395,23 +443,24 @@ def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, k
 def _dkv_loop_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
     k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
     T = q_ref.shape[0] // G
-    kj = pl.program_id(2)
+    b, h, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v, kv_seg = k_ref[...], v_ref[...], _load(kv_seg_ref, ...)
     lo, hi, block = _visits(lists, *q_block_range(kj, cfg, bq, bk, T // bq, shift))
 
     def head(g, carry):
         slope = _load(slope_ref, pl.ds(g, 1), slice(None))
+        drop = _drop_key(seed_ref, b, h * G + g)
 
         def body(t, carry):
             start = pl.multiple_of(block(t) * bq, bq)
             rows = pl.ds(pl.multiple_of(g * T + start, bq), bq)
             q_seg = _load(q_seg_ref, pl.ds(start, bq), slice(None))
             return _dkv_accumulate(*carry, q_ref[rows, :], k, v, do_ref[rows, :], lse_ref[rows, :],
-                                   delta_ref[rows, :], start + shift, kj * bk, q_seg, kv_seg, slope, cfg)
+                                   delta_ref[rows, :], start + shift, kj * bk, q_seg, kv_seg, slope, drop, cfg)
 
         return lax.fori_loop(lo, hi, body, carry)
 
@@ -422,12 +471,13 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
 
 def _dkv_grid_kernel(*refs, cfg: _Config):
     """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
-    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, rest = _split_refs(refs, cfg, 6)
+    main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, rest = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
     dk_ref, dv_ref, dk_acc, dv_acc = rest
     bq, bk = cfg.block_q, cfg.block_kv
     kj, g, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     active, i = _grid_step(kj, t, lists, *q_block_range(kj, cfg, bq, bk, pl.num_programs(4), shift))
+    drop = _drop_key(seed_ref, pl.program_id(0), pl.program_id(1) * cfg.groups + g)
     first = (g == 0) & (t == 0)
     last = (g == pl.num_programs(3) - 1) & (t == pl.num_programs(4) - 1)
 
@@ -441,7 +491,7 @@ def _dkv_grid_kernel(*refs, cfg: _Config):
         dk_acc[...], dv_acc[...] = _dkv_accumulate(
             dk_acc[...], dv_acc[...], q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...],
             delta_ref[...], i * bq + shift, kj * bk, _load(q_seg_ref, ...), _load(kv_seg_ref, ...),
-            _load(slope_ref, ...), cfg)
+            _load(slope_ref, ...), drop, cfg)
 
     @pl.when(last)
     def _finish():
@@ -487,13 +537,16 @@ def _lists(cfg: _Config, seen):
 
 
 def _num_prefetched(cfg: _Config) -> int:
-    """Scalar-prefetch operands of the grid driver: the block lists (2), the shift (1)."""
-    return 2 * (cfg.sparsity is not None) + cfg.shifted
+    """Scalar-prefetch operands of the grid driver: the block lists (2), the shift (1), the dropout seed (1)."""
+    return 2 * (cfg.sparsity is not None) + cfg.shifted + (cfg.dropout > 0)
 
 
 def _prefetched(cfg: _Config, prefetch):
-    """The grid driver's scalar-prefetch refs -> (block lists (index_ref, count_ref) or None, shift or 0)."""
-    return (tuple(prefetch[:2]) if cfg.sparsity is not None else None), (prefetch[-1][0] if cfg.shifted else 0)
+    """The grid driver's scalar-prefetch refs -> (block lists (index_ref, count_ref) or None, shift or 0,
+    seed_ref or None)."""
+    lists, prefetch = (tuple(prefetch[:2]), prefetch[2:]) if cfg.sparsity is not None else (None, prefetch)
+    shift, prefetch = (prefetch[0][0], prefetch[1:]) if cfg.shifted else (0, prefetch)
+    return lists, shift, (prefetch[0] if cfg.dropout else None)
 
 
 def _listed(prefetch, row, step):
@@ -503,10 +556,11 @@ def _listed(prefetch, row, step):
     return index_ref[row, jnp.clip(step, 0, jnp.maximum(count_ref[row] - 1, 0))]
 
 
-def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None):
+def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None,
+            seed=None):
     """Optional operands and their specs, in kernel ref order. The loop driver takes the block lists as
-    two operands, row r at its grid step (., ., r), and the shift as one (int32 [1]); the grid driver takes
-    both as scalar prefetch (`_call`)."""
+    two operands, row r at its grid step (., ., r), the shift as one (int32 [1]) and the dropout seed as one
+    (int32 [3], `_drop_key`); the grid driver takes them as scalar prefetch (`_call`)."""
     args, specs = [], []
     if cfg.segments:
         args += [q_seg, kv_seg]
@@ -517,6 +571,9 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     if cfg.shifted and cfg.driver == "loop":
         args.append(jnp.asarray(shift, jnp.int32).reshape(1))
         specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+    if cfg.dropout and cfg.driver == "loop":
+        args.append(seed)
+        specs.append(pl.BlockSpec((3,), lambda *_: (0,)))
     if lists is not None and cfg.driver == "loop":
         index, count = lists
         args += [jnp.asarray(index), jnp.asarray(count)]
@@ -526,10 +583,10 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
 
 
 def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
-          num_sequential: int, shift=None):
-    """The pallas_call of `kernel` as a function of its operands. With block lists or a shift the grid
-    driver takes them first, as TPU scalar prefetch (index [n, M], count [n] and shift [1] in SMEM, read by
-    the index maps)."""
+          num_sequential: int, shift=None, seed=None):
+    """The pallas_call of `kernel` as a function of its operands. With block lists, a shift or a dropout
+    seed the grid driver takes them first, as TPU scalar prefetch (index [n, M], count [n], shift [1] and
+    seed [3] in SMEM; the index maps read the first three)."""
     params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential)
     kernel = functools.partial(kernel, cfg=cfg)
     if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
@@ -543,6 +600,8 @@ def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_spec
     prefetch = () if lists is None else (jnp.asarray(lists[0]), jnp.asarray(lists[1][:, 0]))
     if cfg.shifted:
         prefetch += (jnp.asarray(shift, jnp.int32).reshape(1),)
+    if cfg.dropout:
+        prefetch += (seed,)
     return functools.partial(call, *prefetch)
 
 
@@ -563,7 +622,7 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
         return (B, N, nq), q_map, kv_spec, seg_specs, slope_spec
 
     def kv_block(i, j, prefetch):
-        lists, shift = _prefetched(cfg, prefetch)
+        lists, shift, _ = _prefetched(cfg, prefetch)
         return _listed(lists, i, j) if lists else _clamp(j, *kv_block_range(i, cfg, bq, bk, nk, shift), nk)
 
     q_map = lambda b, n, i, j, *prefetch: (b, n, i, 0)
@@ -575,8 +634,9 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
     return (B, N, nq, steps), q_map, kv_spec, seg_specs, slope_spec
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
-    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32. shift: int32 scalar when cfg.shifted."""
+def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
+    """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32. shift: int32 scalar when cfg.shifted; seed:
+    int32 [3] when cfg.dropout (`_drop_key`)."""
     B, N, T, H = q.shape
     lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
     grid, q_map, kv_spec, seg_specs, slope_spec = _query_major_specs(q.shape, k.shape[2], cfg, lists)
@@ -587,14 +647,14 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=
         kernel = _fwd_grid_kernel
         scratch = (_vmem((cfg.block_q, 1)), _vmem((cfg.block_q, 1)), _vmem((cfg.block_q, H)))  # m, l, acc
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift, seed)
     return _call(kernel, cfg, backend, lists, grid=grid, in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
                  out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch=scratch,
                  out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3, shift=shift,
-                 )(q, k, v, *extra_args)
+                 seed=seed)(q, k, v, *extra_args)
 
 
-def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
+def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
     """-> dq [B, N, T, H]."""
     T, H = q.shape[2:]
     lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
@@ -605,14 +665,14 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
         scratch, kernel = (_vmem((cfg.block_q, H)),), _dq_grid_kernel
     q_spec = pl.BlockSpec((None, None, cfg.block_q, H), q_map)
     row_spec = pl.BlockSpec((None, None, cfg.block_q, 1), q_map)
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift, seed)
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs=q_spec,
                  scratch=scratch, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="flash_attention_dq",
-                 num_sequential=len(grid) - 3, shift=shift)(q, k, v, do, lse, delta, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift, seed=seed)(q, k, v, do, lse, delta, *extra_args)
 
 
-def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None):
+def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
     """-> dk, dv [B, K, S, H]; each key/value head sums over its G query heads."""
     B, N, T, H = q.shape
     K, S, G, bq, bk = k.shape[1], k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
@@ -635,7 +695,7 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         scratch = (_vmem((bk, H)), _vmem((bk, H)))
 
         def q_block(j, i, prefetch):
-            lists, shift = _prefetched(cfg, prefetch)
+            lists, shift, _ = _prefetched(cfg, prefetch)
             return _listed(lists, j, i) if lists else _clamp(i, *q_block_range(j, cfg, bq, bk, nq, shift), nq)
 
         q_map = lambda b, h, j, g, i, *p: (b, h * G + g, q_block(j, i, p), 0)
@@ -645,36 +705,37 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
         seg_specs = (pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i, *p: (b, q_block(j, i, p), 0)),
                      pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i, *p: (b, 0, j)))
         slope_spec = pl.BlockSpec((None, 1, 1), lambda b, h, j, g, i, *p: (h * G + g, 0, 0))
-    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift)
+    extra_args, extra_specs = _extras(cfg, q_seg, kv_seg, slopes, *seg_specs, slope_spec, lists, shift, seed)
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     q_arg, do_arg, lse_arg, delta_arg = args
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
                  out_specs=(kv_spec, kv_spec), scratch=scratch, out_shape=out_shape, name="flash_attention_dkv",
-                 num_sequential=len(grid) - 3, shift=shift)(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift, seed=seed)(q_arg, k, v, do_arg, lse_arg, delta_arg,
+                                                                      *extra_args)
 
 
 # --------------------------------------------------------------------------------------
 # custom_vjp core (on padded kernel-layout arrays) and the public wrapper
 # --------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend):
-    return _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_bwd, backend):
+    return _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend, seed=seed)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend):
-    o, lse = _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend)
-    return o, (q, k, v, q_seg, kv_seg, slopes, o, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_bwd, backend):
+    o, lse = _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend, seed=seed)
+    return o, (q, k, v, q_seg, kv_seg, slopes, seed, o, lse)
 
 
 def _flash_bwd(cfg, cfg_bwd, backend, residuals, do):
-    q, k, v, q_seg, kv_seg, slopes, o, lse = residuals
+    q, k, v, q_seg, kv_seg, slopes, seed, o, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     operands = (q, k, v, do, lse, delta, q_seg, kv_seg, slopes)
-    dq = _dq_call(*operands, cfg_bwd, backend)
-    dk, dv = _dkv_call(*operands, cfg_bwd, backend)
-    return dq, dk, dv, None, None, None
+    dq = _dq_call(*operands, cfg_bwd, backend, seed=seed)
+    dk, dv = _dkv_call(*operands, cfg_bwd, backend, seed=seed)
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -727,9 +788,13 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
              window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
              sparsity: Optional[sparsity_lib.Pattern] = None, scale: Optional[float] = None,
              block_sizes: Optional[BlockSizes] = None, backend: Optional[str] = None,
-             interpret: Optional[bool] = None, shifted: bool = False) -> _Prepared:
+             interpret: Optional[bool] = None, dropout_rate: float = 0.0, shifted: bool = False) -> _Prepared:
     """Validates the options of `flash_attention`, picks the tiles and pads into the kernel layout."""
     B, T, N, H = q.shape
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate and shifted:
+        raise ValueError("the blocks of context-parallel attention (block_forward/backward) take no dropout")
     S, K = k.shape[1], k.shape[2]
     backend = _backend_name(backend)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
@@ -763,7 +828,7 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
     cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
                   groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
-                  interpret=interpret, sparsity=sparsity, shifted=shifted)
+                  interpret=interpret, sparsity=sparsity, shifted=shifted, dropout=float(dropout_rate))
     cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
     if isinstance(sparsity, sparsity_lib.BigBird):
         sparsity.check_tiles(bq, bk)
@@ -777,7 +842,7 @@ def _from_kernel(x, length: int, head_dim: int):
     return x.transpose(0, 2, 1, 3)[:, :length, :, :head_dim]
 
 
-def flash_attention(q, k, v, **options):
+def flash_attention(q, k, v, *, dropout_rate: float = 0.0, dropout_seed=None, dropout_offsets=(0, 0), **options):
     """Flash attention. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     options: causal, q_segment_ids, kv_segment_ids, window, alibi_slopes, softcap, sparsity, scale,
@@ -785,9 +850,19 @@ def flash_attention(q, k, v, **options):
     Triton; q, k, v in GPU_DTYPES) or "cpu"; default the JAX default backend. interpret: run the
     Pallas interpreter; default on CPU. sparsity (`tfm.kernels.sparsity`): both drivers visit only
     the tiles of `visible_tiles`.
+
+    dropout_rate > 0: attention dropout on the normalised probabilities, the mask that of
+    `tfm.kernels.dropout` for int32 [] dropout_seed (`dropout.seed(rng)`) at batch row b +
+    dropout_offsets[0] and query head n + dropout_offsets[1] (ints or int32 scalars: a shard's place
+    in the whole call, so a sharded call drops as the unsharded one does).
     """
-    c = _prepare(q, k, v, **options)
-    o = _flash(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, c.cfg, c.cfg_bwd, c.backend)
+    c = _prepare(q, k, v, dropout_rate=dropout_rate, **options)
+    seed = None
+    if c.cfg.dropout:
+        if dropout_seed is None:
+            raise ValueError("flash attention with dropout_rate > 0 needs a dropout_seed")
+        seed = jnp.stack([jnp.asarray(x, jnp.int32).reshape(()) for x in (dropout_seed, *dropout_offsets)])
+    o = _flash(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, seed, c.cfg, c.cfg_bwd, c.backend)
     return _from_kernel(o, q.shape[1], q.shape[3])
 
 

@@ -4,8 +4,13 @@ Under a mesh the kernel runs inside `shard_map` (`tfm.ops.shard.per_device`): ba
 heads are split as the active logical rules split them, T and S stay whole, and each device
 runs the kernel on its own shard. Without a mesh it is called directly.
 
+Attention dropout runs inside the kernels, its mask (`tfm.kernels.dropout`) a hash of global
+batch row, query head and positions: per device the shard's offsets enter the hash, so a sharded
+call drops exactly what the unsharded call and the xla backend (given the same rng) drop.
+
 `Blocks` serves context parallelism (`tfm.ops.context`): the kernels as the per-block computation
-of its ring and all-gather strategies, the softmax statistics merged and supplied by the caller.
+of its ring and all-gather strategies, the softmax statistics merged and supplied by the caller; it
+takes no dropout.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 from jax import lax
 
-from tfm.kernels import flash_attention
+from tfm.kernels import dropout, flash_attention
 from tfm.kernels.tiles import BlockSizes
 from tfm.ops.shard import per_device
 from tfm.parallel.mesh import current_platform
@@ -23,23 +28,30 @@ from tfm.parallel.mesh import current_platform
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
               window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
               sparsity=None, scale: float, block_sizes: Optional[BlockSizes] = None,
-              backend: Optional[str] = None, interpret: Optional[bool] = None):
+              backend: Optional[str] = None, interpret: Optional[bool] = None,
+              dropout_rate: float = 0.0, dropout_rng=None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     block_sizes: kernel tiles (default: per backend). backend: "tpu", "gpu" or "cpu" (default:
     the current mesh's platform, so a CPU host compiling for compile-only TPU or GPU devices
     builds their kernels); interpret: run the Pallas interpreter (default: on "cpu").
+    dropout_rate > 0: attention dropout with the mask `tfm.ops.xla` draws from the same
+    dropout_rng (a jax PRNG key).
     """
     backend = backend or current_platform()
     interpret = backend == "cpu" if interpret is None else interpret
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError("attention dropout_rate > 0 needs a dropout_rng")
+    seed = dropout.seed(dropout_rng) if dropout_rate > 0.0 else None
 
-    def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes):
+    def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets):
         return flash_attention.flash_attention(
             q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             window=window, alibi_slopes=alibi_slopes, softcap=softcap, sparsity=sparsity, scale=scale,
-            block_sizes=block_sizes, backend=backend, interpret=interpret)
+            block_sizes=block_sizes, backend=backend, interpret=interpret, dropout_rate=dropout_rate,
+            dropout_seed=seed, dropout_offsets=offsets)
 
-    return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
+    return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
 
 
 def blocks(q_run: int, kv_run: int, *, causal: bool, window: Optional[int], softcap: Optional[float], scale: float,

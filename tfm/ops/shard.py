@@ -88,23 +88,32 @@ def _axes(q_shape, mesh, free_axes, split_length):
     return spec[0], (CONTEXT if split_length and context_size() > 1 else None), spec[2]
 
 
+def _offset(axes, size: int):
+    """Inside shard_map: the global index of this shard's first element along a dim split over `axes`
+    (None, one mesh axis or a tuple of them, major first) into shards of `size`; int32 []."""
+    return jnp.int32(0) if axes is None else (jax.lax.axis_index(axes) * size).astype(jnp.int32)
+
+
 def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=None, alibi_slopes=None, *,
-               split_length: bool = False):
+               split_length: bool = False, offsets: bool = False):
     """kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes) -> o, run on each device's shard.
 
     q [B, T, N, H]; k, v [B, S, K, H]; segment ids [B, T] / [B, S] or None; alibi_slopes [N] or
     None; o [B, T, N, H]. The kernel gets [B/b, T, N/n, H], [B/b, S, K', H] with K' = K/n, or,
     when n does not divide K (GQA with fewer kv heads than the head axis), each kv head
     repeated just enough that it does; segment ids [B/b, .] and slopes [N/n]. With split_length
-    T and S are split too (T/c, S/c over the `context` axis, which the kernel names).
+    T and S are split too (T/c, S/c over the `context` axis, which the kernel names). With offsets the
+    kernel also gets offsets=(b0, n0), int32 []: the global index of its shard's first batch row and query
+    head ((0, 0) when it is called directly).
     """
     mesh = jax.sharding.get_abstract_mesh()
     free_axes = () if mesh.empty else _free_axes(mesh)
     batch = length = heads = None
     if _axes_size(mesh, free_axes) > 1:
         batch, length, heads = _axes(q.shape, mesh, free_axes, split_length)
+    extra = dict(offsets=(jnp.int32(0), jnp.int32(0))) if offsets else {}
     if batch is None and length is None and heads is None:
-        return kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes)
+        return kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, **extra)
     shards = _axes_size(mesh, heads)
     operands = (q, _repeat_kv(k, shards), _repeat_kv(v, shards), q_segment_ids, kv_segment_ids, alibi_slopes)
     heads_spec = P(batch, length, heads)
@@ -115,7 +124,9 @@ def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=Non
         local = [None] * len(operands)
         for i, x in zip(present, shards):
             local[i] = x
-        return kernel(*local)
+        if offsets:
+            extra["offsets"] = (_offset(batch, local[0].shape[0]), _offset(heads, local[0].shape[2]))
+        return kernel(*local, **extra)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs[i] for i in present),
                            out_specs=heads_spec, axis_names=frozenset(free_axes), check_vma=False)

@@ -1,13 +1,15 @@
 """The reference backend: plain jnp, materialising the [B, N, T, S] logits.
 
 Readable rather than fast; every other backend is tested against it, and it alone
-implements attention dropout and explicit (KV-cache) positions.
+implements explicit (KV-cache) positions and an additive bias. Its attention dropout mask is
+`tfm.kernels.dropout`'s, as the flash kernels' is: the same rng drops the same probabilities.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels import dropout
 from tfm.ops.masks import NEG_INF, scores, visibility
 
 
@@ -26,7 +28,12 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     s = jnp.where(visible, s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1) * visible  # fully masked rows -> 0
     if dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, p.shape)
+        G = N // K
+        heads = jnp.arange(N, dtype=jnp.int32).reshape(1, K, G, 1, 1)  # query head k * G + g
+        batch = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1, 1)
+        key = dropout.head_key(dropout.seed(dropout_rng), batch, heads)
+        keep = dropout.keep(key, jnp.arange(T, dtype=jnp.int32)[:, None], jnp.arange(k.shape[1], dtype=jnp.int32),
+                            dropout_rate)  # [B, K, G, T, S]
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     o = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v)
     return o.reshape(B, T, N, H)
