@@ -67,8 +67,8 @@ ATTENTION = {
     # Pure-JAX blockwise online softmax, O(L) memory.
     "chunked": AttentionSupport(positions=True, sparsity=True),
     # The flash kernels (tfm.kernels.flash_attention): Triton on GPU (tensor-core dtypes), Mosaic on
-    # TPU, the Pallas interpreter on CPU.
-    "pallas": AttentionSupport(sparsity=True, block_sizes=True, gpu_dtypes=GPU_DTYPES),
+    # TPU, the Pallas interpreter on CPU. Their dropout mask is xla's (tfm.kernels.dropout).
+    "pallas": AttentionSupport(dropout=True, sparsity=True, block_sizes=True, gpu_dtypes=GPU_DTYPES),
     # cuDNN's fused kernel through jax.nn: GPU only.
     "cudnn": AttentionSupport(softcap=False, bidirectional_window=False, context=False, platforms=("gpu",),
                               gpu_dtypes=("bfloat16", "float16"), max_head_dim=128, head_dim_multiple=8),

@@ -122,7 +122,8 @@ def dot_product_attention(
         kernel_args = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
         if impl == "pallas":
-            return pallas.attention(q, k, v, block_sizes=block_sizes, sparsity=sparsity, **kernel_args)
+            return pallas.attention(q, k, v, block_sizes=block_sizes, sparsity=sparsity, dropout_rate=dropout_rate,
+                                    dropout_rng=dropout_rng, **kernel_args)
         return cudnn.attention(q, k, v, **kernel_args)
     q_pos = jnp.arange(T)[None] if q_positions is None else q_positions
     kv_pos = jnp.arange(S)[None] if kv_positions is None else kv_positions
