@@ -34,7 +34,7 @@ def longformer():
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_longformer_model_matches_hf(longformer, impl):
     hf, (cfg, params, _) = longformer
-    assert cfg.attention_sparsity == Longformer(window=WINDOW // 2 + 1, globals=1) and cfg.global_projections
+    assert cfg.attention_sparsity == Longformer(window=WINDOW // 2 + 1, globals=0) and cfg.global_projections
     cfg = cfg.replace(attention_sparsity=Longformer(window=WINDOW // 2 + 1, globals=GLOBALS), attention_impl=impl,
                       attention_dropout=0.0, attention_block_sizes=BlockSizes(8, 8) if impl == "pallas" else None)
     mask = padding_mask([T, 14], T)
@@ -49,10 +49,23 @@ def test_longformer_model_matches_hf(longformer, impl):
     assert max(diffs.values()) < TOL, diffs
 
 
-def test_global_projections_are_refused_without_longformer_globals(longformer):
+def test_the_import_is_the_bare_class_default_forward(longformer):
+    """LongformerModel(input_ids) with no global_attention_mask attends locally everywhere; so does the
+    import (globals=0), within TOL; making the first token global changes it by O(1)."""
+    hf, (cfg, params, _) = longformer
+    ids = np.random.default_rng(1).integers(2, V, (B, T))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).last_hidden_state.numpy()
+    out = EncoderModel(cfg).apply({"params": params}, jnp.asarray(ids)).hidden
+    assert np.abs(np.asarray(out) - ref).max() < TOL
+    one = cfg.replace(attention_sparsity=Longformer(window=WINDOW // 2 + 1, globals=1))
+    assert np.abs(np.asarray(EncoderModel(one).apply({"params": params}, jnp.asarray(ids)).hidden) - ref).max() > 0.1
+
+
+def test_global_projections_are_refused_without_a_longformer_pattern(longformer):
     _, (cfg, _, _) = longformer
     with pytest.raises(ValueError, match="global_projections needs"):
-        cfg.replace(attention_sparsity=Longformer(window=4, globals=0))
+        cfg.replace(attention_sparsity=None)
     with pytest.raises(ValueError, match="attention_impl='cudnn' does not"):
         cfg.replace(attention_impl="cudnn", attention_dropout=0.0)
 

@@ -335,7 +335,8 @@ class ModelConfig:
     # {"kind": "strided" | "fixed" | "bigbird" | "longformer", **its fields}; backends declaring sparsity (tfm.capabilities).
     attention_sparsity: Union[sparsity_lib.Pattern, dict, None] = None
     # Longformer (HF LongformerModel): the rows of the global tokens attend to every key through their own
-    # projections query_global, key_global, value_global; needs a Longformer attention_sparsity.
+    # projections query_global, key_global, value_global; needs a Longformer attention_sparsity (its
+    # globals may be 0: no global token, the projections unused).
     global_projections: bool = False
 
     # Feed-forward
@@ -585,8 +586,9 @@ class ModelConfig:
         pattern = self.attention_sparsity
         if pattern is not None and self.linformer_length is not None:
             raise ValueError("ModelConfig.attention_sparsity: Linformer's projected keys have no positions to pattern")
-        if self.global_projections and not (isinstance(pattern, sparsity_lib.Longformer) and pattern.globals):
-            raise ValueError("ModelConfig.global_projections needs attention_sparsity=Longformer(..., globals >= 1)")
+        if self.global_projections and not isinstance(pattern, sparsity_lib.Longformer):
+            raise ValueError("ModelConfig.global_projections needs attention_sparsity=Longformer(...) (with globals=0 "
+                             "its projections are held, unused, as HF's LongformerModel without global tokens)")
         if self.global_projections and (self.mla is not None or self.position in ("rope", "alibi", "relative")):
             raise ValueError("ModelConfig.global_projections (Longformer) projects plain heads without positions in "
                              "attention: not with mla, nor position rope/alibi/relative")

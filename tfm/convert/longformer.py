@@ -6,9 +6,11 @@ plus global tokens, which every row attends to and whose own rows attend to ever
 query_global / key_global / value_global projections (ModelConfig.global_projections).
 
 HF marks global tokens per call (global_attention_mask); tfm's are the first `globals` tokens of every sequence,
-static so that the kernels can skip tiles. The import sets globals=1 (the <s> token, Longformer's setting for
-classification); `cfg.replace(attention_sparsity=Longformer(window, globals=g))` picks another count. HF pads the
-sequence to a multiple of attention_window with masked pad tokens; tfm needs no padding (the real rows are equal).
+static so that the kernels can skip tiles. The import reproduces the class's own default forward,
+`LongformerModel(input_ids)`: no global token (globals=0; the global projections are loaded and unused).
+`cfg.replace(attention_sparsity=Longformer(window, globals=g))` makes the first g tokens global: g=1 (the <s>
+token) is what HF's classification heads set. HF pads the sequence to a multiple of attention_window with masked
+pad tokens; tfm needs no padding (the real rows are equal).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def config(hf: HFConfig) -> ModelConfig:
                               "attention_sparsity is one pattern for every layer")
     (window,) = windows
     return cfg.replace(position_offset=cfg.pad_id + 1, padding_positions=True, global_projections=True,
-                       attention_sparsity=Longformer(window=window // 2 + 1, globals=1))
+                       attention_sparsity=Longformer(window=window // 2 + 1, globals=0))
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:

@@ -121,6 +121,9 @@ class Attention(nn.Module):
         cfg = self.config
         g = min(cfg.attention_sparsity.globals, x.shape[1])
         q = self._heads("query_global", cfg.num_heads)(x[:, :g])  # [B, g, N, H]
+        if not g:  # no global token: the projections exist (a checkpoint holds them) and nothing changes
+            self._heads("key_global", cfg.num_kv_heads)(x[:, :0]), self._heads("value_global", cfg.num_kv_heads)(x[:, :0])
+            return o
         k, v = self._heads("key_global", cfg.num_kv_heads)(x), self._heads("value_global", cfg.num_kv_heads)(x)
         o_global = dot_product_attention(
             q, k, v, q_segment_ids=None if q_segment_ids is None else q_segment_ids[:, :g],

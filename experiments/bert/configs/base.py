@@ -41,6 +41,9 @@ from tfm.train import MLMTask
 def get_config(arg: str = ""):
     c = common.new_config(BertSettings, MLMTask)
     c.model.preset = "bert_base"
+    # how, not what: the flash kernels (with the paper's attention dropout) on TPU and bf16/fp16 GPU,
+    # xla elsewhere (tfm.ops.select); RESULTS.md's preflight rows
+    c.model.overrides = dict(execution=dict(attention_impl="auto"))
     c.dataset = "wikipedia/20230601.en"  # TFDS; only a train split, held-out carved from it
     c.text_dirs = ""  # BooksCorpus stand-in: plain-text directories, comma-separated
     c.synthetic_documents = 0
