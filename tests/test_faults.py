@@ -153,3 +153,27 @@ def test_bert_pretraining_killed_mid_stream_resumes_with_the_same_batches(tmp_pa
     with open(tmp_path / "run" / "checkpoints" / str(start) / "data" / "process_0-of-1.json") as f:
         position = json.load(f)["inner"]
     assert position["index"] > 0, position
+
+
+def test_bert_corpus_bytes_that_are_not_utf8_are_dropped_or_the_file_refused(tmp_path):
+    """A text file with a few undecodable bytes trains, those bytes dropped as Google's BERT does,
+    with one warning naming the file and the count; a file that is not text stops the command
+    before anything is written, its last line naming the file and what to do."""
+    corpus = synthetic.write_text_corpus(tmp_path / "text", 60_000, file_bytes=20_000, seed=3)
+    names = sorted(os.listdir(corpus))
+    with open(os.path.join(corpus, names[0]), "ab") as f:
+        f.write(b"\nA line with \xff\xfe bytes \xe2\x82 that are not UTF-8.\n")
+    run = _pretrain(tmp_path / "run", corpus, "--config.num_train_steps=2", stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT)
+    out = run.communicate(timeout=300)[0]
+    assert run.returncode == 0, out[-3000:]
+    warning = f"warning: {os.path.join(corpus, names[0])}: 4 undecodable bytes dropped"
+    assert out.count(warning) == 1, out[-3000:]
+    with open(os.path.join(corpus, "scan.pdf"), "wb") as f:
+        f.write(bytes(range(256)) * 40)
+    refused = _pretrain(tmp_path / "refused", corpus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = refused.communicate(timeout=300)[0]
+    last = out.strip().splitlines()[-1]
+    assert refused.returncode != 0 and last.startswith("error: ") and "scan.pdf" in last, out[-3000:]
+    assert "not a text file; remove it from the corpus directory" in last
+    assert not os.path.exists(tmp_path / "refused" / "checkpoints")

@@ -11,11 +11,18 @@ stably (they do not depend on the chunk size); sentences are `sources.split_sent
 
 `hold_out` carves held-out documents off a corpus by a hash of their keys, reading only a few
 chunks; `sample` gives a bounded deterministic sample of documents (tokenizer training).
+
+Plain text is decoded as Google's BERT does (`decode("utf-8", "ignore")`): bytes that are not
+UTF-8 are dropped. `TextDocuments` counts them per file when it opens the corpus and says so
+once (`warning: FILE: N undecodable bytes dropped`, on stderr), and refuses, naming it, a file
+of which more than NOT_TEXT_SHARE is undecodable: not text at all.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
+import sys
 from typing import Hashable, Iterator, Sequence
 
 import numpy as np
@@ -23,6 +30,8 @@ import numpy as np
 from tfm.data.sources import as_text, split_sentences
 
 Document = tuple[Hashable, list[str]]  # (key, sentences)
+NOT_TEXT_SHARE = 0.01  # a file with more undecodable bytes than this share is refused
+_READ_BLOCK = 8 << 20
 
 
 class TfdsDocuments:
@@ -63,6 +72,8 @@ class TextDocuments:
                 raise ValueError(f"text corpus directory {os.fspath(directory)!r} does not exist")
             self.paths += sorted(os.path.join(root, name) for root, _, names in os.walk(directory)
                                  for name in names)
+        for path in self.paths:
+            _check_text(path)
         sizes = np.array([os.path.getsize(p) for p in self.paths], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # file f spans [starts[f], starts[f+1])
         if not self.starts[-1]:
@@ -80,9 +91,37 @@ class TextDocuments:
             if self.starts[f] >= hi:
                 break
             begin, end = max(lo - int(self.starts[f]), 0), hi - int(self.starts[f])
-            out += [((f, at), split_sentences(text.decode("utf-8")))
+            out += [((f, at), split_sentences(text.decode("utf-8", "ignore")))
                     for at, text in _file_documents(self.paths[f], begin, end)]
         return [(key, d) for key, d in out if d]
+
+
+def undecodable_bytes(path: str) -> int:
+    """How many bytes of the file at `path` are not UTF-8 (read in blocks: memory stays bounded)."""
+    bad = 0
+
+    def count(error: UnicodeDecodeError):
+        nonlocal bad
+        bad += error.end - error.start
+        return "", error.end
+
+    codecs.register_error("tfm_count_undecodable", count)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="tfm_count_undecodable")
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            decoder.decode(block)
+    decoder.decode(b"", final=True)
+    return bad
+
+
+def _check_text(path: str) -> None:
+    """Refuses a file that is not text; warns once about one whose few undecodable bytes will be dropped."""
+    bad, size = undecodable_bytes(path), os.path.getsize(path)
+    if bad > NOT_TEXT_SHARE * size:
+        raise ValueError(f"{path}: {bad} of its {size} bytes ({bad / size:.0%}) are not UTF-8: not a text file; "
+                         f"remove it from the corpus directory")
+    if bad:
+        print(f"warning: {path}: {bad} undecodable bytes dropped", file=sys.stderr)
 
 
 def _blank_before(f, pos: int) -> bool:
