@@ -173,3 +173,20 @@ def test_auto_on_a_gpu_with_cudnn_picks_it_where_it_computes_the_layer(monkeypat
         assert select.choose_impl(bf16, q, causal=True, window=8) == "cudnn"
         assert select.choose_impl(bf16.update(shape=(1, 256, 2, 80)), q) == "cudnn"
         assert select.choose_impl(bf16.update(shape=(1, 256, 2, 68)), q) == "pallas"  # H % 8 != 0
+
+
+@pytest.mark.parametrize("target", ["v5p-8", "h100-1"])
+def test_a_kernel_traced_for_accelerators_without_a_mesh_is_refused_not_interpreted(target):
+    """impl="pallas" in a jit whose inputs live on compile-only TPU/GPU devices, with no current mesh,
+    would have lowered the Pallas interpreter for them: refused in one line saying what to set. Under
+    the mesh the same call lowers the real kernel."""
+    mesh = make_mesh(MeshConfig(), _devices(target))
+    q = jax.ShapeDtypeStruct((4, 128, 2, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    attend = jax.jit(functools.partial(dot_product_attention, impl="pallas", causal=True))
+    with pytest.raises(ValueError, match=r"^impl='pallas' traced for (tpu|gpu) devices without a current mesh.*"
+                                         r"jax.set_mesh\(mesh\)") as error:
+        attend.trace(q, q, q)
+    assert "\n" not in str(error.value)
+    with jax.set_mesh(mesh):
+        hlo = attend.trace(q, q, q).lower().compile().as_text()
+    assert _kernels(hlo, target)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -38,7 +39,7 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
     dropout_rate > 0: attention dropout with the mask `tfm.ops.xla` draws from the same
     dropout_rng (a jax PRNG key).
     """
-    backend = backend or current_platform()
+    backend = backend or _platform(q)
     interpret = backend == "cpu" if interpret is None else interpret
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError("attention dropout_rate > 0 needs a dropout_rng")
@@ -52,6 +53,21 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
             dropout_seed=seed, dropout_offsets=offsets)
 
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
+
+
+def _platform(q) -> str:
+    """The current mesh's platform. Without a current mesh, q's sharding may still name accelerator
+    devices (a jit lowered for compile-only TPU or GPU devices): there the kernel would be the
+    Pallas interpreter, called once on the whole array, so that is refused."""
+    platform = current_platform()
+    named = getattr(jax.typeof(q).sharding, "mesh", None)
+    if jax.sharding.get_abstract_mesh().empty and named is not None and not named.empty:
+        target = {"cuda": "gpu", "rocm": "gpu"}.get(named.abstract_device.platform, named.abstract_device.platform)
+        if target != platform:
+            raise ValueError(f"impl='pallas' traced for {target} devices without a current mesh would run the "
+                             f"Pallas interpreter on one device's worth of work: trace it under jax.set_mesh(mesh) "
+                             f"(tfm.train.Trainer does), or use impl='xla'")
+    return platform
 
 
 def blocks(q_run: int, kv_run: int, *, causal: bool, window: Optional[int], softcap: Optional[float], scale: float,
