@@ -9,7 +9,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
+import os
 import re
+import shutil
 import sys
 import time
 from typing import Any, Optional
@@ -104,6 +107,32 @@ def _ignore_orphaned_reads() -> None:
     sys.unraisablehook = hook
 
 
+class _OrbaxErrorsReported(logging.Filter):
+    """Drops orbax's own error records (with their thread tracebacks): every failure of a save or a
+    restore reaches the user as tfm's one-line CheckpointError instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_orbax_errors() -> None:
+    """Installs the filter (once) on the loggers orbax writes through (absl's and the root's handlers)."""
+    for handler in logging.getLogger().handlers + logging.getLogger("absl").handlers:
+        if not any(isinstance(f, _OrbaxErrorsReported) for f in handler.filters):
+            handler.addFilter(_OrbaxErrorsReported())
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
 def _cause(error: BaseException) -> str:
     """`Type: message` of the innermost exception in `error`'s chain (where tensorstore names the
     array and file that failed and why), without the reprs of TensorStore specs it appends."""
@@ -145,6 +174,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler()})
+        _quiet_orbax_errors()
+        _ignore_orphaned_reads()
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -241,6 +272,23 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - whatever the writer raised
             raise CheckpointError(f"saving a checkpoint in the background failed: "
                                   f"{type(e).__name__}: {e}") from e
+
+    def discard_partial(self, step: int) -> None:
+        """Removes what a failed save of `step` left (orbax's `<step>.orbax-checkpoint-tmp*`), which a
+        resumed run would ignore anyway; it frees the space it took."""
+        if jax.process_index() == 0:
+            for path in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(os.fspath(path), ignore_errors=True)
+
+    def out_of_space(self, cause: BaseException) -> Optional[str]:
+        """When a save failed for a full device, "no space left on the device of DIR (F free, a
+        checkpoint takes C)"; else None."""
+        if "No space left on device" not in str(cause) and getattr(cause, "errno", None) != 28:
+            return None
+        free = shutil.disk_usage(os.fspath(self.directory)).free
+        steps = [s for s in self.all_steps() if (self.directory / str(s)).exists()]
+        size = f", a checkpoint takes {_bytes(_tree_bytes(os.fspath(self.directory / str(steps[-1]))))}" if steps else ""
+        return f"no space left on the device of {self.directory} ({_bytes(free)} free{size})"
 
     def wait(self):
         self.manager.wait_until_finished()

@@ -166,12 +166,18 @@ class Checkpointing(Hook):
             raise self._failure(run, step, e.__cause__) from e
 
     def _failure(self, run, step, cause) -> CheckpointError:
-        good = [s for s in run.checkpointer.all_steps()
-                if s != self.saving and (run.checkpointer.directory / str(s)).exists()]
+        checkpointer = run.checkpointer
+        checkpointer.discard_partial(self.saving)
+        good = [s for s in checkpointer.all_steps() if s != self.saving and (checkpointer.directory / str(s)).exists()]
+        last = f"Last good checkpoint: {good[-1] if good else 'none'} in {checkpointer.directory}"
+        full = checkpointer.out_of_space(cause)
+        if full:
+            return CheckpointError(f"at step {step}: the checkpoint of step {self.saving} did not fit: {full}; "
+                                   f"training stopped. {last}. Free space there and run the same command: it "
+                                   f"resumes from that checkpoint")
         return CheckpointError(
             f"at step {step}: saving the checkpoint of step {self.saving} failed ({type(cause).__name__}: "
-            f"{cause}); training stopped. Last good checkpoint: {good[-1] if good else 'none'} in "
-            f"{run.checkpointer.directory}")
+            f"{cause}); training stopped. {last}")
 
     def after_step(self, run, step, metrics):
         self._check_background(run, step)
