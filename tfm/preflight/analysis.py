@@ -253,9 +253,9 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     the target; one StepReport each. The trainer's mesh must be over target.devices()."""
     sharded = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
     flops = model_flops(trainer.model, trainer.task, trainer.abstract_state.params, batch)
-    steps = [("train", trainer._step, (trainer.abstract_state, sharded), flops)]
+    steps = [("train", trainer.jitted_train_step, (trainer.abstract_state, sharded), flops)]
     if with_eval:
-        steps.append(("eval", trainer._eval, (trainer.abstract_state.params, sharded), flops / 3))
+        steps.append(("eval", trainer.jitted_eval_step, (trainer.abstract_state.params, sharded), flops / 3))
     reports = []
     for name, jitted, args, step_flops in steps:
         report = StepReport(name, target.name, target.chips, 0.0, target.chip.hbm_bytes, model_flops=step_flops,
