@@ -7,7 +7,9 @@ its keys are exactly
   - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields; RoPE's
     nested: `model.overrides.rope.theta`);
   - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight);
-  - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets.
+  - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets;
+  - `experiment`: the module that trains the recipe (`Settings.experiment` declares it), so a
+    recipe names its experiment (experiments.preflight reads it).
 The dict is locked, so a misspelt key fails where it is written (in the config file or as
 `--config.KEY=VALUE`); `resolve` checks the same for plain dicts and builds the dataclasses.
 """
@@ -59,6 +61,7 @@ def _config_of(cls, *, with_defaults: bool = True, into=None) -> ml_collections.
 def new_config(settings_cls, task_cls) -> ml_collections.ConfigDict:
     """The locked schema of an experiment (module doc); the recipe fills in its values."""
     c = _config_of(settings_cls, with_defaults=False, into=_config_of(TrainConfig))
+    c.experiment = settings_cls.experiment
     c.model = ml_collections.ConfigDict({"preset": ml_collections.FieldReference(None, field_type=str),
                                          "overrides": ml_collections.ConfigDict()})
     c.task = _config_of(task_cls)
@@ -146,7 +149,7 @@ def resolve(config, settings_cls, task_cls, *, model_from_checkpoint: bool = Fal
                              f"from other keys; unset it (None) or turn the derivation off")
     train_keys = [f.name for f in dataclasses.fields(TrainConfig)]
     settings_keys = [f.name for f in dataclasses.fields(settings_cls)]
-    _check_keys(raw, train_keys + settings_keys + ["model", "task"], "config")
+    _check_keys(raw, train_keys + settings_keys + ["model", "task", "experiment"], "config")
     model = dict(raw.get("model") or {})
     _check_keys(model, ["preset", "overrides"], "config.model")
     if model_from_checkpoint and model.get("preset"):
