@@ -129,6 +129,19 @@ class Blueprint:
     batches: dict
 
 
+_FLAG_PREFIXES = {"TrainConfig": "--config.", "ModelConfig": "--config.model.overrides."}
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag that sets a tfm field ("ModelConfig.execution.remat_policy") in an
+    experiment config: TrainConfig's fields at the top level, ModelConfig's under model.overrides."""
+    owner, _, path = field.partition(".")
+    if owner not in _FLAG_PREFIXES or not path:
+        raise ValueError(f"{field!r} is not a field an experiment config sets; it sets "
+                         f"{' and '.join(f'{o}.<field>' for o in _FLAG_PREFIXES)}")
+    return _FLAG_PREFIXES[owner] + path
+
+
 def settings_of(config, settings_cls):
     """Only the experiment's own settings (what it needs before the TrainConfig is complete)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -224,28 +237,27 @@ def _without_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if not _OVERRIDE.match(a)]
 
 
-def _model_groups() -> dict:
-    """{where: dataclass} for the config levels that take a dataclass's fields, whether or not
-    the recipe sets any: ModelConfig's under model.overrides, a nested group's (rope, ...) below."""
+def _model_levels() -> dict:
+    """{where: its keys} for the config levels that take a dataclass's fields, whether or not the
+    recipe sets any: ModelConfig's under model.overrides, a nested group's (rope, ...) below."""
     hints = typing.get_type_hints(ModelConfig)
-    groups = {"--config.model.overrides": ModelConfig}
+    levels = {"--config.model.overrides": [f.name for f in dataclasses.fields(ModelConfig)]}
     for f in dataclasses.fields(ModelConfig):
-        if dataclasses.is_dataclass(_field_type(hints[f.name])):
-            groups[f"--config.model.overrides.{f.name}"] = _field_type(hints[f.name])
-    return groups
+        group = _field_type(hints[f.name])
+        if dataclasses.is_dataclass(group):
+            levels[f"--config.model.overrides.{f.name}"] = [g.name for g in dataclasses.fields(group)]
+    return levels
 
 
-def _check_override(config: ml_collections.ConfigDict, path: list[str], groups: dict) -> None:
+def _check_override(config: ml_collections.ConfigDict, path: list[str], levels: dict) -> None:
     """ValueError naming the valid keys of the level where `--config.<path>` leaves the schema;
     a model group (`model.overrides.rope`) the recipe does not set is added, empty."""
     node, where = config, "--config"
     for key in path:
         valid = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-        if where in groups:
-            valid = [f.name for f in dataclasses.fields(groups[where])]
-        _check_keys([key], valid, where)
+        _check_keys([key], levels.get(where, valid), where)
         where = f"{where}.{key}"
-        if where in groups and isinstance(node, ml_collections.ConfigDict) and node.get(key) is None:
+        if where in levels and isinstance(node, ml_collections.ConfigDict) and node.get(key) is None:
             node[key] = ml_collections.ConfigDict()
         node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
 
@@ -258,10 +270,10 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
     parsed by ml_collections as the type the config gives them."""
     from absl import flags
     from ml_collections import config_flags
-    groups = _model_groups()
+    levels = _model_levels()
     with config.unlocked():  # every key is checked: only model fields are added
         for arg in overrides:
-            _check_override(config, _OVERRIDE.match(arg).group(2).split("."), groups)
+            _check_override(config, _OVERRIDE.match(arg).group(2).split("."), levels)
         values = flags.FlagValues()
         config_flags.DEFINE_config_dict("config", config, flag_values=values, lock_config=False,
                                         accept_new_attributes=True, sys_argv=["", *overrides])

@@ -64,6 +64,11 @@ def check_batch(trainer: Trainer, batch_size: int) -> int:
     return per_pass // devices
 
 
+def as_flags(tip: preflight.Tip) -> str:
+    """A tip in the command line's terms: `what: --config.KEY=VALUE ...`."""
+    return f"{tip.what}: " + " ".join(f"{common.flag_of(field)}={value}" for field, value in tip.settings.items())
+
+
 def run_preflight(config, config_path: str, target_name: str, *, num_slices: int = 1,
                   with_eval: bool = True, say=print) -> list[dict]:
     """Compiles every batch shape of the recipe for the target; the reports as dicts."""
@@ -91,7 +96,7 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
                 say("  " + line)
             if not report.fits:
                 for tip in preflight.advice(plan.train, plan.model.config, rows):
-                    say(f"    to fit: {tip}")
+                    say(f"    to fit: {as_flags(tip)}")
             records.append({"recipe": config_path, "shape": shape_name, "parameters": trainer.num_params,
                             **dataclasses.asdict(report)})
     return records
