@@ -97,7 +97,8 @@ def dot_flops(jaxpr, *, unroll: bool = True) -> float:
 def model_flops(model, task, params_shapes, batch: dict) -> float:
     """Training FLOPs of one step on `batch` (global shapes): 3 x the forward pass's matmul FLOPs,
     attention computed as the xla backend does (full T x S scores, as PaLM's 6N + 12LHT)."""
-    reference = model.clone(config=model.config.replace(execution=dict(attention_impl="xla", attention_block_sizes=None)))
+    xla = dict(attention_impl="xla", attention_block_sizes=None)
+    reference = model.clone(config=model.config.replace(execution=xla))
     plain = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     jaxpr = jax.make_jaxpr(make_eval_step(reference, task))(params_shapes, plain)
     return 3.0 * dot_flops(jaxpr.jaxpr)
@@ -297,13 +298,16 @@ def advice(train_config, model_config, rows_per_device: Optional[int] = None) ->
                         {"TrainConfig.parallelism": "fsdp", "TrainConfig.mesh.fsdp": -1, "TrainConfig.mesh.data": 1}))
     policy = model_config.execution.remat_policy
     if policy != "full":
-        stronger, most = ("dots_with_no_batch_dims_saveable", "; 'full' saves the most") if policy == "none" else ("full", "")
-        tips.append(Tip(f"rematerialise more (now {policy!r}{most})", {"ModelConfig.execution.remat_policy": stronger}))
+        stronger, most = ("full", "") if policy != "none" else ("dots_with_no_batch_dims_saveable",
+                                                              "; 'full' saves the most")
+        tips.append(Tip(f"rematerialise more (now {policy!r}{most})",
+                        {"ModelConfig.execution.remat_policy": stronger}))
     if rows_per_device is not None and rows_per_device <= 1:
         context = train_config.mesh.context if "context" in styles else 1
         others = "+".join(s for s in styles if s != "context")
-        tips.append(Tip(f"each device holds {'one whole sequence' if context == 1 else f'1/{context} of a sequence'} "
-                        f"per pass: split sequences over {'' if context == 1 else 'more '}devices (context parallelism)",
+        held = "one whole sequence" if context == 1 else f"1/{context} of a sequence"
+        tips.append(Tip(f"each device holds {held} per pass: split sequences over {'' if context == 1 else 'more '}"
+                        "devices (context parallelism)",
                         {"TrainConfig.parallelism": f"{others}+context", "TrainConfig.mesh.context": max(4, 2 * context)}))
         return tips
     tips.append(Tip("accumulate gradients", {"TrainConfig.microbatches": 2 * train_config.microbatches}))
