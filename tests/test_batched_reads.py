@@ -1,7 +1,7 @@
 """Record reads in blocks (reading.BlockReadIterDataset over sources.read): the batches, their
 order, the host split and the checkpointed state are those of Grain's one-record-a-call reads
 (`to_iter_dataset`, the path before), on a generated array_record corpus and on TFDS mock_data
-with wmt14's real split names (issue 20)."""
+with wmt14's real split names."""
 import json
 
 import grain
