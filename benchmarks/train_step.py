@@ -66,7 +66,7 @@ def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
     trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
     state, gb = [trainer.init_state()], trainer.global_batch(batch)
     with trainer.context():
-        compiled = trainer._step.lower(state[0], gb).compile()  # pylint: disable=protected-access
+        compiled = trainer.jitted_train_step.lower(state[0], gb).compile()
 
     def step():
         state[0], metrics = compiled(state[0], gb)

@@ -7,7 +7,9 @@ its keys are exactly
   - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields; RoPE's
     nested: `model.overrides.rope.theta`);
   - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight);
-  - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets.
+  - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets;
+  - `experiment`: the module that trains the recipe (`Settings.experiment` declares it), so a
+    recipe names its experiment (experiments.preflight reads it).
 The dict is locked, so a misspelt key fails where it is written (in the config file or as
 `--config.KEY=VALUE`); `resolve` checks the same for plain dicts and builds the dataclasses.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import os
+import re
 import sys
 import tempfile
 import typing
@@ -26,7 +28,7 @@ import jax
 import ml_collections
 
 from tfm import parallel
-from tfm.config import ModelConfig, RopeConfig
+from tfm.config import ModelConfig
 from tfm.data import tokenizers
 from tfm.data.sources import DatasetNotPreparedError
 from tfm.models import presets
@@ -59,6 +61,7 @@ def _config_of(cls, *, with_defaults: bool = True, into=None) -> ml_collections.
 def new_config(settings_cls, task_cls) -> ml_collections.ConfigDict:
     """The locked schema of an experiment (module doc); the recipe fills in its values."""
     c = _config_of(settings_cls, with_defaults=False, into=_config_of(TrainConfig))
+    c.experiment = settings_cls.experiment
     c.model = ml_collections.ConfigDict({"preset": ml_collections.FieldReference(None, field_type=str),
                                          "overrides": ml_collections.ConfigDict()})
     c.task = _config_of(task_cls)
@@ -126,6 +129,19 @@ class Blueprint:
     batches: dict
 
 
+_FLAG_PREFIXES = {"TrainConfig": "--config.", "ModelConfig": "--config.model.overrides."}
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag that sets a tfm field ("ModelConfig.execution.remat_policy") in an
+    experiment config: TrainConfig's fields at the top level, ModelConfig's under model.overrides."""
+    owner, _, path = field.partition(".")
+    if owner not in _FLAG_PREFIXES or not path:
+        raise ValueError(f"{field!r} is not a field an experiment config sets; it sets "
+                         f"{' and '.join(f'{o}.<field>' for o in _FLAG_PREFIXES)}")
+    return _FLAG_PREFIXES[owner] + path
+
+
 def settings_of(config, settings_cls):
     """Only the experiment's own settings (what it needs before the TrainConfig is complete)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -146,7 +162,7 @@ def resolve(config, settings_cls, task_cls, *, model_from_checkpoint: bool = Fal
                              f"from other keys; unset it (None) or turn the derivation off")
     train_keys = [f.name for f in dataclasses.fields(TrainConfig)]
     settings_keys = [f.name for f in dataclasses.fields(settings_cls)]
-    _check_keys(raw, train_keys + settings_keys + ["model", "task"], "config")
+    _check_keys(raw, train_keys + settings_keys + ["model", "task", "experiment"], "config")
     model = dict(raw.get("model") or {})
     _check_keys(model, ["preset", "overrides"], "config.model")
     if model_from_checkpoint and model.get("preset"):
@@ -214,120 +230,85 @@ def _config_arg(argv: list[str]) -> Optional[str]:
     return values[-1] if values else None
 
 
-def _load_config(config_arg: str) -> ml_collections.ConfigDict:
-    """`get_config([arg])` of a `FILE[:arg]` config file, as ml_collections' config flag calls it."""
-    path, *arg = config_arg.split(":", 1)
-    spec = importlib.util.spec_from_file_location("tfm_experiment_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(*arg)
+_OVERRIDE = re.compile(r"^--?(no)?config\.([^=]+)")  # --config.KEY=VALUE (and absl's --[no]config.KEY)
 
 
-def _unknown_override(argv: list[str], config_arg: str) -> Optional[str]:
-    """The message for the first `--config.KEY=VALUE` whose KEY the config lacks (None: all exist)."""
-    config = _load_config(config_arg)
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        node, where = config, "--config"
-        for key in arg[len("--config."):].split("=", 1)[0].split("."):
-            valid = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-            if where in _MODEL_FIELDS:  # the model's fields, set by the recipe or not
-                valid = [f.name for f in dataclasses.fields(_MODEL_FIELDS[where])]
-            try:
-                _check_keys([key], valid, where)
-            except ValueError as e:
-                return str(e)
-            node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
-            where = f"{where}.{key}"
-    return None
+def _without_overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if not _OVERRIDE.match(a)]
 
 
-# The config keys that take a dataclass's fields, though the recipe may set none of them.
-_MODEL_FIELDS = {"--config.model.overrides": ModelConfig, "--config.model.overrides.rope": RopeConfig}
+def _model_levels() -> dict:
+    """{where: its keys} for the config levels that take a dataclass's fields, whether or not the
+    recipe sets any: ModelConfig's under model.overrides, a nested group's (rope, ...) below."""
+    hints = typing.get_type_hints(ModelConfig)
+    levels = {"--config.model.overrides": [f.name for f in dataclasses.fields(ModelConfig)]}
+    for f in dataclasses.fields(ModelConfig):
+        group = _field_type(hints[f.name])
+        if dataclasses.is_dataclass(group):
+            levels[f"--config.model.overrides.{f.name}"] = [g.name for g in dataclasses.fields(group)]
+    return levels
 
 
-def _flag_error(argv: list[str], config_arg: Optional[str], error: Exception) -> NoReturn:
-    """Reports a failure to parse the flags: a misspelt `--config.KEY` by name, with the valid keys."""
-    try:
-        message = config_arg and _unknown_override(argv, config_arg)
-    except Exception:  # noqa: BLE001 - the config file itself fails to load: `error` says how
-        message = None
-    fail(message or error)
+def _check_override(config: ml_collections.ConfigDict, path: list[str], levels: dict) -> None:
+    """ValueError naming the valid keys of the level where `--config.<path>` leaves the schema;
+    a model group (`model.overrides.rope`) the recipe does not set is added, empty."""
+    node, where = config, "--config"
+    for key in path:
+        valid = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        _check_keys([key], levels.get(where, valid), where)
+        where = f"{where}.{key}"
+        if where in levels and isinstance(node, ml_collections.ConfigDict) and node.get(key) is None:
+            node[key] = ml_collections.ConfigDict()
+        node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+    """Applies `--config.KEY=VALUE` arguments to the ConfigDict ml_collections loaded, each KEY
+    checked first (a misspelt one is named with the valid keys of its level). A ModelConfig
+    field the recipe leaves unset (`model.overrides.FIELD`, `model.overrides.rope.FIELD`) is
+    added; its VALUE is read as a Python literal, else taken as a string. Other values are
+    parsed by ml_collections as the type the config gives them."""
+    from absl import flags
+    from ml_collections import config_flags
+    levels = _model_levels()
+    with config.unlocked():  # every key is checked: only model fields are added
+        for arg in overrides:
+            _check_override(config, _OVERRIDE.match(arg).group(2).split("."), levels)
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_dict("config", config, flag_values=values, lock_config=False,
+                                        accept_new_attributes=True, sys_argv=["", *overrides])
+        values(["", *overrides])
 
 
 def define_config_flag(default: Optional[str] = None) -> None:
-    """`--config=FILE[:arg]`, locked. ml_collections loads a default (with the command line's
-    `--config.KEY=VALUE` overrides) at once, so its failures are reported here."""
+    """`--config=FILE[:arg]`, locked. ml_collections loads the file (a default at once); the
+    command line's `--config.KEY=VALUE` overrides are applied to what it loaded by `parse_flags`."""
     from ml_collections import config_flags
     try:
-        config_flags.DEFINE_config_file("config", default, "experiment config file", lock_config=True)
+        config_flags.DEFINE_config_file("config", default, "experiment config file", lock_config=True,
+                                        sys_argv=_without_overrides(sys.argv))
     except Exception as e:  # noqa: BLE001 - ml_collections raises many types
-        _flag_error(sys.argv, default, e)
+        fail(e)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing (an `app.run` flags_parser), with every failure reported by `fail`:
-    a missing config file, a misspelt `--config.KEY` (naming the valid keys), any other flag error."""
+    """absl's flag parsing (an `app.run` flags_parser), then the `--config.KEY=VALUE` overrides
+    (`apply_overrides`), with every failure reported by `fail`: a missing config file, a misspelt
+    `--config.KEY` (naming the valid keys), any other flag error."""
     from absl import flags
     config_arg = _config_arg(argv)
     path = config_arg and config_arg.split(":", 1)[0]
     if path and not os.path.isfile(path):
         fail(f"--config file {path} not found (run from the repository root, or give its full path)")
-    argv, model_overrides = _new_model_overrides(argv, config_arg)
-    sys.argv = argv  # ml_collections reads the overrides from sys.argv
+    has_config = "config" in flags.FLAGS
+    overrides = [a for a in argv if _OVERRIDE.match(a)] if has_config else []
     try:
-        rest = flags.FLAGS(argv)
+        rest = flags.FLAGS(_without_overrides(argv) if has_config else argv)
+        if overrides:
+            apply_overrides(flags.FLAGS.config, overrides)
     except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
-        _flag_error(argv, config_arg, e)
-    if model_overrides:  # commands without --config (evaluate) have none
-        with flags.FLAGS.config.model.overrides.unlocked():
-            flags.FLAGS.config.model.overrides.update(model_overrides)
+        fail(e)
     return rest
-
-
-_MODEL_OVERRIDES = "--config.model.overrides."
-
-
-def _new_model_overrides(argv: list[str], config_arg: Optional[str]) -> tuple[list[str], dict]:
-    """(argv without them, {field: value}) for the `--config.model.overrides.FIELD=VALUE` whose
-    ModelConfig FIELD the recipe does not set (ml_collections only overrides existing keys), and
-    for `--config.model.overrides.rope.FIELD=VALUE` ({"rope": {FIELD: value}}) likewise;
-    VALUE is read as a Python literal, else taken as a string."""
-    import ast
-    try:
-        recipe = _load_config(config_arg).model.overrides if config_arg else ml_collections.ConfigDict()
-    except Exception:  # noqa: BLE001 - the config file itself fails to load: parsing says how
-        return argv, {}
-    kept, new = [], {}
-    for arg in argv:
-        key, _, value = arg[len(_MODEL_OVERRIDES):].partition("=")
-        path = key.split(".")
-        if not arg.startswith(_MODEL_OVERRIDES) or not _new_model_field(path, recipe):
-            kept.append(arg)
-            continue
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
-        node = new
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = value
-    return kept, new
-
-
-def _new_model_field(path: list[str], recipe) -> bool:
-    """Whether `path` (["d_model"], ["rope", "theta"]) names a model field that `recipe` (its
-    model.overrides) does not set."""
-    where, node = _MODEL_OVERRIDES.rstrip("."), recipe
-    for name in path:
-        cls = _MODEL_FIELDS.get(where)
-        if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
-            return False
-        node = node.get(name) if isinstance(node, (dict, ml_collections.ConfigDict)) else None
-        where = f"{where}.{name}"
-    return node is None
 
 
 def run_cli(command: Callable[[list[str]], None]) -> None:

@@ -34,20 +34,21 @@ from experiments import common  # noqa: E402
 from tfm import parallel  # noqa: E402
 from tfm.train import Trainer  # noqa: E402
 
-EXPERIMENTS = {"translation": "experiments.translation.train", "lm": "experiments.lm.train",
-               "bert": "experiments.bert.pretrain"}
-PRETRAINING_ONLY = {"bert": ("glue.py", "squad.py")}  # fine-tuning recipes have no blueprint
 EXIT_DOES_NOT_FIT = 3
 
 
-def experiment_of(config_path: str):
-    """The module whose `blueprint(config, num_devices)` builds a recipe at experiments/<name>/configs/."""
-    parts = os.path.normpath(config_path.split(":")[0]).split(os.sep)
-    name = parts[-3] if len(parts) >= 3 and parts[-2] == "configs" else None
-    if name not in EXPERIMENTS or parts[-1] in PRETRAINING_ONLY.get(name, ()):
-        raise ValueError(f"--config={config_path}: preflight takes the training recipes under "
-                         f"experiments/{{{','.join(EXPERIMENTS)}}}/configs/ (not fine-tuning)")
-    return importlib.import_module(EXPERIMENTS[name])
+def experiment_of(config, config_path: str):
+    """The module that trains the recipe (its `config.experiment`), which must build it without
+    data: `blueprint(config, num_devices)`."""
+    name = config.get("experiment")
+    try:
+        module = importlib.import_module(name) if name else None
+    except ModuleNotFoundError:
+        module = None
+    if not hasattr(module, "blueprint"):
+        raise ValueError(f"--config={config_path}: preflight takes the training recipes of experiments with a "
+                         f"blueprint (not fine-tuning); this recipe's experiment is {name!r}")
+    return module
 
 
 def check_batch(trainer: Trainer, batch_size: int) -> int:
@@ -63,11 +64,16 @@ def check_batch(trainer: Trainer, batch_size: int) -> int:
     return per_pass // devices
 
 
+def as_flags(tip: preflight.Tip) -> str:
+    """A tip in the command line's terms: `what: --config.KEY=VALUE ...`."""
+    return f"{tip.what}: " + " ".join(f"{common.flag_of(field)}={value}" for field, value in tip.settings.items())
+
+
 def run_preflight(config, config_path: str, target_name: str, *, num_slices: int = 1,
                   with_eval: bool = True, say=print) -> list[dict]:
     """Compiles every batch shape of the recipe for the target; the reports as dicts."""
     target = preflight.parse_target(target_name, num_slices)
-    module = experiment_of(config_path)
+    module = experiment_of(config, config_path)
     devices = target.devices()
     if num_slices > 1:
         config.mesh.num_slices = num_slices
@@ -90,7 +96,7 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
                 say("  " + line)
             if not report.fits:
                 for tip in preflight.advice(plan.train, plan.model.config, rows):
-                    say(f"    to fit: {tip}")
+                    say(f"    to fit: {as_flags(tip)}")
             records.append({"recipe": config_path, "shape": shape_name, "parameters": trainer.num_params,
                             **dataclasses.asdict(report)})
     return records

@@ -1,4 +1,4 @@
-"""Out-of-range ids and targets never train silently (issue 8, item 4).
+"""Out-of-range ids and targets never train silently.
 
 The host check (`check_batch`) names the entry, the value and the row; inside jit an
 out-of-range id or weighted target turns the loss into NaN instead of being wrapped to

@@ -1,7 +1,7 @@
 """Record reads in blocks (reading.BlockReadIterDataset over sources.read): the batches, their
 order, the host split and the checkpointed state are those of Grain's one-record-a-call reads
 (`to_iter_dataset`, the path before), on a generated array_record corpus and on TFDS mock_data
-with wmt14's real split names (issue 20)."""
+with wmt14's real split names."""
 import json
 
 import grain
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+import tfds_mock
 from tfm.data import pipeline, reading, sources, synthetic, tokenizers
 
 tfds.disable_progress_bar()
@@ -146,11 +147,25 @@ def test_block_reader_skips_filtered_records_and_refuses_bad_state():
         reading.BlockReadIterDataset(ds, block=0)
 
 
+def test_mock_reads_take_the_sources_batched_path():
+    """`sources.read` on a mocked wmt14 source is one `__getitems__` call into the reader: TFDS's own
+    mock fails there (its reader's `__getitems__` is unbound), tfds_mock's reads the records."""
+    with tfds.testing.mock_data(num_examples=4), pytest.raises(TypeError, match="record_key"):
+        sources.read(sources.load("wmt14", "train"), [0, 1])
+    with tfds_mock.mock_data(num_examples=4):
+        source = sources.load("wmt14", "train")
+        reader = source.data_source
+        reads = []
+        batched = reader.__getitems__
+        reader.__dict__["__getitems__"] = lambda keys: reads.append(list(keys)) or batched(keys)
+        assert sources.read(source, [3, 1]) == [source[3], source[1]] and reads == [[3, 1]]
+
+
 def test_mock_wmt14_reads_in_blocks_and_samples(tok, monkeypatch):
     """TFDS mock_data with wmt14's splits (str features) through sources.load: `sources.read` and
     `sources.sample` read what `source[i]` does; the seq2seq stream equals the one-record reads'
     and resumes exactly."""
-    with tfds.testing.mock_data(num_examples=40):
+    with tfds_mock.mock_data(num_examples=40):
         for split in ("train", "validation", "test"):
             source = sources.load("wmt14", split)
             keys = [7, 0, 39, 7]

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import scipy.stats
 import sklearn.metrics
-import tensorflow_datasets as tfds
 
 torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 
+import tfds_mock  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.bert import finetune, finetune_metrics as fm, glue, squad  # noqa: E402
 from experiments.bert.configs import glue as glue_config, squad as squad_config  # noqa: E402
@@ -367,7 +367,7 @@ def test_glue_end_to_end_from_hf_checkpoint(task, hf_dir, tmp_path):
     evaluate; the reported metrics equal the references on the final params."""
     path, _ = hf_dir
     config = _tiny_run(finetune.runlocal(glue_config.get_config(task)))
-    with tfds.testing.mock_data(num_examples=20):
+    with tfds_mock.mock_data(num_examples=20):
         result = finetune.train_and_evaluate(config, str(tmp_path), path)
         data = _glue_data(task, config, path)
     print(f"{task}: {result['dev']}")
@@ -378,7 +378,7 @@ def test_glue_end_to_end_from_hf_checkpoint(task, hf_dir, tmp_path):
 def test_mnli_reports_matched_and_mismatched_dev_accuracy(tok):
     """Each dev split scored on its own predictions (fixed logits, no model)."""
     settings = common.settings_of(finetune.runlocal(glue_config.get_config("mnli")), finetune.FinetuneSettings)
-    with tfds.testing.mock_data(num_examples=30):
+    with tfds_mock.mock_data(num_examples=30):
         data = glue.Glue("glue/mnli", dataclasses.replace(settings, max_eval_examples=0, max_seq_length=16), tok)
     rng = np.random.default_rng(0)
     logits = {}
@@ -400,7 +400,7 @@ def test_glue_sweep_from_tfm_workdir_keeps_the_best_run(tfm_workdir, tmp_path):
     """CoLA (Matthews correlation) at two learning rates from a tfm pretraining workdir."""
     path, _ = tfm_workdir
     config = _tiny_run(finetune.runlocal(glue_config.get_config("cola")), learning_rates="1e-2,1e-4")
-    with tfds.testing.mock_data(num_examples=20):
+    with tfds_mock.mock_data(num_examples=20):
         summary = finetune.sweep(config, str(tmp_path), path)
         data = _glue_data("cola", config, path)
     with open(tmp_path / "sweep.json") as f:
@@ -422,7 +422,7 @@ def test_squad_end_to_end_from_hf_checkpoint(hf_dir, tmp_path):
 
     config = _tiny_run(squad_config.get_config("runlocal"), max_seq_length=48, doc_stride=16,
                        max_query_length=8, max_train_examples=0, max_eval_examples=0)
-    with tfds.testing.mock_data(as_data_source_fn=as_data_source):
+    with tfds_mock.mock_data(as_data_source_fn=as_data_source):
         result = finetune.train_and_evaluate(config, str(tmp_path), path)
         data = squad.Squad("squad", common.settings_of(config, finetune.FinetuneSettings),
                            finetune.load_pretrained(path).tokenizer)
@@ -441,7 +441,7 @@ def test_squad_end_to_end_from_hf_checkpoint(hf_dir, tmp_path):
 @pytest.mark.parametrize("task", sorted(glue.TASKS))
 def test_every_glue_config_reads_its_real_features_and_splits(task, tok):
     settings = common.settings_of(finetune.runlocal(glue_config.get_config(task)), finetune.FinetuneSettings)
-    with tfds.testing.mock_data(num_examples=3):
+    with tfds_mock.mock_data(num_examples=3):
         data = glue.Glue(settings.dataset, dataclasses.replace(settings, max_seq_length=16), tok)
     assert len(data.train) == 3 and [p for p, _ in data.dev] == [p for p, _ in glue.TASKS[task].eval_splits]
     f = data.train[0]
@@ -463,15 +463,15 @@ def test_clear_errors(tfm_workdir, hf_dir, tmp_path):
         finetune.load_pretrained(str(tmp_path))
     config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")), max_seq_length=65)
     too_long = "max_seq_length=65 exceeds .* max_len=64"
-    with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match=too_long):
+    with tfds_mock.mock_data(num_examples=8), pytest.raises(ValueError, match=too_long):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
     config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")))
     config.optimizer.warmup_steps = 3
-    with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match="warmup_proportion or"):
+    with tfds_mock.mock_data(num_examples=8), pytest.raises(ValueError, match="warmup_proportion or"):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
     config = _tiny_run(finetune.runlocal(glue_config.get_config("rte")))
     config.model.preset = "bert_base"
-    with tfds.testing.mock_data(num_examples=8), pytest.raises(ValueError, match="model from a checkpoint"):
+    with tfds_mock.mock_data(num_examples=8), pytest.raises(ValueError, match="model from a checkpoint"):
         finetune.train_and_evaluate(config, str(tmp_path / "run"), tfm_workdir[0])
     with pytest.raises(ValueError, match="learning_rates"):
         finetune.learning_rates(_settings(learning_rates="2e-5;3e-5"))

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import tensorflow_datasets as tfds
 
+import tfds_mock
 from experiments.bert import pretrain
 from experiments.bert.configs import base, large, roberta
 from experiments import common
@@ -354,7 +354,7 @@ def test_wikipedia_on_mock_data(tmp_path):
     config = base.get_config()
     config.dataset, config.eval_documents, config.chunk_documents = "wikipedia", 8, 10
     settings = common.settings_of(config, BertSettings)
-    with tfds.testing.mock_data(num_examples=40):
+    with tfds_mock.mock_data(num_examples=40):
         example = sources.load("wikipedia", "train")[0]
         assert set(example) == {"title", "text"}
         with pytest.raises(ValueError, match="no split 'validation'"):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+import tfds_mock
 from tfm.data import pipeline, sources, synthetic, tokenizers
 
 SEQ2SEQ_KEYS = {"inputs", "inputs_segment_ids", "inputs_positions", "targets_in", "targets",
@@ -158,7 +159,7 @@ def test_two_hosts_cover_the_global_batch(translate, tok):
 @pytest.mark.parametrize("name,kind", [("wmt14", "seq2seq"), ("lm1b", "lm"),
                                        ("wikipedia", "docs"), ("glue/mrpc", "glue")])
 def test_mock_data_goes_through_the_same_source_code(name, kind, tok):
-    with tfds.testing.mock_data(num_examples=12):
+    with tfds_mock.mock_data(num_examples=12):
         source = sources.load(name, "train")
         assert len(source) == 12
         if kind == "seq2seq":

@@ -11,8 +11,8 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
+import tfds_mock
 from tfm.data import documents, sources, streaming, synthetic, tokenizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_held_out_and_vocabulary_sample(corpus, tok):
 
 def test_wikipedia_mock_data_streams(tok):
     """The real wikipedia builder's source (mock data) through TfdsDocuments and the stream."""
-    with tfds.testing.mock_data(num_examples=30):
+    with tfds_mock.mock_data(num_examples=30):
         source = sources.load("wikipedia", "train")
         corpus = documents.Corpus([documents.TfdsDocuments(source, 10)])
         assert [k for c in range(3) for (_, k), _ in corpus.chunk(c)] == list(range(30))

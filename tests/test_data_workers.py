@@ -1,6 +1,6 @@
 """The training streams built by worker processes (reading.in_workers, Grain's mp_prefetch;
 translation's `data_workers`): the same pairs as in-process, deterministic, resumed exactly from a
-checkpointed state, and a state refused by another worker count (issue 20)."""
+checkpointed state, and a state refused by another worker count."""
 import json
 from collections import Counter
 

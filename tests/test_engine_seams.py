@@ -201,7 +201,7 @@ def test_config_values_reach_the_trainer(tmp_path):
     micro = _train(_experiment(microbatches=4), tmp_path / "micro", 1)
     batch = micro.trainer.global_batch(train_job.TokenBatches().__next__())
     with micro.trainer.context():
-        jaxpr = micro.trainer._step.trace(micro.state, batch).jaxpr
+        jaxpr = micro.trainer.jitted_train_step.trace(micro.state, batch).jaxpr
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in scans] == [4]
     np.testing.assert_allclose(micro.history[0]["loss"], plain.history[0]["loss"], atol=1e-5)

@@ -229,7 +229,7 @@ def test_bert_heads_shapes_and_mlm_positions():
 
 def test_each_model_returns_one_output_type_whatever_its_flags():
     """A flag (heads, logits=False, decode) fills or empties fields of one output type; it never
-    changes the type (DESIGN principle 13)."""
+    changes the type (docs/DESIGN.md: typed seams)."""
     x = tokens((2, 6))
     gpt1 = DecoderLM(presets.tiny("decoder", heads=("classification",), num_labels=3))
     params = init(gpt1, x)

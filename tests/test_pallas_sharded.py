@@ -198,7 +198,7 @@ def _train(impl: str, steps: int = 2):
     trainer, batch = _llama_trainer(impl, steps)
     state, losses = trainer.init_state(), []
     with trainer.context():  # the jitted step, traced as train_step would trace it
-        calls = list(_pallas_calls(trainer._step.trace(state, trainer.global_batch(batch)).jaxpr.jaxpr))
+        calls = list(_pallas_calls(trainer.jitted_train_step.trace(state, trainer.global_batch(batch)).jaxpr.jaxpr))
     for _ in range(steps):
         state, metrics = trainer.train_step(state, trainer.global_batch(batch))
         losses.append(float(metrics["loss"]))
@@ -228,7 +228,7 @@ def test_sharded_train_step_lowers_for_accelerators_on_per_device_shapes(platfor
     global_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
                     for k, v in batch.items()}
     with trainer.context():
-        text = trainer._step.trace(trainer.abstract_state, global_batch).lower(
+        text = trainer.jitted_train_step.trace(trainer.abstract_state, global_batch).lower(
             lowering_platforms=(platform,)).as_text()
     operand_shapes = _lowered_kernel_operands(text, platform)
     print(platform, "train step kernel operands [B, N|K] per device:", sorted(operand_shapes))

@@ -174,18 +174,39 @@ def test_context_parallel_train_step_compiles_for_the_accelerator(target_name):
 
 
 def test_advice_names_context_parallelism_when_a_device_holds_one_sequence():
-    """Fewer rows cannot help a device that holds one row per pass: the advice splits the sequence."""
+    """Fewer rows cannot help a device that holds one row per pass: the advice splits the sequence.
+    Tips name tfm's own fields."""
     cfg = tiny("llama", remat_policy="full")
     plain = TrainConfig(batch_size=8, mesh=MeshConfig(data=1, fsdp=8), parallelism="fsdp")
-    assert preflight.advice(plain, cfg, rows_per_device=4) == ["accumulate gradients: --config.microbatches=2",
-                                                               "or a smaller --config.batch_size"]
-    assert preflight.advice(plain, cfg, rows_per_device=1) == [
-        "each device holds one whole sequence per pass: split sequences over devices (context parallelism): "
-        "--config.parallelism=fsdp+context --config.mesh.context=4"]
+    assert preflight.advice(plain, cfg, rows_per_device=4) == [
+        preflight.Tip("accumulate gradients", {"TrainConfig.microbatches": 2}),
+        preflight.Tip("or a smaller batch", {"TrainConfig.batch_size": 4})]
+    assert preflight.advice(plain, cfg, rows_per_device=1) == [preflight.Tip(
+        "each device holds one whole sequence per pass: split sequences over devices (context parallelism)",
+        {"TrainConfig.parallelism": "fsdp+context", "TrainConfig.mesh.context": 4})]
     split = TrainConfig(batch_size=2, mesh=MeshConfig(data=1, fsdp=2, context=4), parallelism="fsdp+context")
-    assert preflight.advice(split, cfg, rows_per_device=1) == [
-        "each device holds 1/4 of a sequence per pass: split sequences over more devices (context parallelism): "
-        "--config.parallelism=fsdp+context --config.mesh.context=8"]
+    assert preflight.advice(split, cfg, rows_per_device=1) == [preflight.Tip(
+        "each device holds 1/4 of a sequence per pass: split sequences over more devices (context parallelism)",
+        {"TrainConfig.parallelism": "fsdp+context", "TrainConfig.mesh.context": 8})]
+
+
+def test_advice_is_in_tfms_terms_and_the_command_renders_its_flags():
+    from experiments import preflight as command
+    data = TrainConfig(batch_size=8, mesh=MeshConfig(data=4), parallelism="data")
+    tips = preflight.advice(data, tiny("llama"), rows_per_device=2)
+    assert [str(t) for t in tips[:2]] == [
+        "shard parameters and optimizer state (parallelism data+fsdp does too): TrainConfig.parallelism='fsdp', "
+        "TrainConfig.mesh.fsdp=-1, TrainConfig.mesh.data=1",
+        "rematerialise more (now 'none'; 'full' saves the most): "
+        "ModelConfig.execution.remat_policy='dots_with_no_batch_dims_saveable'"]
+    assert [command.as_flags(t) for t in tips] == [
+        "shard parameters and optimizer state (parallelism data+fsdp does too): --config.parallelism=fsdp "
+        "--config.mesh.fsdp=-1 --config.mesh.data=1",
+        "rematerialise more (now 'none'; 'full' saves the most): "
+        "--config.model.overrides.execution.remat_policy=dots_with_no_batch_dims_saveable",
+        "accumulate gradients: --config.microbatches=2", "or a smaller batch: --config.batch_size=4"]
+    with pytest.raises(ValueError, match="'LMTask.z_loss' is not a field an experiment config sets"):
+        command.as_flags(preflight.Tip("x", {"LMTask.z_loss": 0.0}))
 
 
 def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():

@@ -1,6 +1,6 @@
 """BERT / RoBERTa pretraining streams with their next windows built by worker processes
 (`PretrainingStream(workers=n)`, the recipes' `data_workers`): the in-process batches and stream
-positions, bit for bit, across windows and an epoch; resumable from any position (issue 20)."""
+positions, bit for bit, across windows and an epoch; resumable from any position."""
 import json
 
 import numpy as np

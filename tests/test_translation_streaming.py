@@ -1,6 +1,6 @@
 """The translation recipe's startup at corpus scale: what it reads before step 1 is bounded by its
 config (the tokenizer's sample, the token budget's packed sample), not by the corpus size, and
-the training stream is split over hosts disjointly and completely (issue 20)."""
+the training stream is split over hosts disjointly and completely."""
 from collections import Counter
 
 import grain

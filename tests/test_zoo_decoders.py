@@ -1,4 +1,4 @@
-"""The decoder zoo of issue 12 against Hugging Face transformers (PyTorch, CPU, fp32).
+"""The decoder zoo against Hugging Face transformers (PyTorch, CPU, fp32).
 
 Each family: one tiny random HF model (d_model 32-48, 2 layers, vocab 100) with every parameter
 perturbed, built once per module, converted from the live model and from its save_pretrained

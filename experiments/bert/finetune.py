@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import ml_collections
@@ -44,6 +44,7 @@ from tfm.train import train_and_evaluate as train_loop
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneSettings:
+    experiment: ClassVar[str] = "experiments.bert.finetune"  # the module that trains these recipes
     dataset: str              # "glue/<cola|sst2|mrpc|stsb|qqp|mnli|qnli|rte>", "squad" (v1.1), or
                               # "synthetic_topic_pairs" (generated offline: glue.py's runlocal)
     max_seq_length: int       # paper: 128 for GLUE, 384 for SQuAD

@@ -5,11 +5,12 @@ The fine-tuning experiments read a pretraining workdir through these names (conf
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 
 @dataclasses.dataclass(frozen=True)
 class BertSettings:
+    experiment: ClassVar[str] = "experiments.bert.pretrain"  # the module that trains these recipes
     dataset: str                  # "synthetic_topics" / "synthetic_docs" (generated offline), a TFDS name
                                   # ("wikipedia", "wikipedia/20230601.en"), or "" (text_dirs only)
     text_dirs: str                # comma-separated plain-text corpus directories (BooksCorpus

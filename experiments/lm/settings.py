@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 
 @dataclasses.dataclass(frozen=True)
 class LMSettings:
+    experiment: ClassVar[str] = "experiments.lm.train"  # the module that trains these recipes
     dataset: str        # tfm.data.sources name: "lm1b" or "synthetic_docs"
     vocab_size: int     # SentencePiece BPE trained on the train split
     seq_len: int

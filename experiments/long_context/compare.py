@@ -112,7 +112,7 @@ def table(rows: dict, lengths, near: int) -> str:
     lines = [head, "|" + "---|" * (8 + len(lengths))]
     for name, r in rows.items():
         s = r["scores"]
-        lines.append(f"| `{name}` | {s['accuracy']:.1%} | {train._pct(s['near_accuracy'])} | {train._pct(s['far_accuracy'])} "
+        lines.append(f"| `{name}` | {s['accuracy']:.1%} | {train.percent(s['near_accuracy'])} | {train.percent(s['far_accuracy'])} "
                      f"| {s['num_params']:,} | {r['time_ratio']:.2f} | " + " | ".join(_mib(r["memory"][L]) for L in lengths)
                      + f" | {_mib(r['chunked'])} | {r['share'][long]:.1%} |")
     return "\n".join(lines)

@@ -108,15 +108,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return scores
 
 
-def _pct(x) -> str:
+def percent(x) -> str:
+    """`x` as a percentage, "—" where there is none."""
     return "—" if x is None else f"{x:.1%}"
 
 
 def report(scores: dict, near: int) -> str:
     """One line: held-out accuracy overall, near and far, beside chance."""
-    return (f"held-out accuracy {_pct(scores['accuracy'])}: needle at <= {near} {_pct(scores['near_accuracy'])} "
-            f"({scores['near_documents']} docs), beyond {_pct(scores['far_accuracy'])} ({scores['far_documents']} docs); "
-            f"chance {_pct(scores['chance'])}; {scores['num_params']:,} parameters")
+    return (f"held-out accuracy {percent(scores['accuracy'])}: needle at <= {near} {percent(scores['near_accuracy'])} "
+            f"({scores['near_documents']} docs), beyond {percent(scores['far_accuracy'])} ({scores['far_documents']} docs); "
+            f"chance {percent(scores['chance'])}; {scores['num_params']:,} parameters")
 
 
 if __name__ == "__main__":

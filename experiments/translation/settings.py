@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 
 @dataclasses.dataclass(frozen=True)
 class TranslationSettings:
+    experiment: ClassVar[str] = "experiments.translation.train"  # the module that trains these recipes
     dataset: str             # tfm.data.sources name: "wmt14" or "synthetic_translate"
     synthetic_pairs: int     # size of the generated corpus (synthetic_translate only)
     vocab_size: int          # shared SentencePiece vocabulary

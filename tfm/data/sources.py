@@ -21,7 +21,6 @@ import dataclasses
 import importlib
 import os
 import re
-from unittest import mock
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -103,12 +102,6 @@ def load(name: str, split: str, *, data_dir: str | os.PathLike | None = None):
         how = family.prepare or f"`tfds build {full} --file_format=array_record --data_dir={where}` (needs the tf extra)"
         raise DatasetNotPreparedError(f"dataset {full} split {split!r} is not prepared as array_record "
                                       f"under {where}; prepare it with {how}") from e
-    reader = getattr(source, "data_source", None)
-    if isinstance(reader, mock.NonCallableMock):
-        # tfds.testing.mock_data sets its reader's `__getitems__` as a plain attribute, called without
-        # the `self` it expects (TypeError); read the mock a key at a time as its `__getitem__` does,
-        # so that batched reads (`read`) take the real source's code path.
-        reader.__getitems__ = lambda keys: [reader[k] for k in keys]
     return source
 
 

@@ -1,6 +1,6 @@
 """BERT MLM+NSP and RoBERTa FULL-SENTENCES batches streamed from a chunked corpus.
 
-Host memory stays bounded whatever the corpus size (DESIGN: streams, not lists):
+Host memory stays bounded whatever the corpus size (docs/DESIGN.md: streams, not lists):
 
 * Each epoch orders the corpus's chunks by a seeded permutation (the same on every host);
   host `process_index` takes every `process_count`-th, so hosts read disjoint chunks and

@@ -7,11 +7,12 @@
         print("\n".join(format_report(report, target.chip)))
 
 Run with JAX_PLATFORMS=cpu and the compile-only plugins on the path (`use_plugins()` before
-JAX starts). The command that reads experiment recipes is `experiments.preflight`.
+JAX starts). The command that reads experiment recipes is `experiments.preflight`; `advice` names
+what would make a step fit by tfm's own fields (`Tip`), which that command renders as its flags.
 """
 import collections
 
-from tfm.preflight.analysis import StepReport, advice, check_step, dot_flops, model_flops, read_hlo
+from tfm.preflight.analysis import StepReport, Tip, advice, check_step, dot_flops, model_flops, read_hlo
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
 
@@ -59,5 +60,5 @@ def format_report(r: StepReport, chip) -> list[str]:
     return lines
 
 
-__all__ = ["CHIPS", "GiB", "StepReport", "Target", "advice", "check_step", "dot_flops", "format_report",
+__all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "check_step", "dot_flops", "format_report",
            "model_flops", "parse_target", "read_hlo", "require_plugin", "use_plugins", "valid_targets"]

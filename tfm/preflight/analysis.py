@@ -98,7 +98,8 @@ def dot_flops(jaxpr, *, unroll: bool = True) -> float:
 def model_flops(model, task, params_shapes, batch: dict) -> float:
     """Training FLOPs of one step on `batch` (global shapes): 3 x the forward pass's matmul FLOPs,
     attention computed as the xla backend does (full T x S scores, as PaLM's 6N + 12LHT)."""
-    reference = model.clone(config=model.config.replace(attention_impl="xla", attention_block_sizes=None))
+    xla = dict(attention_impl="xla", attention_block_sizes=None)
+    reference = model.clone(config=model.config.replace(execution=xla))
     plain = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     jaxpr = jax.make_jaxpr(make_eval_step(reference, task))(params_shapes, plain)
     return 3.0 * dot_flops(jaxpr.jaxpr)
@@ -263,9 +264,9 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     the target; one StepReport each. The trainer's mesh must be over target.devices()."""
     sharded = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
     flops = model_flops(trainer.model, trainer.task, trainer.abstract_state.params, batch)
-    steps = [("train", trainer._step, (trainer.abstract_state, sharded), flops)]
+    steps = [("train", trainer.jitted_train_step, (trainer.abstract_state, sharded), flops)]
     if with_eval:
-        steps.append(("eval", trainer._eval, (trainer.abstract_state.params, sharded), flops / 3))
+        steps.append(("eval", trainer.jitted_eval_step, (trainer.abstract_state.params, sharded), flops / 3))
     reports = []
     for name, jitted, args, step_flops in steps:
         report = StepReport(name, target.name, target.chips, 0.0, target.chip.hbm_bytes, model_flops=step_flops,
@@ -285,26 +286,40 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
     return reports
 
 
-def advice(train_config, model_config, rows_per_device: Optional[int] = None) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Tip:
+    """One way to make a step fit: what it does, and the settings that do it, each named by its tfm
+    field ("TrainConfig.microbatches", "ModelConfig.execution.remat_policy") with its value."""
+    what: str
+    settings: dict
+
+    def __str__(self) -> str:
+        return f"{self.what}: " + ", ".join(f"{field}={value!r}" for field, value in self.settings.items())
+
+
+def advice(train_config, model_config, rows_per_device: Optional[int] = None) -> list[Tip]:
     """What would make a step that does not fit fit, from what the config does not do yet.
     `rows_per_device`: sequences each device holds per pass; at one, fewer rows cannot help, so
     splitting each sequence over devices (context parallelism) is named instead."""
     tips = []
     styles = parse_parallelism(train_config.parallelism)
     if "fsdp" not in styles:
-        tips.append("shard parameters and optimizer state: --config.parallelism=fsdp (or data+fsdp) with "
-                    "--config.mesh.fsdp=-1 --config.mesh.data=1")
-    policy = getattr(model_config, "remat_policy", "none")
+        tips.append(Tip("shard parameters and optimizer state (parallelism data+fsdp does too)",
+                        {"TrainConfig.parallelism": "fsdp", "TrainConfig.mesh.fsdp": -1, "TrainConfig.mesh.data": 1}))
+    policy = model_config.execution.remat_policy
     if policy != "full":
-        stronger = "dots_with_no_batch_dims_saveable' or 'full" if policy == "none" else "full"
-        tips.append(f"rematerialise more (now {policy!r}): --config.model.overrides.remat_policy='{stronger}'")
+        stronger, most = ("full", "") if policy != "none" else ("dots_with_no_batch_dims_saveable",
+                                                              "; 'full' saves the most")
+        tips.append(Tip(f"rematerialise more (now {policy!r}{most})",
+                        {"ModelConfig.execution.remat_policy": stronger}))
     if rows_per_device is not None and rows_per_device <= 1:
         context = train_config.mesh.context if "context" in styles else 1
         others = "+".join(s for s in styles if s != "context")
-        tips.append(f"each device holds {'one whole sequence' if context == 1 else f'1/{context} of a sequence'} "
-                    f"per pass: split sequences over {'' if context == 1 else 'more '}devices (context "
-                    f"parallelism): --config.parallelism={others}+context --config.mesh.context={max(4, 2 * context)}")
+        held = "one whole sequence" if context == 1 else f"1/{context} of a sequence"
+        tips.append(Tip(f"each device holds {held} per pass: split sequences over {'' if context == 1 else 'more '}"
+                        "devices (context parallelism)",
+                        {"TrainConfig.parallelism": f"{others}+context", "TrainConfig.mesh.context": max(4, 2 * context)}))
         return tips
-    tips.append(f"accumulate gradients: --config.microbatches={2 * train_config.microbatches}")
-    tips.append("or a smaller --config.batch_size")
+    tips.append(Tip("accumulate gradients", {"TrainConfig.microbatches": 2 * train_config.microbatches}))
+    tips.append(Tip("or a smaller batch", {"TrainConfig.batch_size": train_config.batch_size // 2}))
     return tips

@@ -1,14 +1,12 @@
-"""Trainer: shardings from logical rules, the jitted train step, and the training loop."""
+"""Trainer: shardings from logical rules, the jitted train step, and the training loop (which
+resumes through `tfm.train.resume`)."""
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
-import itertools
-import json
 import math
 import os
-import re
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import flax.linen as nn
@@ -19,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm import parallel
 from tfm.train.batch_checks import check_batch
-from tfm.train.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
+from tfm.train import resume
+from tfm.train.checkpoint import Checkpointer
 from tfm.train.config import TrainConfig
 from tfm.train.hooks import Hook, default_hooks
 from tfm.train.metrics import MetricLogger
@@ -114,6 +113,18 @@ class Trainer:
                              in_shardings=(self.param_shardings, self.batch_sharding),
                              out_shardings=self.replicated)
         return self
+
+    @property
+    def jitted_train_step(self):
+        """The `jax.jit` train step `train_step` runs (state donated): trace, lower or compile it
+        ahead of time under `context()`, e.g. `.trace(abstract_state, batch).lower().compile()`."""
+        return self._step
+
+    @property
+    def jitted_eval_step(self):
+        """The `jax.jit` eval step `eval_step` runs, `(params, batch) -> (metrics, weight)`; as
+        `jitted_train_step`."""
+        return self._eval
 
     def init_state(self) -> TrainState:
         with self.context():
@@ -215,111 +226,9 @@ class Run:
             self.logger.close()
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def config_changes(old: dict, new: dict) -> list[str]:
-    """"key: old -> new" for every flattened key whose value differs."""
-    old, new = _flat(old), _flat(new)
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-
-
-def _restore_latest(checkpointer: Checkpointer, abstract_state, *, fallback: bool, say) -> tuple:
-    """(state, data state) of the newest checkpoint; with `fallback`, a corrupt one is set
-    aside (moved, never deleted) and the next older one tried."""
-    while True:
-        step = checkpointer.latest_step()
-        try:
-            return checkpointer.restore(abstract_state)
-        except CorruptCheckpointError as e:
-            if not fallback:
-                raise CorruptCheckpointError(
-                    f"{e}. To resume from the newest readable checkpoint instead, set "
-                    "fallback_to_older=True (it moves broken ones aside), or move this step away.") from e
-            moved = checkpointer.set_aside(step)
-            say(f"checkpoint step {step} is corrupt ({str(e).splitlines()[0]}); moved it to {moved}, "
-                "trying the next older one")
-            if checkpointer.latest_step() is None:
-                raise CorruptCheckpointError(_nothing_readable(checkpointer)) from e
-
-
-def _nothing_readable(checkpointer: Checkpointer) -> str:
-    """Why a workdir whose checkpoints were all set aside is not restarted, and how to."""
-    broken = f"{checkpointer.directory}.broken"
-    return (f"no readable checkpoint left in {checkpointer.directory}: the broken ones are in {broken}/ "
-            f"(never deleted). To start over from step 0 deliberately (overwriting metrics.jsonl), move "
-            f"{broken} out of the workdir, or use a new --workdir")
-
-
-def _latest_record(workdir: str) -> str:
-    """The newest config record: config.json, or the config.step<N>.json of the largest N."""
-    steps = [int(m.group(1)) for m in map(re.compile(r"config\.step(\d+)\.json$").match, os.listdir(workdir)) if m]
-    return os.path.join(workdir, f"config.step{max(steps)}.json" if steps else "config.json")
-
-
-def _record_config(workdir: str, config_dict: Optional[dict], *, start: int, changes: list[str], say) -> None:
-    """config.json for a new run; for a resumed run with changes since the latest record,
-    config.step<start>.json beside it."""
-    if config_dict is None or jax.process_index() != 0:
-        return
-    record, latest = os.path.join(workdir, "config.json"), _latest_record(workdir)
-    path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
-    if path == record or changes:
-        with open(path, "w") as f:
-            json.dump(config_dict, f, indent=2, default=str)
-    if changes:
-        say(f"config changed since {latest} (new one in {path}):\n  " + "\n  ".join(changes))
-
-
-def _skip_trained(iterator, *, first, data_state, start: int, say) -> Iterator[dict]:
-    """The batches still to train on after `start` steps (`first` was already drawn)."""
-    if not start:
-        return itertools.chain([first], iterator)
-    if data_state is not None and hasattr(iterator, "set_state"):
-        iterator.set_state(data_state)
-    elif start > 1:
-        say(f"data iterator has no saved state: skipping {start - 1} batches")
-        for _ in range(start - 1):  # `first` was one of them
-            next(iterator)
-    return iterator
-
-
 def _checkpointer(config: TrainConfig, workdir: str) -> Checkpointer:
     return Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint_every,
                         keep=config.keep_checkpoints, async_save=config.async_checkpoint)
-
-
-def _changes_since_record(workdir: str, config_dict: Optional[dict]) -> tuple[str, list[str]]:
-    """(the latest config record's path, how `config_dict` differs from it: none where there is
-    no record or no config to compare)."""
-    record = _latest_record(workdir)
-    if config_dict is None or not os.path.exists(record):
-        return record, []
-    with open(record) as f:
-        return record, config_changes(json.load(f), json.loads(json.dumps(config_dict, default=str)))
-
-
-def _initial_state(trainer: Trainer, checkpointer: Checkpointer, *, fallback: bool, record: str,
-                   changes: list[str], say) -> tuple:
-    """(state, data state): the newest readable checkpoint's, or a fresh init where the workdir
-    has none. A workdir whose checkpoints were all set aside is refused; a refused restore names
-    the config changes since `record`, the likely cause."""
-    if checkpointer.latest_step() is None:
-        if os.path.isdir(f"{checkpointer.directory}.broken"):
-            raise CheckpointError(_nothing_readable(checkpointer))
-        return trainer.init_state(), None
-    try:
-        return _restore_latest(checkpointer, trainer.abstract_state, fallback=fallback, say=say)
-    except CheckpointError as e:
-        if changes:
-            raise CheckpointError(f"{e}\nThe config changed since {record} was written:\n  "
-                                  + "\n  ".join(changes)) from e
-        raise
 
 
 def _logger(config: TrainConfig, workdir: str, *, start: int, config_dict: Optional[dict]) -> MetricLogger:
@@ -336,7 +245,7 @@ def _previous_histories(logger: MetricLogger) -> tuple[list, list]:
     return previous["train"], previous["eval"]
 
 
-def _resume(config: TrainConfig, workdir: str, *, model, task, train_data, mesh: Optional[jax.sharding.Mesh],
+def _start_run(config: TrainConfig, workdir: str, *, model, task, train_data, mesh: Optional[jax.sharding.Mesh],
             config_dict: Optional[dict]) -> Run:
     """Trainer set up from the first batch; state restored from the latest checkpoint or
     initialised; the config recorded (after the restore check, so a refused run changes nothing)."""
@@ -344,18 +253,18 @@ def _resume(config: TrainConfig, workdir: str, *, model, task, train_data, mesh:
     first = next(iterator)
     trainer = Trainer(model, task, config, mesh).setup(first)
     checkpointer = _checkpointer(config, workdir)
-    record, changes = _changes_since_record(workdir, config_dict)
+    record, changes = resume.changes_since_record(workdir, config_dict)
     notes = []  # said once the logger exists
-    state, data_state = _initial_state(trainer, checkpointer, fallback=config.fallback_to_older, record=record,
-                                       changes=changes, say=notes.append)
+    state, data_state = resume.initial_state(trainer, checkpointer, fallback=config.fallback_to_older,
+                                             record=record, changes=changes, say=notes.append)
     start = int(state.step)
     logger = _logger(config, workdir, start=start, config_dict=config_dict)
     for note in notes:
         logger.message(note)
-    _record_config(workdir, config_dict, start=start, changes=changes, say=logger.message)
+    resume.record_config(workdir, config_dict, start=start, changes=changes, say=logger.message)
     if start:
         logger.message(f"restored checkpoint at step {start} from {checkpointer.directory}")
-    batches = _skip_trained(iterator, first=first, data_state=data_state, start=start, say=logger.message)
+    batches = resume.skip_trained(iterator, first=first, data_state=data_state, start=start, say=logger.message)
     history, eval_history = _previous_histories(logger)
     return Run(config=config, workdir=workdir, trainer=trainer, checkpointer=checkpointer, logger=logger,
                batches=DevicePrefetch(batches, iterator, trainer.global_batch), state=state, step=start,
@@ -382,7 +291,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
     config_dict: the resolved config, recorded in workdir/config.json.
     """
     with WorkdirLock(workdir):
-        run = _resume(config, workdir, model=model, task=task, train_data=train_data, mesh=mesh,
+        run = _start_run(config, workdir, model=model, task=task, train_data=train_data, mesh=mesh,
                       config_dict=config_dict)
         shapes = {k: np.zeros((config.batch_size,) + shape) for k, shape in run.trainer.example_shapes.items()}
         fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
