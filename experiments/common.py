@@ -28,7 +28,7 @@ import jax
 import ml_collections
 
 from tfm import parallel
-from tfm.config import ModelConfig
+from tfm.config import ExecutionConfig, ModelConfig
 from tfm.data import tokenizers
 from tfm.data.sources import DatasetNotPreparedError
 from tfm.models import presets
@@ -241,7 +241,8 @@ def _model_levels() -> dict:
     """{where: its keys} for the config levels that take a dataclass's fields, whether or not the
     recipe sets any: ModelConfig's under model.overrides, a nested group's (rope, ...) below."""
     hints = typing.get_type_hints(ModelConfig)
-    levels = {"--config.model.overrides": [f.name for f in dataclasses.fields(ModelConfig)]}
+    levels = {"--config.model.overrides": [f.name for f in dataclasses.fields(ModelConfig)]
+              + list(ExecutionConfig.names())}  # named flat too: presets.build moves them into execution
     for f in dataclasses.fields(ModelConfig):
         group = _field_type(hints[f.name])
         if dataclasses.is_dataclass(group):

@@ -256,8 +256,8 @@ def test_auto_picks_xla_on_cpu_and_for_dropout_or_positions():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(softcap=5.0), "soft-cap"),
-    (dict(window=4), "only with causal"),
+    (dict(softcap=5.0), "does not implement softcap"),
+    (dict(window=4), "does not implement bidirectional_window"),
     (dict(causal=True), "needs GPU devices"),
 ])
 def test_cudnn_rejects_what_it_cannot_do(kwargs, message):

@@ -281,7 +281,7 @@ LEGACY_ROPE_FIELDS = {"rope_theta": "theta", "rope_scaling": "scaling", "rope_sc
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of one transformer. Sizes use the shape letters of DESIGN.md."""
+    """Hyperparameters of one transformer. Sizes use the shape letters of docs/DESIGN.md."""
 
     vocab_size: int  # V
     d_model: int  # D
