@@ -582,8 +582,33 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
     return args, specs
 
 
+# [block_q, block_kv, H] matrix products per visible tile: forward q k^T, p v; dQ adds do v^T and ds k;
+# dK/dV recomputes p and dp and adds p^T do and ds^T q.
+_MATMULS = {"flash_attention_fwd": 2, "flash_attention_dq": 3, "flash_attention_dkv": 4}
+
+
+def cost_estimate(name: str, cfg: _Config, q_shape, S: int, K: int, itemsize: int) -> pl.CostEstimate:
+    """What XLA's cost model knows of one kernel call (it scores a Pallas call by this alone): for q
+    [B, N, T, H] against S keys of K heads, the visible tiles' (`visible_tiles`) matrix products (2 FLOPs
+    a multiply-add), one exp per visible score (a tanh too with soft-cap), and the bytes: the operands
+    streamed once per visible tile on the other side (K and V in the forward and dQ; Q, dO and the row
+    statistics in dK/dV), the rest read or written once."""
+    B, N, T, H = q_shape
+    bq, bk = cfg.block_q, cfg.block_kv
+    tiles = int(visible_tiles(cfg, T // bq, S // bk).sum()) * B * N
+    scores = tiles * bq * bk
+    rows = B * N * T * 4  # fp32 per query row (lse; delta too in the backward)
+    if name == "flash_attention_dkv":
+        moved = itemsize * (4 * B * K * S * H + tiles * bq * 2 * H) + tiles * bq * 8
+    else:
+        once = 2 if name == "flash_attention_fwd" else 3  # q, o / q, do, dq
+        moved = itemsize * (once * B * N * T * H + tiles * bk * 2 * H) + rows * (1 if once == 2 else 2)
+    return pl.CostEstimate(flops=2 * _MATMULS[name] * scores * H,
+                           transcendentals=scores * (2 if cfg.softcap else 1), bytes_accessed=moved)
+
+
 def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
-          num_sequential: int, shift=None, seed=None):
+          num_sequential: int, cost: pl.CostEstimate, shift=None, seed=None):
     """The pallas_call of `kernel` as a function of its operands. With block lists, a shift or a dropout
     seed the grid driver takes them first, as TPU scalar prefetch (index [n, M], count [n], shift [1] and
     seed [3] in SMEM; the index maps read the first three)."""
@@ -591,12 +616,13 @@ def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_spec
     kernel = functools.partial(kernel, cfg=cfg)
     if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                              scratch_shapes=scratch, compiler_params=params, interpret=cfg.interpret, name=name)
+                              scratch_shapes=scratch, compiler_params=params, interpret=cfg.interpret, name=name,
+                              cost_estimate=cost)
     from jax.experimental.pallas import tpu as pltpu
     spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=_num_prefetched(cfg), grid=grid, in_specs=in_specs,
                                         out_specs=out_specs, scratch_shapes=scratch)
     call = pl.pallas_call(kernel, out_shape=out_shape, grid_spec=spec, compiler_params=params,
-                          interpret=cfg.interpret, name=name)
+                          interpret=cfg.interpret, name=name, cost_estimate=cost)
     prefetch = () if lists is None else (jnp.asarray(lists[0]), jnp.asarray(lists[1][:, 0]))
     if cfg.shifted:
         prefetch += (jnp.asarray(shift, jnp.int32).reshape(1),)
@@ -651,7 +677,8 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=
     return _call(kernel, cfg, backend, lists, grid=grid, in_specs=[q_spec, kv_spec, kv_spec, *extra_specs],
                  out_specs=(q_spec, pl.BlockSpec((None, None, cfg.block_q, 1), q_map)), scratch=scratch,
                  out_shape=out_shape, name="flash_attention_fwd", num_sequential=len(grid) - 3, shift=shift,
-                 seed=seed)(q, k, v, *extra_args)
+                 seed=seed, cost=cost_estimate("flash_attention_fwd", cfg, q.shape, k.shape[2], k.shape[1],
+                                               q.dtype.itemsize))(q, k, v, *extra_args)
 
 
 def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
@@ -669,7 +696,9 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs=q_spec,
                  scratch=scratch, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="flash_attention_dq",
-                 num_sequential=len(grid) - 3, shift=shift, seed=seed)(q, k, v, do, lse, delta, *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift, seed=seed,
+                 cost=cost_estimate("flash_attention_dq", cfg, q.shape, k.shape[2], k.shape[1], q.dtype.itemsize)
+                 )(q, k, v, do, lse, delta, *extra_args)
 
 
 def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
@@ -711,8 +740,9 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, back
     return _call(kernel, cfg, backend, lists, grid=grid,
                  in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs],
                  out_specs=(kv_spec, kv_spec), scratch=scratch, out_shape=out_shape, name="flash_attention_dkv",
-                 num_sequential=len(grid) - 3, shift=shift, seed=seed)(q_arg, k, v, do_arg, lse_arg, delta_arg,
-                                                                      *extra_args)
+                 num_sequential=len(grid) - 3, shift=shift, seed=seed,
+                 cost=cost_estimate("flash_attention_dkv", cfg, q.shape, S, K, q.dtype.itemsize)
+                 )(q_arg, k, v, do_arg, lse_arg, delta_arg, *extra_args)
 
 
 # --------------------------------------------------------------------------------------

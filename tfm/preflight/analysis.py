@@ -75,8 +75,8 @@ def _sub_jaxprs(value):
 def dot_flops(jaxpr, *, unroll: bool = True) -> float:
     """2 x contracted size x output size summed over every dot_general of `jaxpr` and the
     jaxprs inside it: a scan's body times its length (once with unroll=False, as XLA's cost
-    analysis counts a loop), a cond's costliest branch, nothing inside a Pallas kernel (opaque
-    to XLA too)."""
+    analysis counts a loop), a cond's costliest branch, nothing inside a Pallas kernel (XLA sees
+    only a kernel's cost estimate)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
@@ -244,7 +244,10 @@ def _fill(report: StepReport, compiled, target: Target, loop_factor: float) -> N
         report.estimate_note = (f"XLA cost model x {loop_factor:.1f}: it counts a scanned body once; the factor is "
                                 "the step's matmul FLOPs (remat included) unrolled / with each scan once")
     if report.kernels:
-        report.estimate_note += "; without the kernels' own time (a custom call is opaque to the cost model)"
+        others = sorted({k["name"] for k in report.kernels if not k["name"].startswith("flash_attention")})
+        report.estimate_note += ("; the flash kernels' time included, from their cost estimates (visible tiles)"
+                                 + (f"; not that of {others} (no cost estimate: opaque to the cost model)"
+                                    if others else ""))
     report.mfu = report.model_flops / (report.chips * target.chip.peak_flops * report.estimate_seconds)
 
 
