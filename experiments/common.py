@@ -340,7 +340,11 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         del argv
         parallel.initialize()  # automatic on TPU pods and SLURM; TFM_* variables elsewhere
         check_workdir(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
-        result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+        try:
+            result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+        except jax.errors.JaxRuntimeError:  # a collective failing when another process was lost
+            parallel.await_lost_peer()
+            raise
         exit_if_preempted(result)
         report(result)
 

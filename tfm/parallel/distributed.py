@@ -4,13 +4,27 @@ On TPU pods and SLURM clusters `jax.distributed.initialize()` finds the coordina
 process count and the process id by itself; elsewhere (several processes on one machine,
 plain GPU hosts) pass them explicitly or through TFM_COORDINATOR / TFM_NUM_PROCESSES /
 TFM_PROCESS_ID.
+
+A lost process (its host died, or kill -9) leaves the others blocked in a collective. JAX's own
+heartbeat then aborts them with a fatal log that cannot be intercepted. So each process also
+keeps a heartbeat of its own, a counter in JAX's key-value store, and watches the others': when
+a peer's has not moved for TFM_HEARTBEAT_TIMEOUT seconds (default 60), or the store itself (on
+process 0) has not answered for as long, the process prints one line naming the lost process and
+what to run, and exits with status 75 (EX_TEMPFAIL: run again). JAX's heartbeat timeout is set to
+twice that, so this comes first.
 """
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed  # its key-value store client: the one JAX exposes
+
+EXIT_LOST_PROCESS = 75  # EX_TEMPFAIL: the job can run again as it is
 
 
 def _is_auto_cluster() -> bool:
@@ -31,9 +45,61 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if coordinator_address is not None and (num_processes is None or process_id is None):
         raise ValueError("initialize: with an explicit coordinator address, num_processes and "
                          "process_id are needed too")
+    timeout = heartbeat_timeout()
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
-                               local_device_ids=local_device_ids)
+                               local_device_ids=local_device_ids, heartbeat_timeout_seconds=2 * timeout)
+    if jax.process_count() > 1:
+        threading.Thread(target=_watch_peers, args=(jax_distributed.global_state.client, timeout),
+                         name="tfm-peer-watch", daemon=True).start()
+
+
+def await_lost_peer() -> None:
+    """After a collective failed in a job of several processes (a peer's connection reset, say): give
+    the peer watch a heartbeat timeout and a half to name the lost process, which ends this one with
+    its line and status; returns when no peer is lost (the failure is something else)."""
+    if jax.process_count() > 1:
+        time.sleep(1.5 * heartbeat_timeout())
+
+
+def heartbeat_timeout() -> int:
+    """Seconds without a peer's heartbeat after which this process gives it up (TFM_HEARTBEAT_TIMEOUT)."""
+    value = os.environ.get("TFM_HEARTBEAT_TIMEOUT", "60")
+    if not value.isdigit() or int(value) < 2:
+        raise ValueError(f"TFM_HEARTBEAT_TIMEOUT={value!r}: give a whole number of seconds >= 2")
+    return int(value)
+
+
+def _watch_peers(client, timeout: int) -> None:
+    """Beats this process's counter and watches every other's (module doc); on a loss, the last line."""
+    me, count = jax.process_index(), jax.process_count()
+    seen = {p: (None, time.monotonic()) for p in range(count) if p != me}  # last value, when it last moved
+    store_ok = time.monotonic()
+    while True:
+        now = time.monotonic()
+        try:
+            client.key_value_increment(f"tfm/heartbeat/{me}", 1)
+            for peer, (value, since) in seen.items():
+                try:
+                    beat = client.key_value_try_get(f"tfm/heartbeat/{peer}")
+                except Exception:  # noqa: BLE001 - not yet written by a peer still starting
+                    beat = value
+                seen[peer] = (beat, now) if beat != value else (value, since)
+            store_ok = now
+        except Exception:  # noqa: BLE001 - the store (process 0) does not answer
+            if now - store_ok > timeout:
+                _lost(0, count, timeout, "the coordinator, holding the job's key-value store")
+        for peer, (_, since) in seen.items():
+            if now - since > timeout:
+                _lost(peer, count, timeout)
+        time.sleep(max(timeout / 10, 0.5))
+
+
+def _lost(peer: int, count: int, timeout: int, what: str = "") -> None:
+    print(f"error: lost process {peer} of {count}{' (' + what + ')' if what else ''}: no heartbeat for {timeout} s "
+          f"(TFM_HEARTBEAT_TIMEOUT). Run the same command again on every host: it resumes from the last good "
+          f"checkpoint", file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST_PROCESS)
 
 
 def is_primary() -> bool:
