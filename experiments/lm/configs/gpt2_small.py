@@ -20,7 +20,9 @@ from tfm.train import LMTask
 def get_config(arg: str = ""):
     c = common.new_config(LMSettings, LMTask)
     c.model.preset = "gpt2_small"
-    c.model.overrides = dict(execution=dict(dtype="bfloat16"))
+    # how, not what: bf16 compute, attention by tfm.ops.select (cuDNN or the flash kernels on GPU and
+    # TPU, xla on CPU)
+    c.model.overrides = dict(execution=dict(dtype="bfloat16", attention_impl="auto"))
     c.dataset = "lm1b"
     c.vocab_size = 32_000
     c.seq_len = 256

@@ -9,10 +9,10 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            or 32 nodes of 8 H100s (h100-256). FSDP over every chip, layers scanned and
            rematerialised (7b keeps the matmul outputs, 70b only each layer's input), bf16
            compute with fp32 parameters and Adam.
-           Preflight (2026-11-24, libtpu 0.0.42.1, jax-cuda12-pjrt 0.10.2): 7b fits v5p-512 at
-           12.75 GiB per chip (0.29 params + Adam), cost-model MFU 62.1% (an estimate, scaled
-           from the scanned compile), and h100-64 at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
-           v5p-1024 and the rest in benchmarks/RESULTS.md.
+           Preflight (libtpu 0.0.42.1, jax-cuda12-pjrt 0.10.2): 7b fits v5p-512 at 12.75 GiB per
+           chip (0.29 params + Adam) and h100-64 at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
+           the estimated steps and MFU (flash kernels counted), v5p-1024 and the rest in
+           benchmarks/RESULTS.md.
 `:long`:   the 7b at 32,768 tokens with RoPE base 500,000, the shape of Llama-2-Long's continued
            pretraining (Xiong et al. 2023, "Effective Long-Context Scaling of Foundation
            Models"), 64 sequences (2M tokens) per step, context parallelism: mesh fsdp x context 4

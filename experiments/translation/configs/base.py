@@ -7,10 +7,9 @@ Hardware and time: the paper trained 100k steps in 12 h on 8 P100s; expect a few
 Expected result: newstest2014 BLEU 27.3 (paper, tokenized, beam 4, alpha 0.6, average of the last
 5 checkpoints); report sacreBLEU beside it, typically ~1 lower.
 Target and preflight: TPU v5p-8 (4 chips), data parallel. `python -m experiments.preflight
-  --config=experiments/translation/configs/base.py --target=v5p-8` (2026-11-24, libtpu 0.0.42.1;
-  100 packed rows of 256): fits, 3.92 GiB per chip of 95 (0.71 params + Adam); XLA cost-model
-  step 15.0 ms, MFU 37.7% (an estimate, without the kernels' own time: ~0.5 ms at peak). With
-  fp32 compute and xla attention it was 25.4 ms, 22.3%. h100-8: benchmarks/RESULTS.md.
+  --config=experiments/translation/configs/base.py --target=v5p-8` (libtpu 0.0.42.1; 100 packed
+  rows of 256): fits, with the estimated step and MFU (the flash kernels' time counted) in
+  benchmarks/RESULTS.md's preflight section, the h100-8 row too.
 Prerequisite: the TFDS dataset `wmt14_translate/de-en` prepared in --data_dir (needs the `tf` extra).
 
 `runlocal` (e.g. `--config=.../base.py:runlocal`) trains a tiny model on the project's generated
@@ -42,7 +41,7 @@ def get_config(runlocal: str = ""):
 
     c.model.preset = "transformer_base"
     # how, not what: bf16 compute (fp32 parameters and Adam) and the flash kernels on TPU/GPU
-    # ("auto"; xla on CPU). The preflight's estimate on v5p-8: MFU 22.3% -> 37.7% (RESULTS.md).
+    # ("auto"; xla on CPU). The preflight's estimates on v5p-8 before and after: RESULTS.md.
     c.model.overrides = dict(execution=dict(dtype="bfloat16", attention_impl="auto"))
     c.task.label_smoothing = 0.1
 
