@@ -2,24 +2,32 @@
 backend, and the compile-only TPU/CUDA plugins of `make compile-plugins` importable in this
 process (subprocesses of the tests do not see them, as a user's CPU runs do not).
 
-The commands the tests run as subprocesses (training CLIs, the notebooks' kernels, gpu_check)
-share JAX's persistent compilation cache, one fresh directory per test process (an xdist worker
-runs its files one at a time, so no two processes of different files write it at once): the
-second run of the same tiny recipe loads its steps instead of compiling them. This process
-itself keeps compiling in memory (JAX read its configuration when tfm imported it, above)."""
-import atexit
+Compiled programs are shared through JAX's persistent compilation cache, in a fresh directory per
+test process (an xdist worker runs one test at a time, so no two processes of different tests
+write it at once): a test that builds the same step as an earlier one, in this process or in a
+command it runs (training CLIs, the notebooks' kernels), loads it instead of compiling it again.
+The cache is keyed by the program's HLO, compiler and devices, so a changed program compiles."""
 import os
 import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_JAX_CACHE = tempfile.mkdtemp(prefix="tfm-tests-jax-cache-")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 from tfm.preflight.targets import use_plugins  # noqa: E402
 
 use_plugins()
 
-_JAX_CACHE = tempfile.mkdtemp(prefix="tfm-tests-jax-cache-")
-atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+def pytest_configure(config):
+    # A compile-only TPU/GPU client (tfm.preflight.targets) writes entries it cannot load back; a
+    # second compile of the same program for the same target warns so, then compiles as without a cache.
+    config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry"
+                            ".*PjRtCompiler must be constructed with a Client:UserWarning")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_JAX_CACHE, ignore_errors=True)
