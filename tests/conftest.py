@@ -31,3 +31,20 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+
+
+# Files of few tests that run for minutes (notebooks, end-to-end commands). `make test` hands files
+# to its two workers in the order below (--no-loadscope-reorder): these first, then the rest by
+# their number of tests, as xdist orders them itself; last come the files of a few short tests, so
+# that one worker does not spend the end of the run alone on a long file while the other idles.
+LONG_FILES = ("test_notebooks.py", "test_run_safety.py", "test_readme.py", "test_gpu_check.py", "test_captioning.py",
+              "test_faults.py", "test_translation_experiment.py", "test_multihost.py", "test_cli_errors.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    rank = lambda item: (LONG_FILES.index(item.path.name) if item.path.name in LONG_FILES else len(LONG_FILES),
+                         -count[item.path])
+    items.sort(key=rank)  # stable: a file's tests keep their order
