@@ -30,7 +30,7 @@ demo: install
 	$(PY) -m experiments.demo
 
 test: install compile-plugins
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # fits 2 cores and 24 GB beside other jobs: 4.9 GB peak, 13 min measured on shared cores
 bench: install

@@ -31,7 +31,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8,<10",
-            "pytest-xdist>=3.6,<4",
+            "pytest-xdist>=3.7,<4",  # --no-loadscope-reorder (make test)
             "torch==2.13.0",
             "transformers>=5.0,<6",
             "nbformat>=5.10,<6",
