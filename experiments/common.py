@@ -342,7 +342,7 @@ def main(train_and_evaluate: Callable, report: Callable[[object], None] = lambda
         check_workdir(flags.FLAGS.workdir)  # before anything (a vocabulary) is written there
         try:
             result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-        except jax.errors.JaxRuntimeError:  # a collective failing when another process was lost
+        except Exception:  # in a multi-host job, maybe the trace of a lost process: the watch names it
             parallel.await_lost_peer()
             raise
         exit_if_preempted(result)

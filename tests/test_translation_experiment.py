@@ -60,7 +60,7 @@ def test_configs_hold_the_paper_values(name, module):
     paper = PAPER[name]
     exp = common.resolve(module.get_config(), TranslationSettings, Seq2SeqTask, batch_size=112)
     model = exp.model(exp.settings.vocab_size)
-    assert exp.preset == paper["preset"] and exp.overrides == {"dtype": "bfloat16", "attention_impl": "auto"}  # how, not what
+    assert exp.preset == paper["preset"] and exp.overrides == {"execution": {"dtype": "bfloat16", "attention_impl": "auto"}}  # how, not what
     assert (model.d_model, model.d_ff, model.num_heads, model.num_layers, model.dropout_rate) == (
         paper["d_model"], paper["d_ff"], paper["num_heads"], 6, paper["dropout_rate"])
     assert (model.norm_position, model.share_source_target_embeddings, model.tie_embeddings) == ("post", True, True)

@@ -25,6 +25,7 @@ import numpy as np
 from jax._src import distributed as jax_distributed  # its key-value store client: the one JAX exposes
 
 EXIT_LOST_PROCESS = 75  # EX_TEMPFAIL: the job can run again as it is
+_heard = {}  # peer -> time.monotonic() its heartbeat (or the store's answer) last moved: the watch's view
 
 
 def _is_auto_cluster() -> bool:
@@ -55,11 +56,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def await_lost_peer() -> None:
-    """After a collective failed in a job of several processes (a peer's connection reset, say): give
-    the peer watch a heartbeat timeout and a half to name the lost process, which ends this one with
-    its line and status; returns when no peer is lost (the failure is something else)."""
-    if jax.process_count() > 1:
-        time.sleep(1.5 * heartbeat_timeout())
+    """After an error in a job of several processes (a collective whose peer is gone, a save that
+    waited on it): a few heartbeats' time to see whether every peer still beats; while one is late,
+    up to a heartbeat timeout and a half for the peer watch to name the lost process, which ends this
+    one with its line and status. Returns when every peer beats (the error is something else)."""
+    if jax.process_count() == 1 or not _heard:
+        return
+    timeout = heartbeat_timeout()
+    start, late = time.monotonic(), 2 * _interval(timeout)  # a live peer beats every interval
+    time.sleep(3 * _interval(timeout))
+    while time.monotonic() - start < 1.5 * timeout and any(time.monotonic() - t > late for t in _heard.values()):
+        time.sleep(0.2)
+
+
+def _interval(timeout: int) -> float:
+    return max(timeout / 10, 0.5)
 
 
 def heartbeat_timeout() -> int:
@@ -75,6 +86,7 @@ def _watch_peers(client, timeout: int) -> None:
     me, count = jax.process_index(), jax.process_count()
     seen = {p: (None, time.monotonic()) for p in range(count) if p != me}  # last value, when it last moved
     store_ok = time.monotonic()
+    _heard.update({p: since for p, (_, since) in seen.items()})
     while True:
         now = time.monotonic()
         try:
@@ -90,9 +102,10 @@ def _watch_peers(client, timeout: int) -> None:
             if now - store_ok > timeout:
                 _lost(0, count, timeout, "the coordinator, holding the job's key-value store")
         for peer, (_, since) in seen.items():
+            _heard[peer] = min(since, store_ok)
             if now - since > timeout:
                 _lost(peer, count, timeout)
-        time.sleep(max(timeout / 10, 0.5))
+        time.sleep(_interval(timeout))
 
 
 def _lost(peer: int, count: int, timeout: int, what: str = "") -> None:
