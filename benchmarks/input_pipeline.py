@@ -44,13 +44,10 @@ import multiprocessing  # noqa: E402
 import grain  # noqa: E402
 
 from tfm.data import documents, pipeline, pretraining, reading, sources, streaming, synthetic, tokenizers  # noqa: E402
+from tfm.train.checkpoint import directory_bytes  # noqa: E402
 
 MODES = {"bert": dict(max_seq_length=128, max_predictions_per_seq=20, next_sentence=True),
          "roberta": dict(max_seq_length=512, max_predictions_per_seq=80, next_sentence=False)}
-
-
-def _bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(directory) for n in names)
 
 
 def _peak_rss() -> int:
@@ -100,7 +97,7 @@ def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> di
         docs = [d for c in range(len(corpus)) for _, d in corpus.chunk(c)]
         tok = tokenizers.train_wordpiece((s for d in docs for s in d), 1000)
         first = next(iter(pretraining.pretraining_dataset(docs, tok, batch_size=32, **MODES[mode])))
-        return {"mode": mode, "pipeline": "lists", "corpus_bytes": _bytes(directory), "chunks": len(corpus),
+        return {"mode": mode, "pipeline": "lists", "corpus_bytes": directory_bytes(directory), "chunks": len(corpus),
                 "seconds_to_first_batch": round(time.perf_counter() - START, 2), "peak_rss_bytes": _peak_rss()}
     keys, _ = documents.hold_out(corpus, 100)
     tok = tokenizers.train_wordpiece(
@@ -114,7 +111,7 @@ def run_once(directory: str, mode: str, windows: int, lists: bool = False) -> di
         tokens += int(next(stream)["attention_mask"].sum())
         done += 1
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return {"mode": mode, "pipeline": "stream", "corpus_bytes": _bytes(directory),
+    return {"mode": mode, "pipeline": "stream", "corpus_bytes": directory_bytes(directory),
             "chunks": len(corpus), "seconds_to_first_batch": round(to_first, 2), "peak_rss_bytes": _peak_rss(),
             "batch_rows": len(first["input_ids"]),
             "examples_per_cpu_second": round(done * 32 / cpu, 1) if done else None,

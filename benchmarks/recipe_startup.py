@@ -51,6 +51,7 @@ from experiments.translation.configs import base as translation_base
 from experiments.translation.settings import TranslationSettings
 from tfm.data import documents, pipeline
 from tfm.train import MLMTask
+from tfm.train.checkpoint import directory_bytes
 
 RECIPES = {"bert_base": base, "bert_large": large, "roberta": roberta}
 TINY_MODEL = {"model.overrides.d_model": 32, "model.overrides.num_heads": 2, "model.overrides.num_layers": 1,
@@ -68,10 +69,6 @@ DATA = {"roberta": {"eval_documents": 30_000}}
 TRANSLATION_VOCAB = 1000
 
 
-def _bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(directory) for n in names)
-
-
 def _data_overrides(recipe: str, corpus: str) -> dict:
     return {"dataset": "", "text_dirs": corpus, **DATA.get(recipe, {})}
 
@@ -80,7 +77,7 @@ def first_step(recipe: str, corpus: str, workdir: str) -> dict:
     """The recipe's command over `corpus` until its first train step is logged; then killed."""
     keys = {**_data_overrides(recipe, corpus), **TINY_MODEL, **CPU_STEP.get(recipe, {})}
     out = _until_first_step(recipe, "experiments.bert.pretrain", RECIPES[recipe].__file__, workdir, keys)
-    return {"recipe": recipe, "corpus_bytes": _bytes(corpus), **out}
+    return {"recipe": recipe, "corpus_bytes": directory_bytes(corpus), **out}
 
 
 def _until_first_step(recipe: str, module: str, config_file: str, workdir: str, keys: dict) -> dict:
@@ -116,7 +113,7 @@ def translation_first_step(pairs: int, data: str, workdir: str, extra: dict | No
     keys = {**_translation_keys(pairs, data), **TINY_MODEL, **(extra or {})}
     out = _until_first_step("translation_base", "experiments.translation.train", translation_base.__file__,
                             workdir, keys)
-    return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": _bytes(keys["data_dir"]), **out}
+    return {"recipe": "translation_base", "pairs": pairs, "corpus_bytes": directory_bytes(keys["data_dir"]), **out}
 
 
 # the pipelines' READ_OPTIONS before 2026-11-24, with Grain's one-record reads.

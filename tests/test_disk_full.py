@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tfm.train.checkpoint import directory_bytes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--config=experiments/lm/configs/tiny.py", "--config.num_train_steps=40", "--config.checkpoint_every=10",
          "--config.keep_checkpoints=10", "--config.eval_every=0", "--config.log_every=5",
@@ -48,8 +50,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes(tmp_path, sm
     data, cache = tmp_path / "data", tmp_path / "cache"
     reference = _train(tmp_path / "reference", data, cache)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    one = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(tmp_path / "reference" / "checkpoints" / "10")
-              for n in ns)
+    one = directory_bytes(tmp_path / "reference" / "checkpoints" / "10")
     others = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(tmp_path / "reference") for n in ns
                  if "checkpoints" not in r)
     room = others + int(2.5 * one) + (64 << 10)  # the run's other files and two checkpoints, not three

@@ -129,7 +129,8 @@ def _bytes(n: float) -> str:
         n /= 1024
 
 
-def _tree_bytes(path: str) -> int:
+def directory_bytes(path: str) -> int:
+    """Bytes of the files under `path` (a checkpoint step, a corpus)."""
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
@@ -194,7 +195,6 @@ class Checkpointer:
     def _state_metadata(self, step: Optional[int]):
         """The saved train state's metadata tree at `step`; CheckpointError if there is no such
         step, CorruptCheckpointError if its files cannot be read."""
-        _ignore_orphaned_reads()
         if step is None or step not in self.all_steps():
             raise CheckpointError(f"no checkpoint at step {step} in {self.directory} "
                                   f"(available: {self.all_steps()})")
@@ -287,7 +287,7 @@ class Checkpointer:
             return None
         free = shutil.disk_usage(os.fspath(self.directory)).free
         steps = [s for s in self.all_steps() if (self.directory / str(s)).exists()]
-        size = f", a checkpoint takes {_bytes(_tree_bytes(os.fspath(self.directory / str(steps[-1]))))}" if steps else ""
+        size = f", a checkpoint takes {_bytes(directory_bytes(os.fspath(self.directory / str(steps[-1]))))}" if steps else ""
         return f"no space left on the device of {self.directory} ({_bytes(free)} free{size})"
 
     def wait(self):
