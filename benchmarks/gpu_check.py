@@ -78,6 +78,15 @@ def log(text: str) -> None:
     print(text, flush=True)
 
 
+class Selection(NamedTuple):
+    """What a command narrows the sections to (None: everything): correctness cases whose name
+    contains one of `cases`; throughput `impls`, head dims and lengths."""
+    cases: Optional[tuple[str, ...]] = None
+    impls: Optional[tuple[str, ...]] = None
+    heads: Optional[tuple[int, ...]] = None
+    lengths: Optional[tuple[int, ...]] = None
+
+
 class Unavailable(Exception):
     """A case that cannot run on this machine (not a failure)."""
 
@@ -123,6 +132,10 @@ class Case(NamedTuple):
     window: Optional[int] = None
     alibi: bool = False
     softcap: Optional[float] = None
+    dropout: float = 0.0  # attention dropout; the reference drops the same (seed, position) hash
+
+
+DROPOUT_SEED = 7
 
 
 def correctness_cases(smoke: bool) -> list[Case]:
@@ -132,13 +145,17 @@ def correctness_cases(smoke: bool) -> list[Case]:
                 Case("MQA H 80 L 17", 1, 17, 17, 4, 1, 80, causal=True),
                 Case("packed segments + padding L 40", 2, 40, 40, 4, 2, 32, packed=True),
                 Case("window 9 + ALiBi L 40", 1, 40, 40, 4, 4, 32, causal=True, window=9, alibi=True),
-                Case("soft-cap 5 L 40", 1, 40, 40, 4, 2, 32, causal=True, softcap=5.0)]
-    return [Case("causal GQA L 1000", 2, 1000, 1000, 16, 4, 128, causal=True),
+                Case("soft-cap 5 L 40", 1, 40, 40, 4, 2, 32, causal=True, softcap=5.0),
+                Case("dropout 0.1 causal GQA L 40", 2, 40, 40, 4, 2, 32, causal=True, dropout=0.1)]
+    # the two cases unrun on hardware until 2026-11-27 first, so a short budget reaches them
+    return [Case("soft-cap 5 L 1024", 2, 1024, 1024, 8, 4, 128, causal=True, softcap=5.0),
+            Case("dropout 0.1 causal GQA L 1024", 2, 1024, 1024, 8, 4, 64, causal=True, dropout=0.1),
+            Case("dropout 0.1 packed L 1023", 2, 1023, 1023, 8, 8, 64, packed=True, dropout=0.1),
+            Case("causal GQA L 1000", 2, 1000, 1000, 16, 4, 128, causal=True),
             Case("cross T 333 / S 777", 4, 333, 777, 8, 8, 64),
             Case("MQA H 80 L 513", 2, 513, 513, 8, 1, 80, causal=True),
             Case("packed segments + padding L 1023", 2, 1023, 1023, 8, 2, 64, packed=True),
-            Case("window 256 + ALiBi L 1023", 2, 1023, 1023, 8, 8, 64, causal=True, window=256, alibi=True),
-            Case("soft-cap 5 L 1024", 2, 1024, 1024, 8, 4, 128, causal=True, softcap=5.0)]
+            Case("window 256 + ALiBi L 1023", 2, 1023, 1023, 8, 8, 64, causal=True, window=256, alibi=True)]
 
 
 def packed_segments(B: int, L: int) -> np.ndarray:
@@ -157,6 +174,8 @@ def case_inputs(case: Case) -> tuple[tuple, dict]:
                    for key, shape in zip(keys, shapes))
     masks = dict(causal=case.causal, window=case.window, softcap=case.softcap,
                  alibi_slopes=alibi_slopes(case.N) if case.alibi else None)
+    if case.dropout:
+        masks.update(dropout_rate=case.dropout, dropout_rng=jax.random.PRNGKey(DROPOUT_SEED))
     if case.packed:
         masks["q_segment_ids"] = masks["kv_segment_ids"] = jnp.asarray(packed_segments(case.B, case.T))
     return arrays, masks
@@ -204,6 +223,8 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
         return f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})"
     if dtype == "float32":
         return "cuDNN attention takes fp16/bf16 only"
+    if case.dropout:
+        return "tfm's cudnn backend has no attention dropout"
     if case.softcap is not None:
         return "tfm's cudnn backend has no logit soft-cap"
     if case.window is not None and not case.causal:
@@ -211,10 +232,12 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     return None
 
 
-def correctness(smoke: bool, budget: Budget) -> tuple[list[str], list[str]]:
+def correctness(smoke: bool, budget: Budget, selection: Selection = Selection()) -> tuple[list[str], list[str]]:
     """(markdown lines, names of the failed cases)."""
     rows, failures = [], []
-    for case in correctness_cases(smoke):
+    cases = [c for c in correctness_cases(smoke)
+             if selection.cases is None or any(part in c.name for part in selection.cases)]
+    for case in cases:
         if budget.spent():
             rows.append([case.name, "all", "", "", "", "", "", "", budget.skipped()])
             continue
@@ -259,7 +282,7 @@ def correctness_row(case: Case, impl: str, dtype: str, arrays, masks, ref) -> tu
 
 # ---------------------------------------------------------------- 2. attention throughput
 
-THROUGHPUT_IMPLS = ("tfm pallas", "tfm cudnn", "tfm xla", "jax pallas mha", "jax cudnn",
+THROUGHPUT_IMPLS = ("tfm pallas", "tfm cudnn", "tfm xla", "jax pallas mha", "jax mgpu", "jax cudnn",
                     "torch flash", "torch cudnn")
 
 
@@ -267,10 +290,31 @@ THROUGHPUT_IMPLS = ("tfm pallas", "tfm cudnn", "tfm xla", "jax pallas mha", "jax
 LENGTH_ORDER = (4096, 16384, 1024, 8192, 2048, 128)
 
 
-def throughput_shapes(smoke: bool) -> list[attention_bench.Shape]:
-    """benchmarks.attention's grid from L 1k (smoke: its L 128 shapes), in LENGTH_ORDER."""
-    shapes = [s for s in attention_bench.sweep(smoke) if (s.L == 128 if smoke else s.L >= 1024)]
+def throughput_shapes(smoke: bool, selection: Selection = Selection()) -> list[attention_bench.Shape]:
+    """benchmarks.attention's grid from L 1k (smoke: its L 128 shapes), in LENGTH_ORDER, narrowed
+    to the selection's head dims and lengths."""
+    shapes = [s for s in attention_bench.sweep(smoke) if (s.L == 128 if smoke else s.L >= 1024)
+              and (selection.heads is None or s.H in selection.heads)
+              and (selection.lengths is None or s.L in selection.lengths)]
     return sorted(shapes, key=lambda s: LENGTH_ORDER.index(s.L))
+
+
+# JAX's FlashAttention-3-style Mosaic GPU kernel (Hopper only): its tiles, forward and backward.
+MGPU_TILES = dict(block_q=64, block_kv=128, max_concurrent_steps=2,
+                  block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+
+def mgpu_forward(causal: bool):
+    """forward(q, k, v) of `jax.experimental.pallas.ops.gpu.attention_mgpu`, or raises Unavailable."""
+    if jax.default_backend() != "gpu" or "H100" not in jax.devices()[0].device_kind and \
+            "H200" not in jax.devices()[0].device_kind:
+        raise Unavailable(f"Mosaic GPU attention needs a Hopper GPU (device: {jax.devices()[0].device_kind})")
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except ImportError as e:
+        raise Unavailable(f"jax.experimental.pallas.ops.gpu.attention_mgpu: {short(e)}")
+    config = attention_mgpu.TuningConfig(causal=causal, **MGPU_TILES)
+    return lambda q, k, v: attention_mgpu.attention(q, k, v, config)
 
 
 def jax_forward(impl: str, causal: bool):
@@ -280,6 +324,8 @@ def jax_forward(impl: str, causal: bool):
         if name == "cudnn" and jax.default_backend() != "gpu":
             raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
         return attention_bench.tfm_forward(name, causal)
+    if impl == "jax mgpu":
+        return mgpu_forward(causal)
     if impl == "jax cudnn":
         if jax.default_backend() != "gpu":
             raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
@@ -341,13 +387,14 @@ def xla_logit_gib(shape, backward: bool) -> float:
     return shape.B * shape.N * shape.L ** 2 * 4 * (3 if backward else 1) / 2**30
 
 
-def throughput(smoke: bool, budget: Budget) -> tuple[list[str], list[dict]]:
+def throughput(smoke: bool, budget: Budget, selection: Selection = Selection()) -> tuple[list[str], list[dict]]:
     """(markdown lines, rows): a row per impl, shape and pass; `tflops` None where it did not run."""
     iters = 1 if smoke else 10
     rows = []
-    for shape in throughput_shapes(smoke):
+    impls = [i for i in THROUGHPUT_IMPLS if selection.impls is None or i in selection.impls]
+    for shape in throughput_shapes(smoke, selection):
         for backward in (False, True):
-            for impl in THROUGHPUT_IMPLS:
+            for impl in impls:
                 row = dict(impl=impl, H=shape.H, L=shape.L, B=shape.B, N=shape.N, causal=shape.causal,
                            tflops=None, peak=None, **{"pass": "fwd+bwd" if backward else "fwd"})
                 if budget.spent():
@@ -366,8 +413,8 @@ def throughput(smoke: bool, budget: Budget) -> tuple[list[str], list[dict]]:
              f"3.5× forward), mean of {iters} steps after a warm-up; B·L = {keys[0][3] * keys[0][4] if keys else 0}, "
              f"N·H = {keys[0][2] * keys[0][5] if keys else 0}. `attention.png` plots these and the peak memory "
              f"against L.", ""]
-    lines += table(["pass", "causal", "H", "L", "B", "N", *THROUGHPUT_IMPLS],
-                   [[p, c, H, L, B, N, *(cell[(p, c, H, L, impl)] for impl in THROUGHPUT_IMPLS)]
+    lines += table(["pass", "causal", "H", "L", "B", "N", *impls],
+                   [[p, c, H, L, B, N, *(cell[(p, c, H, L, impl)] for impl in impls)]
                     for p, c, H, L, B, N in keys])
     return lines, rows
 
@@ -498,8 +545,8 @@ def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
     tiny = bench.TINY if smoke else {}
-    step, trainer, memory = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
-    return step, jax.devices()[0].device_kind, trainer, memory
+    step, trainer, compiled = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
+    return step, jax.devices()[0].device_kind, trainer, compiled.memory_analysis()
 
 
 def torch_train_step(bench, name: str, B: int, T: int, mode: str, smoke: bool):
@@ -660,14 +707,14 @@ def torch_cuda() -> str:
     return f", torch's CUDA {torch.version.cuda} and cuDNN {torch.backends.cudnn.version()}"
 
 
-def run_section(name: str, smoke: bool, budget: Budget, attention_rows):
+def run_section(name: str, smoke: bool, budget: Budget, attention_rows, selection: Selection = Selection()):
     """(markdown lines, failures, attention rows) of one section; an import it lacks makes it unavailable."""
     try:
         if name == "correctness":
-            lines, failures = correctness(smoke, budget)
+            lines, failures = correctness(smoke, budget, selection)
             return lines, failures, attention_rows
         if name == "attention":
-            lines, rows = throughput(smoke, budget)
+            lines, rows = throughput(smoke, budget, selection)
             return lines, [], rows
         if name == "train":
             return train(smoke, budget), [], attention_rows
@@ -689,7 +736,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, Pallas interpreted")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's time budget")
+    parser.add_argument("--cases", help="correctness: only the cases whose name contains one of these (comma-separated)")
+    parser.add_argument("--impls", help="attention: only these implementations (comma-separated), from "
+                        + ", ".join(THROUGHPUT_IMPLS))
+    parser.add_argument("--heads", help="attention: only these head dims (comma-separated)")
+    parser.add_argument("--lengths", help="attention: only these sequence lengths (comma-separated)")
     args = parser.parse_args(argv)
+    split = lambda text, kind=str: None if text is None else tuple(kind(x) for x in text.split(","))
+    selection = Selection(split(args.cases), split(args.impls), split(args.heads, int), split(args.lengths, int))
+    if selection.impls and set(selection.impls) - set(THROUGHPUT_IMPLS):
+        parser.error(f"unknown --impls {sorted(set(selection.impls) - set(THROUGHPUT_IMPLS))}; "
+                     f"choose from {THROUGHPUT_IMPLS}")
     selected = args.only.split(",")
     unknown = set(selected) - set(SECTIONS)
     if unknown:
@@ -704,7 +761,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"== {number}. {name}")
         start = time.monotonic()
         budget = Budget(BUDGET_S[name] * args.budget_scale * (10 if args.smoke else 1))  # smoke: a busy CPU
-        body, failed, attention_rows = run_section(name, args.smoke, budget, attention_rows)
+        body, failed, attention_rows = run_section(name, args.smoke, budget, attention_rows, selection)
         failures += failed
         lines += ["", f"## {number}. {name} ({time.monotonic() - start:.0f} s)", "", *body]
         with open(report_path, "w") as f:

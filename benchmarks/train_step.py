@@ -44,6 +44,10 @@ def _jax_case(name, B, T, vocab_chunk=None):
                  "nsp_label": np.zeros((B,), np.int32)}
         model = EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0))
         return model, MLMTask(vocab_chunk=vocab_chunk), batch
+    if name == "llama1b":  # Llama 3.2 1B's shape: 16 layers, width 2048, GQA 32/8, SwiGLU 8192, vocab 128k
+        cfg = presets.llama(vocab_size=128_256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                            d_ff=8192, dropout_rate=0.0)
+        return DecoderLM(cfg), LMTask(vocab_chunk=vocab_chunk), {"inputs": ids(B, T), "targets": ids(B, T)}
     if name.startswith("gpt2"):
         cfg = (presets.gpt2_medium if name == "gpt2_medium" else presets.gpt2_small)(dropout_rate=0.0)
         return DecoderLM(cfg), LMTask(vocab_chunk=vocab_chunk), {"inputs": ids(B, T), "targets": ids(B, T)}
@@ -60,8 +64,8 @@ def _trainer(name, B, T, vocab_chunk=None, **model_changes):
 
 
 def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
-    """(step, trainer, memory): step() runs one train step to completion, warmed up; memory is
-    XLA's `memory_analysis()` of the step it runs (the Trainer's, compiled once ahead of time).
+    """(step, trainer, compiled): step() runs one train step to completion, warmed up; compiled is
+    the step it runs (the Trainer's, compiled once ahead of time: `memory_analysis()`, `as_text()`).
     model_changes replace ModelConfig fields (attention_impl, or TINY for a smoke run)."""
     trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
     state, gb = [trainer.init_state()], trainer.global_batch(batch)
@@ -72,7 +76,7 @@ def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
         state[0], metrics = compiled(state[0], gb)
         jax.block_until_ready(metrics)
     step()
-    return step, trainer, compiled.memory_analysis()
+    return step, trainer, compiled
 
 
 def interleaved(steps, rounds: int) -> list[float]:
