@@ -85,6 +85,7 @@ class Selection(NamedTuple):
     impls: Optional[tuple[str, ...]] = None
     heads: Optional[tuple[int, ...]] = None
     lengths: Optional[tuple[int, ...]] = None
+    dtype: str = "bfloat16"  # of the attention section's inputs
 
 
 class Unavailable(Exception):
@@ -372,10 +373,12 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
     return seconds * 1e3, tflops, torch.cuda.max_memory_allocated() / 2**20
 
 
-def measure_impl(impl: str, shape, backward: bool, iters: int):
+def measure_impl(impl: str, shape, backward: bool, iters: int, dtype: str = "bfloat16"):
     if impl.startswith("torch "):
+        if dtype != "bfloat16":
+            raise Unavailable("the torch rows are timed in bf16 only")
         return torch_measure(impl, shape, backward, iters)
-    return attention_bench.measure_forward(jax_forward(impl, shape.causal), shape, backward, jnp.bfloat16, iters)
+    return attention_bench.measure_forward(jax_forward(impl, shape.causal), shape, backward, jnp.dtype(dtype), iters)
 
 
 # tfm xla keeps fp32 logits [B, N, L, L] (forward), about three of them with the backward; above this
@@ -402,14 +405,14 @@ def throughput(smoke: bool, budget: Budget, selection: Selection = Selection()) 
                 elif impl == "tfm xla" and xla_logit_gib(shape, backward) > XLA_MAX_LOGIT_GIB:
                     row["status"] = f"skipped: materialises ~{xla_logit_gib(shape, backward):.0f} GiB of fp32 logits"
                 else:
-                    row["status"] = throughput_cell(row, impl, shape, backward, iters)
+                    row["status"] = throughput_cell(row, impl, shape, backward, iters, selection.dtype)
                 log(f"attention  {impl:15} {row['pass']:8} H {shape.H:3} L {shape.L:6} causal {shape.causal!s:5} "
                     f"{row['status']}")
                 rows.append(row)
     keys = sorted({(r["pass"], r["causal"], r["H"], r["L"], r["B"], r["N"]) for r in rows},
                   key=lambda k: (k[0], k[1], k[2], k[3]))
     cell = {(r["pass"], r["causal"], r["H"], r["L"], r["impl"]): r["status"] for r in rows}
-    lines = [f"TFLOP/s, bf16, FlashAttention-2 convention (forward 4·B·L²·N·H, halved when causal; fwd+bwd "
+    lines = [f"TFLOP/s, {selection.dtype}, FlashAttention-2 convention (forward 4·B·L²·N·H, halved when causal; fwd+bwd "
              f"3.5× forward), mean of {iters} steps after a warm-up; B·L = {keys[0][3] * keys[0][4] if keys else 0}, "
              f"N·H = {keys[0][2] * keys[0][5] if keys else 0}. `attention.png` plots these and the peak memory "
              f"against L.", ""]
@@ -419,10 +422,10 @@ def throughput(smoke: bool, budget: Budget, selection: Selection = Selection()) 
     return lines, rows
 
 
-def throughput_cell(row: dict, impl: str, shape, backward: bool, iters: int) -> str:
+def throughput_cell(row: dict, impl: str, shape, backward: bool, iters: int, dtype: str = "bfloat16") -> str:
     """Measures one point into row (ms, tflops, peak); returns the table cell."""
     try:
-        ms, row["tflops"], row["peak"] = measure_impl(impl, shape, backward, iters)
+        ms, row["tflops"], row["peak"] = measure_impl(impl, shape, backward, iters, dtype)
     except Unavailable as e:
         return f"unavailable: {e}"
     except Exception as e:  # out of memory, or a kernel that does not lower: shown, not fatal
@@ -741,9 +744,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         + ", ".join(THROUGHPUT_IMPLS))
     parser.add_argument("--heads", help="attention: only these head dims (comma-separated)")
     parser.add_argument("--lengths", help="attention: only these sequence lengths (comma-separated)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                        help="attention: the inputs' dtype (JAX's Mosaic GPU kernel takes float16 only)")
     args = parser.parse_args(argv)
     split = lambda text, kind=str: None if text is None else tuple(kind(x) for x in text.split(","))
-    selection = Selection(split(args.cases), split(args.impls), split(args.heads, int), split(args.lengths, int))
+    selection = Selection(split(args.cases), split(args.impls), split(args.heads, int), split(args.lengths, int),
+                          args.dtype)
     if selection.impls and set(selection.impls) - set(THROUGHPUT_IMPLS):
         parser.error(f"unknown --impls {sorted(set(selection.impls) - set(THROUGHPUT_IMPLS))}; "
                      f"choose from {THROUGHPUT_IMPLS}")
@@ -767,7 +773,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(report_path, "w") as f:
             f.write("\n".join(lines) + "\n")
     if attention_rows and any(r["tflops"] is not None for r in attention_rows):
-        title = f"tfm gpu_check  {jax.devices()[0].device_kind}  jax {jax.__version__}  bf16{'  SMOKE' * args.smoke}"
+        title = f"tfm gpu_check  {jax.devices()[0].device_kind}  jax {jax.__version__}  {args.dtype}{'  SMOKE' * args.smoke}"
         attention_bench.plot([r for r in attention_rows if r["tflops"] is not None],
                              os.path.join(args.out, "attention.png"), title)
     log(f"report written to {report_path}; {len(failures)} correctness failure(s)")

@@ -25,6 +25,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from typing import Optional
 
 import jax
 
@@ -109,17 +110,23 @@ def by_category(times: dict, steps: int, step_ms: float) -> list[str]:
         f"| {c} | {ms:.2f} | {ms / step_ms:.1%} |" for c, ms in sums.most_common()]
 
 
-def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps: int, bundle: str) -> list[str]:
-    """Markdown lines for one (model, batch): time, MFU, memory, top kernels and ops."""
-    step, trainer, compiled = bench.jax_stepper(model, B, T, dtype="bfloat16", attention_impl=impl)
+def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps: int, bundle: str,
+                 vocab_chunk=None, top: int = 25, execution: Optional[dict] = None) -> list[str]:
+    """Markdown lines for one (model, batch): time, MFU, memory, top kernels and ops. execution:
+    more ExecutionConfig fields for the model."""
+    execution = execution or {}
+    step, trainer, compiled = bench.jax_stepper(model, B, T, dtype="bfloat16", attention_impl=impl,
+                                                vocab_chunk=vocab_chunk, **execution)
     memory = compiled.memory_analysis()
     seconds, = bench.interleaved([step], steps)
     cfg, peak = trainer.model.config, peak_flops()
     flops = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
     mfu = f"{flops / seconds / peak:.1%}" if peak else "n/a"
     step_ms = seconds * 1e3
-    lines = [f"### {model} {B}×{T}, attention {impl}: {step_ms:.1f} ms/step, {B * T / seconds:,.0f} tokens/s, "
-             f"MFU {mfu}", "",
+    variant = (f"attention {impl}, cross-entropy {f'fused, vocab chunk {vocab_chunk}' if vocab_chunk else 'plain'}"
+               + "".join(f", {k} {v}" for k, v in execution.items()))
+    lines = [f"### {model} {B}×{T}, {variant}: {step_ms:.1f} ms/step, {B * T / seconds:,.0f} tokens/s, "
+             f"MFU {mfu}", "", f"XLA_FLAGS: `{os.environ.get('XLA_FLAGS', '')}`", "",
              f"{trainer.num_params:,} parameters; {flops / 1e12:.2f} TFLOP per step; compiled memory "
              f"{(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / 2**30:.2f} GiB "
              f"(temporaries {memory.temp_size_in_bytes / 2**30:.2f})", ""]
@@ -129,7 +136,8 @@ def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps:
             for _ in range(trace_steps):
                 step()
         trace = perfetto_trace(tmp)
-        tag = f"{model}_{B}x{T}_{impl}"
+        tag = "_".join([model, f"{B}x{T}", impl, str(vocab_chunk or "plain"), *map(str, execution.values()),
+                        os.environ.get("XLA_FLAGS", "").replace("--xla_gpu_", "").replace(" ", "+").replace("=", "-")])
         with tarfile.open(bundle, "a") as tar:
             for name, data in ((f"{tag}.hlo.txt.gz", hlo), (f"{tag}.trace.json.gz", json.dumps(trace))):
                 path = os.path.join(tmp, name)
@@ -141,10 +149,10 @@ def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps:
     lines += [f"GPU busy {busy / trace_steps / 1e3:.2f} ms of each step (kernels' union over {trace_steps} traced "
               f"steps); idle {1 - busy / trace_steps / 1e3 / traced_ms:.1%}.", ""]
     lines += ["By category (kernels):", ""] + by_category(kernels, trace_steps, traced_ms) + [""]
-    lines += top_lines("Top kernels", kernels, trace_steps, traced_ms, 25) + [""]
+    lines += top_lines("Top kernels", kernels, trace_steps, traced_ms, top) + [""]
     if ops:
         lines += ["By category (HLO ops):", ""] + by_category(ops, trace_steps, traced_ms) + [""]
-        lines += top_lines("Top HLO ops", ops, trace_steps, traced_ms, 25) + [""]
+        lines += top_lines("Top HLO ops", ops, trace_steps, traced_ms, top) + [""]
     del step, trainer, compiled
     gc.collect()
     return lines
@@ -158,8 +166,13 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="cudnn", help="attention impl")
     p.add_argument("--steps", type=int, default=5, help="timed steps (the fastest counts)")
     p.add_argument("--trace-steps", type=int, default=3)
+    p.add_argument("--vocab-chunk", type=int, default=None, help="fused cross-entropy over vocabulary chunks")
+    p.add_argument("--top", type=int, default=25, help="kernels and ops listed per case")
+    p.add_argument("--execution", default="", help="ExecutionConfig fields, e.g. logits_block_size=128,remat_policy=full")
     p.add_argument("--out", default="step_profile_out")
     a = p.parse_args(argv)
+    execution = dict(item.split("=", 1) for item in a.execution.split(",") if item)
+    execution = {k: int(v) if v.isdigit() else v for k, v in execution.items()}
     os.makedirs(a.out, exist_ok=True)
     report, bundle = os.path.join(a.out, "profile.md"), os.path.join(a.out, "bundle.tar")
     lines = [] if not os.path.exists(report) else open(report).read().splitlines()
@@ -169,11 +182,12 @@ def main(argv=None) -> int:
         start = time.monotonic()
         print(f"profile {a.model} {B}x{a.seq} {a.impl} ...", flush=True)
         try:
-            lines += profile_case(a.model, B, a.seq, a.impl, a.steps, a.trace_steps, bundle)
+            lines += profile_case(a.model, B, a.seq, a.impl, a.steps, a.trace_steps, bundle, a.vocab_chunk, a.top,
+                                  execution)
         except Exception as e:  # out of memory at a large batch: shown, the next batch still runs
             lines += [f"### {a.model} {B}×{a.seq}, attention {a.impl}: {type(e).__name__}: "
                       f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}", ""]
-        print("\n".join(lines[-40:]), f"\n({time.monotonic() - start:.0f} s)", flush=True)
+        print("\n".join(lines[-(a.top + 20):]), f"\n({time.monotonic() - start:.0f} s)", flush=True)
         with open(report, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0

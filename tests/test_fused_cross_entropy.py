@@ -153,7 +153,7 @@ def _task_loss_and_grads(task, family):
     rng = jax.random.PRNGKey(0)
     params = jax.jit(task.init_variables, static_argnums=0)(model, rng, batch)["params"]
     loss = functools.partial(task.loss, model, batch=batch, rng=rng, totals=task.weight_totals(batch))
-    fused = "custom_vjp_call" in str(jax.make_jaxpr(loss)(params))
+    fused = "name=_fused_token_terms" in str(jax.make_jaxpr(loss)(params))
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params), fused
 
 

@@ -202,6 +202,27 @@ def test_bfloat16_computation_keeps_float32_params_and_logits():
     assert 0 < float(jnp.max(jnp.abs(out - ref))) < 0.1
 
 
+@pytest.mark.parametrize("family", ["decoder", "llama", "encdec"])  # tied (GPT-2, Transformer) and untied (Llama)
+def test_logits_block_size_pads_the_matmul_not_the_function(family):
+    """V 64 padded to 96 (block 48) inside the logits matmul: the same logits and gradients, the same
+    parameter shapes."""
+    x = tokens((2, 8))
+    Model = EncoderDecoder if family == "encdec" else DecoderLM
+    base, padded = (Model(presets.tiny(family, logits_block_size=b)) for b in (1, 48))
+    inputs = (x, x) if family == "encdec" else (x,)
+    params = init(base, *inputs)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, init(padded, *inputs))
+    weights = jax.random.normal(jax.random.PRNGKey(5), (2, 8, 64))
+    def loss(model, p):
+        out = model.apply({"params": p}, *inputs)
+        return jnp.sum(out.logits * weights), out.logits
+    (l0, logits0), g0 = jax.value_and_grad(lambda p: loss(base, p), has_aux=True)(params)
+    (l1, logits1), g1 = jax.value_and_grad(lambda p: loss(padded, p), has_aux=True)(params)
+    assert logits1.shape == logits0.shape == (2, 8, 64)
+    np.testing.assert_allclose(logits1, logits0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g0, g1)
+
+
 def test_remat_and_scan_give_identical_loss_and_gradients():
     x = tokens((2, 8))
     base = DecoderLM(presets.tiny("llama", scan_layers=True))

@@ -25,6 +25,35 @@ def test_cross_entropy_smoothing_weights_and_z_loss():
     np.testing.assert_allclose(z, 1e-2 * 2.0 ** 2, rtol=1e-5)  # log Z = 2 after the shift
 
 
+def written_out_loss(logits, targets, weights, label_smoothing, z_loss):
+    """The smoothed cross-entropy plus z-loss written out with jax.nn.log_softmax, autodiffed as is."""
+    x = logits.astype(jnp.float32)
+    V = x.shape[-1]
+    log_p = jax.nn.log_softmax(x)
+    soft = jax.nn.one_hot(targets, V) * (1 - label_smoothing) + (1 - jax.nn.one_hot(targets, V)) * label_smoothing / (V - 1)
+    entropy = jnp.sum(jnp.where(soft > 0, soft * jnp.log(jnp.where(soft > 0, soft, 1.0)), 0.0), -1)
+    ce = -jnp.sum(soft * log_p, -1) + entropy
+    return jnp.sum(ce * weights) + z_loss * jnp.sum(jax.nn.logsumexp(x, -1) ** 2 * weights)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_cross_entropy_gradient_matches_the_written_out_loss(dtype, tolerance):
+    """cross_entropy's own VJP (one elementwise pass, in the logits' dtype) against autodiff of the
+    formula, with smoothing, z-loss and a padding weight; the gradient keeps the logits' dtype."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    logits = (3 * jax.random.normal(keys[0], (2, 5, 37))).astype(dtype)
+    targets = jax.random.randint(keys[1], (2, 5), 0, 37)
+    weights = jnp.ones((2, 5)).at[1, 3:].set(0.0)
+    for smoothing, z in ((0.0, 0.0), (0.1, 1e-3)):
+        ours = lambda x: (lambda t: t.ce + t.z)(cross_entropy(x, targets, weights, label_smoothing=smoothing, z_loss=z))
+        value, grad = jax.value_and_grad(ours)(logits)
+        want_value, want = jax.value_and_grad(written_out_loss)(logits.astype(jnp.float32), targets, weights, smoothing, z)
+        assert grad.dtype == dtype
+        np.testing.assert_allclose(value, want_value, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grad, np.float32), want, atol=tolerance * float(jnp.abs(want).max()))
+        assert float(jnp.abs(grad[1, 3:]).max()) == 0.0  # padding tokens get no gradient
+
+
 def test_schedules():
     noam = make_schedule(OptimizerConfig(schedule="noam", learning_rate=1.0, warmup_steps=100), 1000)
     assert float(noam(99)) == pytest.approx(1.0) and float(noam(399)) == pytest.approx(0.5)

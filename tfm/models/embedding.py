@@ -111,7 +111,7 @@ class OutputLogits(nn.Module):
         if cfg.output_bias:
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
                               (cfg.vocab_size,), jnp.float32)
-        head = Unembedding(x, kernel, bias, compute_dtype(cfg))
+        head = Unembedding(x, kernel, bias, compute_dtype(cfg), cfg.execution.logits_block_size)
         if not logits:
             return LMOutput(unembedding=head)
         return LMOutput(logits=constrain(head.logits(), ("batch", "length", "vocab")))

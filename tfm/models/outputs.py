@@ -25,17 +25,24 @@ class Unembedding:
     (`tfm.train.losses.fused_cross_entropy`).
 
     hidden [B, T, D], kernel [V, D] (the tied embedding, or the transposed `lm_head`),
-    bias [V] or None.
+    bias [V] or None. block_size: `logits` multiplies by the kernel padded with zero rows to a
+    multiple of it (ExecutionConfig.logits_block_size), then drops the padding columns.
     """
 
     hidden: jnp.ndarray
     kernel: jnp.ndarray
     bias: Optional[jnp.ndarray]
     dtype: Any = struct.field(pytree_node=False)
+    block_size: int = struct.field(pytree_node=False, default=1)
 
     def logits(self):
         """fp32 logits [B, T, V]."""
-        logits = jnp.einsum("BTD,VD->BTV", self.hidden.astype(self.dtype), self.kernel.astype(self.dtype))
+        kernel = self.kernel.astype(self.dtype)
+        vocab = kernel.shape[0]
+        padding = -vocab % self.block_size
+        if padding:
+            kernel = jnp.pad(kernel, ((0, padding), (0, 0)))
+        logits = jnp.einsum("BTD,VD->BTV", self.hidden.astype(self.dtype), kernel)[..., :vocab]
         logits = logits.astype(jnp.float32)
         return logits if self.bias is None else logits + self.bias
 

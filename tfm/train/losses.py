@@ -56,18 +56,52 @@ def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0
     cross-entropy, shifted so a perfect prediction scores 0), z (sum of z_loss *
     logsumexp^2), correct (weighted count of argmax hits), weight (sum of weights).
     """
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    log_z = jax.nn.logsumexp(logits, axis=-1)                        # [...]
-    log_p = logits - log_z[..., None]                                 # [..., V]
-    confidence, low, entropy = _smoothing(vocab, label_smoothing)
-    target_lp = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
-    ce = -confidence * target_lp
-    if label_smoothing:
-        ce -= low * (jnp.sum(log_p, axis=-1) - target_lp)
-        ce += entropy
+    ce, log_z = _token_terms(label_smoothing, logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return _sums(ce, log_z, correct, _weights(targets, weights), z_loss)
+
+
+def _logit_gradient(logits, log_z, hit, g_ce, g_log_z, vocab: int, label_smoothing: float):
+    """d/d logit_v = g_ce · (p_v (conf + (V-1) low) - low - (conf - low) [v = t]) + g_logZ · p_v
+    for fp32 logits [..., C] (all of V, or one chunk of it), hit [..., C] = [v = t], and log Z,
+    g_ce, g_logZ [...]."""
+    confidence, low, _ = _smoothing(vocab, label_smoothing)
+    p = jnp.exp(logits - log_z[..., None])
+    return (g_ce[..., None] * (p * (confidence + (vocab - 1) * low) - low - (confidence - low) * hit)
+            + g_log_z[..., None] * p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _token_terms(label_smoothing, logits, targets):
+    """Per-token (smoothed ce, log Z), each [...], of logits [..., V]. Its gradient is one
+    elementwise pass over the logits (softmax minus the smoothed target), in the logits' dtype:
+    differentiating the gather of the target logit would scatter into a zeroed fp32 [..., V]."""
+    return _token_forward(label_smoothing, logits, targets)[0]
+
+
+def _token_forward(label_smoothing, logits, targets):
+    x = logits.astype(jnp.float32)
+    vocab = x.shape[-1]
+    log_z = jax.nn.logsumexp(x, axis=-1)                                            # [...]
+    confidence, low, entropy = _smoothing(vocab, label_smoothing)
+    target_lp = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - log_z
+    ce = -confidence * target_lp
+    if label_smoothing:
+        ce -= low * (jnp.sum(x, axis=-1) - vocab * log_z - target_lp)
+        ce += entropy
+    return (ce, log_z), (logits, targets, log_z)
+
+
+def _token_backward(label_smoothing, residuals, cotangents):
+    logits, targets, log_z = residuals
+    g_ce, g_log_z = cotangents
+    vocab = logits.shape[-1]
+    hit = (jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]).astype(jnp.float32)
+    d_logits = _logit_gradient(logits.astype(jnp.float32), log_z, hit, g_ce, g_log_z, vocab, label_smoothing)
+    return d_logits.astype(logits.dtype), None
+
+
+_token_terms.defvjp(_token_forward, _token_backward)
 
 
 def fused_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
@@ -170,21 +204,17 @@ def _fused_forward(num_chunks, dtype, label_smoothing, hidden, kernel, bias, tar
 
 
 def _fused_backward(num_chunks, dtype, label_smoothing, residuals, cotangents):
-    """d/d logit_v = g_ce · (p_v (conf + (V-1) low) - low - (conf - low) [v = t]) + g_logZ · p_v,
-    one chunk at a time; returns the gradients of hidden, kernel and bias."""
+    """`_logit_gradient` one chunk at a time; returns the gradients of hidden, kernel and bias."""
     hidden, kernel, bias, targets, log_z = residuals
     g_ce, g_log_z, _ = cotangents
     vocab = kernel.shape[0]
-    confidence, low, _ = _smoothing(vocab, label_smoothing)
     ids, kernels, biases = _chunk_inputs(kernel, bias, num_chunks)
 
     def body(d_hidden, xs):
         chunk_ids, w, b = xs
         logits = _chunk_logits(hidden, w, b, chunk_ids, vocab, dtype)
-        p = jnp.exp(logits - log_z[..., None])                                   # [B, T, C]
         hit = (chunk_ids == targets[..., None]).astype(jnp.float32)
-        d_logits = (g_ce[..., None] * (p * (confidence + (vocab - 1) * low) - low - (confidence - low) * hit)
-                    + g_log_z[..., None] * p)
+        d_logits = _logit_gradient(logits, log_z, hit, g_ce, g_log_z, vocab, label_smoothing)  # [B, T, C]
         d_logits = jnp.where(chunk_ids < vocab, d_logits, 0.0)
         d_cast = d_logits.astype(dtype)
         d_hidden += jnp.einsum("...C,CD->...D", d_cast, w.astype(dtype), preferred_element_type=jnp.float32)
