@@ -492,7 +492,7 @@ def train(smoke: bool, budget: Budget) -> list[str]:
                 status[name, label] = (seconds, where, memory)
                 if trainer is not None:
                     cfg = trainer.model.config
-                    flops_per_step[name] = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
+                    flops_per_step[name] = B * T * flops_per_token(trainer.flop_params, cfg.num_layers, cfg.d_model, T)
             result = status[name, label]
             log(f"train  {name:5} {label:14} " + (result if isinstance(result, str) else f"{result[0] * 1e3:.1f} ms"))
     rows = []

@@ -120,14 +120,14 @@ def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps:
     memory = compiled.memory_analysis()
     seconds, = bench.interleaved([step], steps)
     cfg, peak = trainer.model.config, peak_flops()
-    flops = B * T * flops_per_token(trainer.num_params, cfg.num_layers, cfg.d_model, T)
+    flops = B * T * flops_per_token(trainer.flop_params, cfg.num_layers, cfg.d_model, T)
     mfu = f"{flops / seconds / peak:.1%}" if peak else "n/a"
     step_ms = seconds * 1e3
     variant = (f"attention {impl}, cross-entropy {f'fused, vocab chunk {vocab_chunk}' if vocab_chunk else 'plain'}"
                + "".join(f", {k} {v}" for k, v in execution.items()))
     lines = [f"### {model} {B}×{T}, {variant}: {step_ms:.1f} ms/step, {B * T / seconds:,.0f} tokens/s, "
              f"MFU {mfu}", "", f"XLA_FLAGS: `{os.environ.get('XLA_FLAGS', '')}`", "",
-             f"{trainer.num_params:,} parameters; {flops / 1e12:.2f} TFLOP per step; compiled memory "
+             f"{trainer.num_params:,} parameters ({trainer.flop_params:,} in matmuls); {flops / 1e12:.2f} TFLOP per step; compiled memory "
              f"{(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / 2**30:.2f} GiB "
              f"(temporaries {memory.temp_size_in_bytes / 2**30:.2f})", ""]
     with tempfile.TemporaryDirectory() as tmp:

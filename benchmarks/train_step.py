@@ -188,7 +188,7 @@ def main():
             step, tr, _ = jax_stepper(name, 8, 1024, dtype="bfloat16", vocab_chunk=chunk)
             t, = interleaved([step], a.steps)
             cfg = tr.model.config
-            fpt = flops_per_token(tr.num_params, cfg.num_layers, cfg.d_model, 1024)
+            fpt = flops_per_token(tr.flop_params, cfg.num_layers, cfg.d_model, 1024)
             print(f"{name} bf16 8x1024: {t:.3f} s/step, MFU {fpt * 8 * 1024 / t / peak_flops():.1%}")
 
 

@@ -223,6 +223,24 @@ def test_logits_block_size_pads_the_matmul_not_the_function(family):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), g0, g1)
 
 
+def test_logits_block_size_by_platform(monkeypatch):
+    """None pads the logits matmul to 128 columns on GPU only; a set value on every platform."""
+    from tfm.models import embedding
+    x = tokens((1, 4))
+    model = DecoderLM(presets.tiny("decoder"))
+    params = init(model, x)
+    def pads(jaxpr):  # the rows of every pad, nested calls included
+        for e in jaxpr.eqns:
+            yield from [e.outvars[0].aval.shape[0]] if e.primitive.name == "pad" else []
+            for sub in e.params.values():
+                yield from pads(sub.jaxpr) if hasattr(sub, "jaxpr") else []
+    padded_width = lambda m: list(pads(jax.make_jaxpr(lambda p: m.apply({"params": p}, x).logits)(params).jaxpr))
+    assert padded_width(model) == []  # CPU: as is
+    assert padded_width(DecoderLM(presets.tiny("decoder", logits_block_size=48))) == [96]
+    monkeypatch.setattr(embedding, "current_platform", lambda: "gpu")
+    assert padded_width(model) == [128]
+
+
 def test_remat_and_scan_give_identical_loss_and_gradients():
     x = tokens((2, 8))
     base = DecoderLM(presets.tiny("llama", scan_layers=True))

@@ -203,3 +203,20 @@ def test_moe_aux_weight_needs_a_model_with_experts():
     with pytest.raises(ValueError, match=r"LMTask.moe_aux_weight=0.5 is not read: the model has no experts"):
         Trainer(DecoderLM(tiny("decoder")), LMTask(moe_aux_weight=0.5), TrainConfig())
     assert Trainer(DecoderLM(tiny("moe")), LMTask(moe_aux_weight=0.5), TrainConfig()).task.moe_aux_weight == 0.5
+
+
+def test_flop_params_leave_out_lookup_tables_but_not_a_tied_output():
+    """MFU's N: Llama (untied) loses its input table, GPT-2 (tied) keeps it, BERT loses its
+    position and token-type tables; closed forms from the tiny configs (D 32, V 64)."""
+    from tfm.models import DecoderLM, EncoderModel, presets
+    from tfm.train import LMTask, MLMTask
+    D, V = 32, 64
+    sizes = {}
+    for name, model, task in (("llama", DecoderLM(presets.tiny("llama")), LMTask()),
+                              ("decoder", DecoderLM(presets.tiny("decoder")), LMTask()),
+                              ("encoder", EncoderModel(presets.tiny("encoder")), MLMTask())):
+        batch = parallel_cases._batch(name if name != "llama" else "decoder", np.random.default_rng(0))
+        trainer = Trainer(model, task, TrainConfig(batch_size=parallel_cases.B, mesh=MeshConfig(data=-1)))
+        trainer.setup(batch)
+        sizes[name] = trainer.num_params - trainer.flop_params
+    assert sizes == {"llama": V * D, "decoder": 0, "encoder": 2 * D}  # position tables were never in num_params

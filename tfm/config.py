@@ -161,7 +161,8 @@ class ExecutionConfig(_FieldGroup):
       size; must divide the tokens per device. Values and gradients do not change.
     logits_block_size: the logits matmul runs on the vocabulary rounded up to a multiple of this
       (zero rows, sliced off after), so GPU matmul kernels see whole tiles (GPT-2's 50,257 is not
-      a multiple of 8); 1 = as is. The parameters and logits keep V.
+      a multiple of 8); 1 = as is; None = 128 on GPU (measured: benchmarks/RESULTS.md), 1 elsewhere.
+      The parameters and logits keep V.
     """
 
     dtype: str = "float32"
@@ -174,7 +175,7 @@ class ExecutionConfig(_FieldGroup):
     moe_impl: str = "ragged"
     capacity_factor: Optional[float] = None
     moe_chunks: int = 1
-    logits_block_size: int = 1
+    logits_block_size: Optional[int] = None
 
     FIELD = "execution"
 
@@ -184,8 +185,9 @@ class ExecutionConfig(_FieldGroup):
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.execution.{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.logits_block_size < 1:
-            raise ValueError(f"ModelConfig.execution.logits_block_size must be >= 1, got {self.logits_block_size}")
+        if self.logits_block_size is not None and self.logits_block_size < 1:
+            raise ValueError(f"ModelConfig.execution.logits_block_size must be >= 1 or None, got "
+                             f"{self.logits_block_size}")
         if self.attention_chunk_size < 1:
             raise ValueError(f"ModelConfig.execution.attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
         object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))

@@ -263,8 +263,8 @@ def train_and_evaluate(config, workdir: str, mesh: Optional[jax.sharding.Mesh] =
     def hooks(defaults):
         return [PhaseTokens(h, tokens_at) if isinstance(h, MetricsLog) else h for h in defaults]
 
-    def fpt(num_params):
-        return flops_per_token(num_params, mcfg.num_layers, mcfg.d_model, first.max_seq_length)
+    def fpt(flop_params):
+        return flops_per_token(flop_params, mcfg.num_layers, mcfg.d_model, first.max_seq_length)
 
     result = run_training(tcfg, workdir, model=EncoderModel(mcfg), task=exp.task, train_data=batches,
                           eval_extra=evaluate, hooks=hooks, flops_per_token=fpt, mesh=mesh,

@@ -74,8 +74,8 @@ def train_and_evaluate(config, workdir: str):
                                  shuffle=False, num_epochs=1, drop_remainder=False, **shard)
         return (b for _, b in zip(range(s.eval_batches), iter(ds)))
 
-    def fpt(num_params):
-        return flops_per_token(num_params, mcfg.num_layers, mcfg.d_model, s.seq_len)
+    def fpt(flop_params):
+        return flops_per_token(flop_params, mcfg.num_layers, mcfg.d_model, s.seq_len)
 
     result = train_loop(tcfg, workdir, model=model, task=exp.task, train_data=iter(train_data),
                         eval_data=eval_data, flops_per_token=fpt, config_dict=exp.record(mcfg))

@@ -11,6 +11,7 @@ from tfm.layers.common import compute_dtype, constrain, param_init
 from tfm.layers.embeddings import Embed, check_token_ids
 from tfm.layers.positions import PositionEmbedding
 from tfm.layers.norms import Norm
+from tfm.parallel.mesh import current_platform
 from tfm.models.outputs import LMOutput, Unembedding  # noqa: F401  (Unembedding: re-exported)
 
 
@@ -90,6 +91,12 @@ class _OutputKernel(nn.Module):
         return self.param("kernel", init, (cfg.d_model, cfg.vocab_size), jnp.float32)
 
 
+def logits_block_size(cfg: ModelConfig) -> int:
+    """ExecutionConfig.logits_block_size, its None resolved for the current mesh's platform."""
+    block = cfg.execution.logits_block_size
+    return block if block is not None else 128 if current_platform() == "gpu" else 1
+
+
 class OutputLogits(nn.Module):
     """[B, T, D] -> `LMOutput` with fp32 logits [B, T, V]: tied to `embed` or its own
     projection, optional bias.
@@ -111,7 +118,7 @@ class OutputLogits(nn.Module):
         if cfg.output_bias:
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
                               (cfg.vocab_size,), jnp.float32)
-        head = Unembedding(x, kernel, bias, compute_dtype(cfg), cfg.execution.logits_block_size)
+        head = Unembedding(x, kernel, bias, compute_dtype(cfg), logits_block_size(cfg))
         if not logits:
             return LMOutput(unembedding=head)
         return LMOutput(logits=constrain(head.logits(), ("batch", "length", "vocab")))

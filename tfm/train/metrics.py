@@ -22,7 +22,8 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
 def flops_per_token(num_params: int, num_layers: int, attn_width: int, seq_len: int) -> float:
     """Training FLOPs per token (PaLM appendix B): 6·N for the matmuls over the weights
     (forward 2·N, backward 4·N) plus 12·L·(N_heads·H)·T for the attention scores and
-    values (QKᵀ and AV, forward and backward, full T×T blocks)."""
+    values (QKᵀ and AV, forward and backward, full T×T blocks). N: the parameters a token's
+    matmuls use (`Trainer.flop_params`: lookup tables left out, a tied output table kept)."""
     return 6.0 * num_params + 12.0 * num_layers * attn_width * seq_len
 
 

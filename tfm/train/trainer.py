@@ -28,13 +28,21 @@ from tfm.train.step import make_eval_step, make_train_step
 from tfm.train.workdir_lock import WorkdirLock
 
 
-def count_params(boxed_params) -> int:
+def count_params(boxed_params, *, tied: Optional[bool] = None) -> int:
     """Parameters excluding learned position tables (logical axis "length"), which are
-    lookups with no matmul FLOPs."""
-    leaves = jax.tree.leaves(boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    lookups with no matmul FLOPs. With `tied` given (ModelConfig.tie_embeddings), every other
+    lookup table (an `embedding` leaf: token types, an untied input vocabulary) is left out too,
+    but not a vocabulary table tied to the output projection: the parameters a token's matmuls
+    use, the N of MFU's 6·N (as MaxText and nanoGPT count it)."""
+    leaves = jax.tree_util.tree_leaves_with_path(boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+    def lookup(path, x) -> bool:
+        if isinstance(x, nn.Partitioned) and "length" in x.names:
+            return True
+        names = [getattr(k, "key", None) for k in path]
+        return tied is not None and names[-1:] == ["embedding"] and not (tied and names[-2:] == ["embed", "embedding"])
     return sum(math.prod(np.shape(x.value if isinstance(x, nn.Partitioned) else x))
-               for x in leaves
-               if not (isinstance(x, nn.Partitioned) and "length" in x.names))
+               for path, x in leaves if not lookup(path, x))
 
 
 class Trainer:
@@ -91,6 +99,7 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
             self.state_shardings)
         self.num_params = count_params(boxed)
+        self.flop_params = count_params(boxed, tied=getattr(self.model.config, "tie_embeddings", None))
 
         def init_state(seed, batch):
             init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
@@ -286,7 +295,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
       resumed run skips the batches already seen.
     eval_data() -> a fresh iterable of process-local eval batches; eval_extra(trainer, params,
       step) -> more eval metrics (BLEU, ...). Both every config.eval_every steps and at the end.
-    flops_per_token(num_params) -> training FLOPs per token, for MFU.
+    flops_per_token(flop_params) -> training FLOPs per token, for MFU, from the trainer's
+      `flop_params` (`count_params`: the parameters a token's matmuls use).
     hooks(default_hooks) -> the hook list to use (add to it, reorder, replace).
     config_dict: the resolved config, recorded in workdir/config.json.
     """
@@ -294,7 +304,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
         run = _start_run(config, workdir, model=model, task=task, train_data=train_data, mesh=mesh,
                       config_dict=config_dict)
         shapes = {k: np.zeros((config.batch_size,) + shape) for k, shape in run.trainer.example_shapes.items()}
-        fpt = flops_per_token(run.trainer.num_params) if flops_per_token else None
+        fpt = flops_per_token(run.trainer.flop_params) if flops_per_token else None
         all_hooks = default_hooks(config, tokens_per_step=task.num_tokens(shapes), flops_per_token=fpt,
                                   eval_data=eval_data, eval_extra=eval_extra)
         all_hooks = hooks(all_hooks) if hooks else all_hooks
