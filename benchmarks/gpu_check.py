@@ -252,7 +252,8 @@ def correctness(smoke: bool, budget: Budget, selection: Selection = Selection())
         for impl in TFM_IMPLS:
             for dtype in ("bfloat16", "float32"):
                 row, failed = correctness_row(case, impl, dtype, arrays, masks, ref)
-                log(f"correctness  {case.name:34} {impl:7} {dtype:9} {row[-1]}")
+                errors = " ".join(f"{n} {e}" for n, e in zip(("o", "dq", "dk", "dv"), row[3:7]) if e)
+                log(f"correctness  {case.name:34} {impl:7} {dtype:9} {row[-1]}{'  ' + errors if errors else ''}")
                 rows.append(row)
                 if failed:
                     failures.append(f"{case.name} {impl} {dtype}: {row[-1]}")
