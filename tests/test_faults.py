@@ -136,7 +136,7 @@ def test_bert_pretraining_killed_mid_stream_resumes_with_the_same_batches(tmp_pa
     assert killed.returncode == -signal.SIGKILL, log[-3000:]
     before = _records(tmp_path / "run")
     assert ("train", BERT_STEPS) not in before, "the run finished before the kill"
-    reference = _pretrain(tmp_path / "ref", corpus, f"--config.vocab_path={tmp_path / 'run' / 'vocab.txt'}",
+    reference = _pretrain(tmp_path / "ref", corpus, f"--config.vocab_path={tmp_path / 'run'}",
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     resumed = _pretrain(tmp_path / "run", corpus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = resumed.communicate(timeout=300)[0]
@@ -156,23 +156,44 @@ def test_bert_pretraining_killed_mid_stream_resumes_with_the_same_batches(tmp_pa
 
 
 def test_bert_corpus_bytes_that_are_not_utf8_are_dropped_or_the_file_refused(tmp_path):
-    """A text file with a few undecodable bytes trains, those bytes dropped as Google's BERT does,
-    with one warning naming the file and the count; a file that is not text stops the command
-    before anything is written, its last line naming the file and what to do."""
-    corpus = synthetic.write_text_corpus(tmp_path / "text", 60_000, file_bytes=20_000, seed=3)
-    names = sorted(os.listdir(corpus))
-    with open(os.path.join(corpus, names[0]), "ab") as f:
-        f.write(b"\nA line with \xff\xfe bytes \xe2\x82 that are not UTF-8.\n")
-    run = _pretrain(tmp_path / "run", corpus, "--config.num_train_steps=2", stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT)
+    """A text corpus with a few undecodable bytes trains, those bytes dropped as Google's BERT
+    does, with one warning per file naming it and the count, and every step's metrics (and the
+    final held-out ones) equal, rtol 0, those of the same command on the corpus with the bytes
+    removed beforehand (and the first run's vocabulary); a file that is not text stops the
+    command before anything is written, its last line naming the file and what to do. The bytes
+    sit in each file's last document and the corpus is one chunk: documents' keys and chunks'
+    bounds are byte offsets of the files as they are, so bytes removed earlier move them. Byte-level
+    BPE (RoBERTa's) sees every character: under WordPiece, whose normalizer drops U+FFFD, bytes
+    decoded as replacement characters would pass too. One letter in place of the bytes in the
+    cleaned corpus, or "replace" for "ignore" in the decoding, changes step 1's losses."""
+    line = b"A line with \xff\xfe bytes \xe2\x82 that are not UTF-8.\n"  # in each file's last document
+    dirty = synthetic.write_text_corpus(tmp_path / "dirty", 60_000, file_bytes=20_000, seed=3)
+    clean = synthetic.write_text_corpus(tmp_path / "clean", 60_000, file_bytes=20_000, seed=3)
+    names = sorted(os.listdir(dirty))
+    for name in names:
+        with open(os.path.join(dirty, name), "ab") as f:
+            f.write(line)
+        with open(os.path.join(clean, name), "ab") as f:
+            f.write(line.replace(b"\xff\xfe", b"").replace(b"\xe2\x82", b""))
+    flags = ("--config.num_train_steps=2", "--config.chunk_bytes=100000", "--config.tokenizer=byte_bpe",
+             "--config.vocab_size=300")
+    run = _pretrain(tmp_path / "run", dirty, *flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out = run.communicate(timeout=300)[0]
     assert run.returncode == 0, out[-3000:]
-    warning = f"warning: {os.path.join(corpus, names[0])}: 4 undecodable bytes dropped"
-    assert out.count(warning) == 1, out[-3000:]
-    with open(os.path.join(corpus, "scan.pdf"), "wb") as f:
+    for path in (os.path.join(dirty, name) for name in names):
+        assert out.count(f"warning: {path}: 4 undecodable bytes dropped") == 1, out[-3000:]
+    with open(os.path.join(dirty, "scan.pdf"), "wb") as f:
         f.write(bytes(range(256)) * 40)
-    refused = _pretrain(tmp_path / "refused", corpus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = refused.communicate(timeout=300)[0]
+    ref = _pretrain(tmp_path / "ref", clean, *flags, f"--config.vocab_path={tmp_path / 'run'}",
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    refused = _pretrain(tmp_path / "refused", dirty, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, ref_out = refused.communicate(timeout=300)[0], ref.communicate(timeout=300)[0]
+    assert ref.returncode == 0 and "undecodable" not in ref_out, ref_out[-3000:]
+    expected, got = _records(tmp_path / "ref"), _records(tmp_path / "run")
+    assert sorted(got) == sorted(expected) == [("eval", 2), ("train", 1), ("train", 2)]
+    assert {"mlm_loss", "nsp_loss"} <= set(expected["train", 1])
+    for key, metrics in got.items():
+        assert metrics == expected[key], key  # rtol 0: the same floats
     last = out.strip().splitlines()[-1]
     assert refused.returncode != 0 and last.startswith("error: ") and "scan.pdf" in last, out[-3000:]
     assert "not a text file; remove it from the corpus directory" in last
