@@ -86,6 +86,7 @@ class Selection(NamedTuple):
     heads: Optional[tuple[int, ...]] = None
     lengths: Optional[tuple[int, ...]] = None
     dtype: str = "bfloat16"  # of the attention section's inputs
+    models: Optional[tuple[str, ...]] = None  # the train section's
 
 
 class Unavailable(Exception):
@@ -445,9 +446,14 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def train_cases(smoke: bool) -> list[tuple[str, int, int]]:
-    """(model, B, T): GPT-2 small and BERT-base."""
-    return [("gpt2", 2, 32), ("bert", 2, 32)] if smoke else [("gpt2", 8, 1024), ("bert", 32, 512)]
+def train_cases(smoke: bool, selection: Selection = Selection()) -> list[tuple[str, int, int]]:
+    """(model, B, T): GPT-2 small at 8×1024 and at its best measured batch, BERT-base without and
+    with the paper's dropout (0.1, attention too), the Llama-1B shape; narrowed to the selection's
+    models (`benchmarks.train_step` names)."""
+    cases = ([("gpt2", 2, 32), ("bert", 2, 32), ("bert_dropout", 2, 32)] if smoke else
+             [("gpt2", 8, 1024), ("gpt2", 32, 1024), ("bert", 32, 512), ("bert_dropout", 32, 512),
+              ("llama1b", 4, 2048)])
+    return [c for c in cases if selection.models is None or c[0] in selection.models]
 
 
 def torch_device(smoke: bool) -> str:
@@ -464,53 +470,54 @@ def torch_device(smoke: bool) -> str:
     raise Unavailable(f"torch {torch.__version__} has no CUDA device")
 
 
-TRAIN_RUNS = ("tfm pallas", "torch eager", "tfm cudnn", "torch compile", "tfm xla")  # in the order they run
+TRAIN_RUNS = ("tfm cudnn", "torch compile", "tfm pallas", "torch eager", "tfm xla")  # in the order they run
 
 
-def train(smoke: bool, budget: Budget) -> list[str]:
+def train(smoke: bool, budget: Budget, selection: Selection = Selection()) -> list[str]:
     """Markdown lines. Runs go breadth first (each run for every model, in TRAIN_RUNS order),
     so that a spent budget skips the least needed ones."""
     from benchmarks import train_step as bench
     from tfm.train.metrics import flops_per_token, peak_flops
     peak, steps = peak_flops(), 2 if smoke else 5
-    cases = train_cases(smoke)
-    status, flops_per_step = {}, {}  # (model, run) -> (seconds, where) or a reason; model -> FLOPs
+    cases = train_cases(smoke, selection)
+    status, flops_per_step = {}, {}  # (model, B, run) -> (seconds, where) or a reason; (model, B) -> FLOPs
     for label in TRAIN_RUNS:
         for name, B, T in cases:
             release_memory()
             if budget.spent():
-                status[name, label] = budget.skipped()
+                status[name, B, label] = budget.skipped()
                 continue
             try:
                 step, where, trainer, compiled = train_run(bench, label, name, B, T, smoke)
                 seconds, = bench.interleaved([step], steps)
                 memory = step_memory(compiled)
             except Unavailable as e:
-                status[name, label] = f"unavailable: {e}"
+                status[name, B, label] = f"unavailable: {e}"
             except Exception as e:  # shown in the report, not fatal
-                status[name, label] = f"error: {short(e)}"
+                status[name, B, label] = f"error: {short(e)}"
             else:
-                status[name, label] = (seconds, where, memory)
+                status[name, B, label] = (seconds, where, memory)
                 if trainer is not None:
                     cfg = trainer.model.config
-                    flops_per_step[name] = B * T * flops_per_token(trainer.flop_params, cfg.num_layers, cfg.d_model, T)
-            result = status[name, label]
-            log(f"train  {name:5} {label:14} " + (result if isinstance(result, str) else f"{result[0] * 1e3:.1f} ms"))
+                    flops_per_step[name, B] = B * T * flops_per_token(trainer.flop_params, cfg.num_layers, cfg.d_model, T)
+            result = status[name, B, label]
+            log(f"train  {name:12} {B:3}×{T:<5} {label:14} " + (result if isinstance(result, str) else f"{result[0] * 1e3:.1f} ms"))
     rows = []
     for name, B, T in cases:
         for label in [f"tfm {impl}" for impl in TFM_IMPLS] + ["torch eager", "torch compile"]:
-            result = status[name, label]
+            result = status[name, B, label]
             if isinstance(result, str):
                 rows.append([name, f"{B}×{T}", label, "", "", "", "", result])
                 continue
             seconds, where, memory = result
-            flops = flops_per_step.get(name)
+            flops = flops_per_step.get((name, B))
             mfu = "n/a" if peak is None or flops is None else f"{flops / seconds / peak:.1%}"
             rows.append([name, f"{B}×{T}", label, f"{seconds * 1e3:.1f}", f"{B * T / seconds:,.0f}", mfu, memory,
                          where])
-    lines = [f"One train step (forward, backward, AdamW), bf16, dropout 0; fastest of {steps} after a warm-up. "
-             f"MFU = 6·params + 12·layers·D·T FLOPs per token (`tfm.train.metrics.flops_per_token`, tfm's "
-             f"parameter count for both sides) over the device's dense bf16 peak "
+    lines = [f"One train step (forward, backward, AdamW), bf16, dropout 0 (bert_dropout: 0.1 on hidden states and "
+             f"attention, as the paper); fastest of {steps} after a warm-up. "
+             f"MFU = 6·N + 12·layers·D·T FLOPs per token (`tfm.train.metrics.flops_per_token`; N the parameters "
+             f"a token's matmuls use, `Trainer.flop_params`, for both sides) over the device's dense bf16 peak "
              f"({'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown for this device: n/a'}). tfm: bf16 "
              f"computation, fp32 parameters (`ModelConfig.dtype`), per attention impl; torch: Hugging Face "
              f"with autocast bf16, SDPA, fused AdamW on CUDA; eager and `torch.compile`. Memory (GiB per "
@@ -548,6 +555,8 @@ def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
     """(step, where, trainer, memory_analysis() of the step) of tfm's bf16 train step with one attention impl."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
+    if impl == "cudnn" and name == "bert_dropout":
+        raise Unavailable("tfm's cudnn attention has no dropout (the kernels and xla have)")
     tiny = bench.TINY if smoke else {}
     step, trainer, compiled = bench.jax_stepper(name, B, T, dtype="bfloat16", attention_impl=impl, **tiny)
     return step, jax.devices()[0].device_kind, trainer, compiled.memory_analysis()
@@ -721,7 +730,7 @@ def run_section(name: str, smoke: bool, budget: Budget, attention_rows, selectio
             lines, rows = throughput(smoke, budget, selection)
             return lines, [], rows
         if name == "train":
-            return train(smoke, budget), [], attention_rows
+            return train(smoke, budget, selection), [], attention_rows
         if name == "decode":
             return decode(smoke, budget), [], attention_rows
         return auto(attention_rows), [], attention_rows
@@ -745,12 +754,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         + ", ".join(THROUGHPUT_IMPLS))
     parser.add_argument("--heads", help="attention: only these head dims (comma-separated)")
     parser.add_argument("--lengths", help="attention: only these sequence lengths (comma-separated)")
+    parser.add_argument("--models", help="train: only these models (comma-separated: gpt2, bert, bert_dropout, llama1b)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                         help="attention: the inputs' dtype (JAX's Mosaic GPU kernel takes float16 only)")
     args = parser.parse_args(argv)
     split = lambda text, kind=str: None if text is None else tuple(kind(x) for x in text.split(","))
     selection = Selection(split(args.cases), split(args.impls), split(args.heads, int), split(args.lengths, int),
-                          args.dtype)
+                          args.dtype, split(args.models))
     if selection.impls and set(selection.impls) - set(THROUGHPUT_IMPLS):
         parser.error(f"unknown --impls {sorted(set(selection.impls) - set(THROUGHPUT_IMPLS))}; "
                      f"choose from {THROUGHPUT_IMPLS}")

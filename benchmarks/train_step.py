@@ -29,20 +29,24 @@ from tfm.train.step import make_train_step
 # Smoke-run sizes of BERT and GPT-2: tfm ModelConfig fields, and the same for Hugging Face.
 TINY = dict(num_layers=2, d_model=64, num_heads=2, d_ff=128)
 TINY_HF = {"bert": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128),
-           "gpt2": dict(n_layer=2, n_embd=64, n_head=2, n_inner=128)}
+           "gpt2": dict(n_layer=2, n_embd=64, n_head=2, n_inner=128),
+           "llama1b": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           intermediate_size=128, vocab_size=1000)}
+TINY_HF["bert_dropout"] = TINY_HF["bert"]
 
 
 def _jax_case(name, B, T, vocab_chunk=None):
     r = np.random.default_rng(0)
     ids = lambda *s: r.integers(5, 1000, s).astype(np.int32)
-    if name == "bert":
+    if name in ("bert", "bert_dropout"):
         # MLM on every position: HF's BertForPreTraining scores all T tokens, so tfm does too
         batch = {"input_ids": ids(B, T), "token_type_ids": np.zeros((B, T), np.int32),
                  "attention_mask": np.ones((B, T), np.int32),
                  "mlm_positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
                  "mlm_ids": ids(B, T), "mlm_weights": np.ones((B, T), np.float32),
                  "nsp_label": np.zeros((B,), np.int32)}
-        model = EncoderModel(presets.bert_base(dropout_rate=0.0, attention_dropout=0.0))
+        rate = 0.1 if name == "bert_dropout" else 0.0  # the paper's dropout, attention's too
+        model = EncoderModel(presets.bert_base(dropout_rate=rate, attention_dropout=rate))
         return model, MLMTask(vocab_chunk=vocab_chunk), batch
     if name == "llama1b":  # Llama 3.2 1B's shape: 16 layers, width 2048, GQA 32/8, SwiGLU 8192, vocab 128k
         cfg = presets.llama(vocab_size=128_256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
@@ -123,9 +127,15 @@ def torch_stepper(name, B, T, *, device="cpu", bf16=False, compile=False, fused=
     g = torch.Generator().manual_seed(0)
     ids = lambda *s: torch.randint(5, 1000, s, generator=g).to(device)
     size = dict(TINY_HF[name], attn_implementation="sdpa") if tiny else dict(attn_implementation="sdpa")
-    if name == "bert":
-        model = hf.BertForPreTraining(hf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **size))
+    if name in ("bert", "bert_dropout"):
+        rate = 0.1 if name == "bert_dropout" else 0.0
+        model = hf.BertForPreTraining(hf.BertConfig(hidden_dropout_prob=rate, attention_probs_dropout_prob=rate, **size))
         kw = dict(input_ids=ids(B, T), labels=ids(B, T), next_sentence_label=torch.zeros(B, dtype=torch.long).to(device))
+    elif name == "llama1b":
+        shape = dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192, vocab_size=128_256)
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(**{**shape, **size}, rope_theta=500_000.0, tie_word_embeddings=False))
+        kw = dict(input_ids=ids(B, T), labels=ids(B, T))
     elif name == "gpt2":
         model = hf.GPT2LMHeadModel(hf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **size))
         kw = dict(input_ids=ids(B, T), labels=ids(B, T))
