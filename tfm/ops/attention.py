@@ -32,6 +32,7 @@ they share.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -46,6 +47,7 @@ from tfm.ops.masks import alibi_slopes, check_attention_inputs, visibility
 __all__ = ["alibi_slopes", "dot_product_attention", "visibility"]
 
 
+@functools.partial(jax.named_call, name="attention")  # the scope names its ops in compiled HLO
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,

@@ -47,6 +47,7 @@ def _weights(targets, weights):
     return jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
 
 
+@functools.partial(jax.named_call, name="cross_entropy")  # the scope names its ops in compiled HLO
 def cross_entropy(logits, targets, weights=None, *, label_smoothing: float = 0.0,
                   z_loss: float = 0.0):
     """Summed losses over tokens.
@@ -104,6 +105,7 @@ def _token_backward(label_smoothing, residuals, cotangents):
 _token_terms.defvjp(_token_forward, _token_backward)
 
 
+@functools.partial(jax.named_call, name="cross_entropy")
 def fused_cross_entropy(hidden, kernel, targets, weights=None, *, bias=None,
                         dtype=jnp.float32, vocab_chunk: int, label_smoothing: float = 0.0,
                         z_loss: float = 0.0):

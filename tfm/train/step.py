@@ -55,12 +55,13 @@ def make_train_step(model, task, tx, schedule, *, microbatches: int = 1,
             (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(microbatches), micro))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                             (params, opt_state), (state.params, state.opt_state))
+        with jax.named_scope("optimizer"):  # names the update's ops in compiled HLO
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            if skip_nonfinite:
+                params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                                 (params, opt_state), (state.params, state.opt_state))
         metrics = dict(metrics, grad_norm=grad_norm, lr=schedule(state.step),
                        finite=finite.astype(jnp.float32))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
