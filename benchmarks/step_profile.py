@@ -11,16 +11,48 @@ every case, so a run cut short keeps what finished) and bundle.tar (each case's 
 text and Perfetto trace, to read the fusions behind the op names).
 
 MFU counts `tfm.train.metrics.flops_per_token` over the device's dense bf16 peak, as gpu_check.
+
+--compile-only needs no GPU: it compiles the same step for a compile-only GPU (--target, default
+h100-1; `tfm.preflight`'s plugins) on this CPU and breaks the optimized HLO down per kernel
+(`breakdown`): every top-level fusion, custom call, copy or collective, a loop body's kernels
+times its known trip count. DIR gets breakdown.md and breakdown.json. --tiny shrinks the model to
+`benchmarks.train_step.TINY`. JAX's cuDNN attention cannot be traced without cuDNN, so take
+--impl pallas (the default here) or xla.
+
+    python -m benchmarks.step_profile --compile-only --model gpt2 --batches 8 --seq 1024 --out DIR
+
+--hlo FILE breaks down a saved program the same way (a bundle's .hlo.txt.gz; --target's chip for
+the roofline) and prints it.
+
+Per kernel: bytes = its operands' and results' sizes from their shapes (an upper bound where it
+reads part of an operand or updates one in place; cuBLAS/cuDNN scratch results left out); FLOPs =
+2 x result size x contracted size of every dot and convolution inside it, a cuBLAS gemm's from its
+dot dimensions, cuDNN attention's as 2 products forward (QKᵀ, PV) and 5 backward (QKᵀ again, dV,
+dP, dQ, dK) over the full T x S scores (a causal mask not discounted); Pallas (Triton) kernels'
+FLOPs are not known (0, listed). A roofline time per kernel is max(bytes / HBM bandwidth, FLOPs /
+dense bf16 peak) of the target chip: an estimate, not a measurement. Category, first rule that
+holds: "attention" (a cuDNN attention or Pallas flash-attention call), "weight convert" (only
+converts between f32 and bf16, with moves, of an array shaped as a parameter, up to the order of
+its dims: parameters are the ENTRY parameters named state.params), then by the kernel's op_name
+(its root op's): "attention" (tfm's attention entry point's scope), "logits/cross-entropy" (an
+output layer's scope: output, mlm_output, ...; or the cross_entropy scope of tfm's losses),
+"optimizer" (the train step's optimizer scope: the optax update), then by what it computes:
+"matmul" (a dot, a convolution or a cuBLAS gemm), "collective", "copy/transpose" (only copies,
+transposes, slices, pads, concatenations, reshapes), "gather/scatter", "reduction", "elementwise".
+Every f32<->bf16 convert of a parameter-shaped array is listed too, fused into another kernel or not.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import glob
 import gzip
 import json
+import math
 import os
+import re
 import sys
 import tarfile
 import tempfile
@@ -30,6 +62,9 @@ from typing import Optional
 import jax
 
 from benchmarks import train_step as bench
+from tfm.parallel import MeshConfig, make_mesh
+from tfm.preflight.analysis import COLLECTIVES, ITEMSIZE, shape_arrays, split_instruction
+from tfm.preflight.targets import Chip, parse_target, use_plugins
 from tfm.train.metrics import flops_per_token, peak_flops
 
 # (category, substrings of a kernel or op name, lower case), first match wins.
@@ -158,21 +193,321 @@ def profile_case(model: str, B: int, T: int, impl: str, steps: int, trace_steps:
     return lines
 
 
+# ---------------------------------------------------------------------- compile-only breakdown
+
+_NO_KERNEL = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+                        "partition-id", "replica-id", "add-dependency", "opt-barrier"})  # no data moved
+_MOVES = frozenset({"copy", "transpose", "reshape", "slice", "dynamic-slice", "dynamic-update-slice", "pad",
+                    "concatenate", "reverse"})
+_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+_FMHA = "__cudnn$fmha"
+_SCOPES = (("attention", re.compile(r"(^|[/(])attention[/)]")),
+           ("logits/cross-entropy", re.compile(r"(^|[/(])(\w+_)?output/|(^|[/(])cross_entropy[/)]")),
+           ("optimizer", re.compile(r"(^|[/(])optimizer[/)]")))
+_CALLS = ("calls", "to_apply", "body", "condition", "branch_computations", "true_computation", "false_computation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One line of HLO text, split (`tfm.preflight.analysis.split_instruction`)."""
+    name: str
+    shape: str    # result shape text, layouts included
+    opcode: str
+    rest: str     # operands and attributes
+
+    @property
+    def operands(self) -> list[str]:
+        return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", self.rest.split(")", 1)[0])))
+
+    @property
+    def op_name(self) -> str:
+        found = re.search(r'op_name="([^"]*)"', self.rest)
+        return found.group(1).replace("jit(train_step)/", "") if found else ""
+
+    @property
+    def target(self) -> str:
+        found = re.search(r'custom_call_target="([^"]+)"', self.rest)
+        return found.group(1) if found else ""
+
+    def called(self, *keys: str) -> list[str]:
+        """Names of the computations this instruction calls through the given attributes."""
+        names = []
+        for key in keys:
+            found = re.search(rf"\b{key}=(\{{[^}}]*\}}|%[\w.\-]+)", self.rest)
+            names += re.findall(r"%?([\w.\-]+)", found.group(1).strip("{}")) if found else []
+        return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One top-level instruction of a compiled step, per run, and how often a step runs it."""
+    name: str
+    category: str
+    op_name: str
+    bytes: int
+    flops: float
+    count: int = 1
+    flops_known: bool = True
+
+
+def _parse(hlo: str) -> tuple[dict, str]:
+    """({computation: [Instruction]}, the ENTRY computation's name) of HLO text."""
+    computations, entry, current = {}, "", None
+    for line in hlo.splitlines():
+        text = line.strip()
+        if text.endswith("{") and " = " not in text:
+            header = re.match(r"(ENTRY\s+)?%?([\w.\-]+)", text)
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif current is not None and (parts := split_instruction(line)):
+            computations[current].append(Instruction(*parts))
+    return computations, entry
+
+
+def _nbytes(shape: str, drop_scratch: bool = False) -> int:
+    """Bytes of the arrays of a shape; drop_scratch leaves out a tuple's trailing s8/u8 array (a
+    custom call's workspace)."""
+    arrays = shape_arrays(shape)
+    if drop_scratch and len(arrays) > 1 and arrays[-1][0] in ("s8", "u8"):
+        arrays = arrays[:-1]
+    return sum(ITEMSIZE[t] * math.prod(dims) for t, dims in arrays)
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    return shape_arrays(shape)[0][1]
+
+
+def _flops(i: Instruction, shapes: dict) -> Optional[float]:
+    """FLOPs of one dot, convolution, cuBLAS gemm or cuDNN attention call; 0 for other ops, None
+    for a custom call whose FLOPs the HLO does not give."""
+    if i.opcode == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.rest).group(1)
+        lhs = _dims(shapes[i.operands[0]])
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[int(d)] for d in contracting.split(",") if d)
+    if i.opcode == "convolution":
+        kernel_labels = re.search(r"dim_labels=\w+_(\w+)->", i.rest).group(1)
+        rhs = _dims(shapes[i.operands[1]])
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(rhs) / rhs[kernel_labels.index("o")]
+    if i.opcode != "custom-call":
+        return 0.0
+    if i.target.startswith(_GEMMS):
+        contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest).group(1)
+        lhs = _dims(shapes[i.operands[0]])
+        return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
+    scores = re.search(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]', i.rest)
+    if i.target.startswith(_FMHA) and scores:
+        size = math.prod(int(d) for d in re.findall(r"\d+", scores.group(1)))
+        h, h_v = _dims(shapes[i.operands[0]])[-1], _dims(shapes[i.operands[2]])[-1]  # Q, V: [..., H]
+        return 2.0 * size * ((3 * h + 2 * h_v) if "Backward" in i.target else (h + h_v))
+    return None
+
+
+def _inside(i: Instruction, computations: dict) -> list[Instruction]:
+    """The instructions a kernel runs: a fusion's (nested fusions and called computations
+    included), else the instruction itself."""
+    if i.opcode != "fusion":
+        return [i]
+    found, stack = [], list(i.called("calls"))
+    while stack:
+        for inner in computations[stack.pop()]:
+            found.append(inner)
+            stack += inner.called(*_CALLS)
+    return found
+
+
+def _weight_converts(ops: list, shapes: dict, weights: set) -> list[str]:
+    """"f32[768,3072] -> bf16" for each convert among ops between f32 and bf16 of an array shaped
+    as a parameter (dims in any order)."""
+    found = []
+    for i in ops:
+        if i.opcode != "convert":
+            continue
+        (to, dims), = shape_arrays(i.shape)
+        (source, _), = shape_arrays(shapes[i.operands[0]])
+        if {source, to} == {"f32", "bf16"} and tuple(sorted(dims)) in weights:
+            found.append(f"{source}[{','.join(map(str, dims))}] -> {to}")
+    return found
+
+
+def _category(i: Instruction, ops: list, flops: float, weight_convert: bool) -> str:
+    """The module doc's rules, in order."""
+    if i.target.startswith(_FMHA) or (i.opcode == "custom-call" and "flash_attention" in i.op_name):
+        return "attention"
+    if weight_convert:
+        return "weight convert"
+    for label, scope in _SCOPES:
+        if scope.search(i.op_name):
+            return label
+    kinds = {op.opcode for op in ops} - _NO_KERNEL
+    if flops or i.target.startswith(_GEMMS):
+        return "matmul"
+    if any(k.removesuffix("-start") in COLLECTIVES for k in kinds):
+        return "collective"
+    if kinds and kinds <= _MOVES:
+        return "copy/transpose"
+    if kinds & {"gather", "scatter"}:
+        return "gather/scatter"
+    return "reduction" if "reduce" in kinds else "elementwise"
+
+
+def breakdown(hlo: str) -> tuple[list[Kernel], list[tuple[str, str, str]]]:
+    """(kernels, weight converts (kernel, its category, "f32[V,D] -> bf16")) of compiled HLO text:
+    each top-level instruction of the ENTRY computation and of the loop bodies, calls and branches it
+    runs (a while body's kernels counted its known trip count of times, its condition not at all),
+    categorised and costed as the module doc says."""
+    computations, entry = _parse(hlo)
+    shapes = {i.name: i.shape for ops in computations.values() for i in ops}
+    weights = {tuple(sorted(_dims(i.shape))) for i in computations[entry]
+               if i.opcode == "parameter" and i.op_name.startswith("state.params")}
+    kernels, converts = [], []
+
+    def walk(computation: str, count: int):
+        for i in computations[computation]:
+            if i.opcode in _NO_KERNEL or i.opcode.endswith("-done"):
+                continue
+            if i.opcode in ("while", "call", "conditional", "async-start"):
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.rest) if i.opcode == "while" else None
+                for called in i.called("body", "to_apply", "calls", "branch_computations", "true_computation",
+                                       "false_computation"):
+                    walk(called, count * (int(trips.group(1)) if trips else 1))
+                continue
+            ops = _inside(i, computations)
+            counted = [_flops(op, shapes) for op in ops]
+            flops = sum(f for f in counted if f)
+            found = _weight_converts(ops, shapes, weights)
+            moves_only = {op.opcode for op in ops} - _NO_KERNEL <= _MOVES | {"convert"}
+            category = _category(i, ops, flops, bool(found) and moves_only)
+            moved = _nbytes(i.shape, drop_scratch=i.opcode == "custom-call") + sum(
+                _nbytes(shapes[o]) for o in i.operands)
+            kernels.append(Kernel(i.name, category, i.op_name, moved, flops, count, None not in counted))
+            converts.extend((i.name, category, text) for text in found)
+
+    walk(entry, 1)
+    return kernels, converts
+
+
+def _roofline_s(k: Kernel, chip: Chip) -> float:
+    return max(k.bytes / chip.hbm_bandwidth, k.flops / chip.peak_flops)
+
+
+def _kernel_rows(title: str, kernels: list, key, chip: Chip, n: int) -> list[str]:
+    rows = sorted(kernels, key=lambda k: -key(k) * k.count)[:n]
+    lines = [f"{title}:", "", "| kernel | category | op_name | runs | MB per run | GFLOP per run | roofline µs |",
+             "|---|---|---|---|---|---|---|"]
+    for k in rows:
+        op_name = k.op_name if len(k.op_name) <= 90 else "…" + k.op_name[-89:]
+        lines.append(f"| `{k.name}` | {k.category} | `{op_name}` | {k.count} | {k.bytes / 1e6:,.2f} | "
+                     f"{k.flops / 1e9:,.3f}{'' if k.flops_known else ' (unknown)'} | {_roofline_s(k, chip) * 1e6:,.1f} |")
+    return lines + [""]
+
+
+def category_totals(kernels: list, chip: Chip) -> dict:
+    """{category: {kernels, bytes, flops, roofline_s}} per step, largest roofline time first."""
+    totals = collections.defaultdict(lambda: dict(kernels=0, bytes=0, flops=0.0, roofline_s=0.0))
+    for k in kernels:
+        t = totals[k.category]
+        t["kernels"] += k.count
+        t["bytes"] += k.bytes * k.count
+        t["flops"] += k.flops * k.count
+        t["roofline_s"] += _roofline_s(k, chip) * k.count
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]["roofline_s"]))
+
+
+def breakdown_lines(kernels: list, converts: list, chip: Chip, top: int = 20) -> list[str]:
+    """Markdown: totals per category, the `top` kernels by bytes and by FLOPs, the largest copies
+    and transposes, the logits/cross-entropy and optimizer kernels, and every weight convert."""
+    totals = category_totals(kernels, chip)
+    step_s = sum(t["roofline_s"] for t in totals.values())
+    lines = [f"Roofline time (each kernel at the larger of bytes / {chip.hbm_bandwidth / 1e12:.2f} TB/s and "
+             f"FLOPs / {chip.peak_flops / 1e12:.0f} TFLOP/s, summed): {step_s * 1e3:.2f} ms; "
+             f"{sum(t['bytes'] for t in totals.values()) / 1e9:.2f} GB moved, "
+             f"{sum(t['flops'] for t in totals.values()) / 1e12:.3f} TFLOP.", "",
+             "| category | kernels | GB | TFLOP | roofline ms | share |", "|---|---|---|---|---|---|"]
+    lines += [f"| {c} | {t['kernels']} | {t['bytes'] / 1e9:.3f} | {t['flops'] / 1e12:.4f} | "
+              f"{t['roofline_s'] * 1e3:.3f} | {t['roofline_s'] / step_s:.1%} |" for c, t in totals.items()]
+    unknown = sorted({k.op_name.rsplit("/", 2)[-2] if "/" in k.op_name else k.name
+                      for k in kernels if not k.flops_known})
+    lines += [""] + ([f"FLOPs not known (counted 0): {', '.join(unknown)}.", ""] if unknown else [])
+    lines += _kernel_rows(f"Top {top} kernels by bytes", kernels, lambda k: k.bytes, chip, top)
+    lines += _kernel_rows(f"Top {top} kernels by FLOPs", [k for k in kernels if k.flops], lambda k: k.flops, chip, top)
+    for category in ("copy/transpose", "logits/cross-entropy", "optimizer"):
+        chosen = [k for k in kernels if k.category == category]
+        if chosen:
+            lines += _kernel_rows(f"{category}, top 10 of {len(chosen)} by bytes", chosen, lambda k: k.bytes, chip, 10)
+    counts = collections.Counter((text, "its own kernel" if category == "weight convert" else f"fused in {category}")
+                                 for _, category, text in converts)
+    lines += [f"Weight converts (f32 <-> bf16 of a parameter-shaped array): {len(converts)}", "",
+              "| convert | where | times |", "|---|---|---|"]
+    lines += [f"| {text} | {where} | {n} |" for (text, where), n in counts.most_common()]
+    return lines + [""]
+
+
+def compile_step(model: str, B: int, T: int, impl: str, target_name: str, vocab_chunk=None,
+                 execution: Optional[dict] = None, tiny: bool = False):
+    """(compiled, trainer, seconds): tfm's bf16 train step of the case compiled, not run, for a
+    compile-only GPU of `target_name` (one chip)."""
+    target = parse_target(target_name)
+    if target.chip.platform != "gpu" or target.chips != 1:
+        raise ValueError(f"--target {target_name!r}: --compile-only takes one GPU, h100-1 or h200-1")
+    mesh = make_mesh(MeshConfig(data=1), target.devices())
+    changes = dict(dtype="bfloat16", attention_impl=impl, **(bench.TINY if tiny else {}), **(execution or {}))
+    trainer, batch = bench.case_trainer(model, B, T, vocab_chunk, mesh=mesh, **changes)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
+    start = time.perf_counter()
+    with trainer.context():
+        compiled = trainer.jitted_train_step.trace(trainer.abstract_state, batch).lower().compile()
+    return compiled, trainer, time.perf_counter() - start
+
+
+def compile_only_case(model: str, B: int, T: int, impl: str, target_name: str, vocab_chunk=None,
+                      execution: Optional[dict] = None, tiny: bool = False, top: int = 20) -> tuple[list, dict]:
+    """(markdown lines, json record) of one case's compile-only breakdown."""
+    compiled, trainer, seconds = compile_step(model, B, T, impl, target_name, vocab_chunk, execution, tiny)
+    chip = parse_target(target_name).chip
+    kernels, converts = breakdown(compiled.as_text())
+    cfg = trainer.model.config
+    model_flops = B * T * flops_per_token(trainer.flop_params, cfg.num_layers, cfg.d_model, T)
+    variant = (f"{'tiny ' if tiny else ''}{model} {B}×{T}, attention {impl}, cross-entropy "
+               f"{f'fused, vocab chunk {vocab_chunk}' if vocab_chunk else 'plain'}"
+               + "".join(f", {k} {v}" for k, v in (execution or {}).items()))
+    lines = [f"### {variant}: compiled for {chip.name} (compile-only) in {seconds:.0f} s", "",
+             f"{trainer.num_params:,} parameters; model FLOPs (flops_per_token x tokens) {model_flops / 1e12:.3f} "
+             f"TFLOP per step.", ""] + breakdown_lines(kernels, converts, chip, top)
+    record = {"case": variant, "target": chip.name, "compile_seconds": seconds, "model_flops": model_flops,
+              "categories": category_totals(kernels, chip), "weight_converts": [list(c) for c in converts]}
+    del compiled, trainer
+    gc.collect()
+    return lines, record
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2", help="gpt2, gpt2_medium, bert, llama1b or transformer")
     p.add_argument("--batches", default="8", help="comma-separated batch sizes")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--impl", default="cudnn", help="attention impl")
+    p.add_argument("--impl", default=None, help="attention impl (default cudnn; with --compile-only, pallas)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (the fastest counts)")
     p.add_argument("--trace-steps", type=int, default=3)
     p.add_argument("--vocab-chunk", type=int, default=None, help="fused cross-entropy over vocabulary chunks")
-    p.add_argument("--top", type=int, default=25, help="kernels and ops listed per case")
+    p.add_argument("--top", type=int, default=None, help="kernels and ops listed per case (default 25; breakdowns 20)")
     p.add_argument("--execution", default="", help="ExecutionConfig fields, e.g. logits_block_size=128,remat_policy=full")
     p.add_argument("--out", default="step_profile_out")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU: compile for --target on this CPU and break the optimized HLO down")
+    p.add_argument("--target", default="h100-1", help="--compile-only: the GPU, h100-1 or h200-1")
+    p.add_argument("--tiny", action="store_true", help="--compile-only: the model at train_step.TINY's size")
+    p.add_argument("--hlo", default=None, help="break down this saved HLO text (.gz too; a bundle's) and print it")
     a = p.parse_args(argv)
     execution = dict(item.split("=", 1) for item in a.execution.split(",") if item)
     execution = {k: int(v) if v.isdigit() else v for k, v in execution.items()}
+    if a.hlo:
+        with (gzip.open if a.hlo.endswith(".gz") else open)(a.hlo, "rt") as f:
+            print("\n".join(breakdown_lines(*breakdown(f.read()), parse_target(a.target).chip, a.top or 20)))
+        return 0
+    if a.compile_only:
+        return compile_only_main(a, execution)
+    impl, top = a.impl or "cudnn", a.top or 25
     os.makedirs(a.out, exist_ok=True)
     report, bundle = os.path.join(a.out, "profile.md"), os.path.join(a.out, "bundle.tar")
     lines = [] if not os.path.exists(report) else open(report).read().splitlines()
@@ -180,16 +515,40 @@ def main(argv=None) -> int:
         lines = [f"# tfm train-step profile: {jax.devices()[0].device_kind}, jax {jax.__version__}", ""]
     for B in (int(b) for b in a.batches.split(",")):
         start = time.monotonic()
-        print(f"profile {a.model} {B}x{a.seq} {a.impl} ...", flush=True)
+        print(f"profile {a.model} {B}x{a.seq} {impl} ...", flush=True)
         try:
-            lines += profile_case(a.model, B, a.seq, a.impl, a.steps, a.trace_steps, bundle, a.vocab_chunk, a.top,
+            lines += profile_case(a.model, B, a.seq, impl, a.steps, a.trace_steps, bundle, a.vocab_chunk, top,
                                   execution)
         except Exception as e:  # out of memory at a large batch: shown, the next batch still runs
-            lines += [f"### {a.model} {B}×{a.seq}, attention {a.impl}: {type(e).__name__}: "
+            lines += [f"### {a.model} {B}×{a.seq}, attention {impl}: {type(e).__name__}: "
                       f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}", ""]
-        print("\n".join(lines[-(a.top + 20):]), f"\n({time.monotonic() - start:.0f} s)", flush=True)
+        print("\n".join(lines[-(top + 20):]), f"\n({time.monotonic() - start:.0f} s)", flush=True)
         with open(report, "w") as f:
             f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def compile_only_main(a, execution: dict) -> int:
+    """--compile-only: each batch's breakdown appended to DIR/breakdown.md and DIR/breakdown.json."""
+    if jax.config.jax_platforms != "cpu":
+        jax.config.update("jax_platforms", "cpu")  # before JAX starts its backends: compile-only GPUs
+    use_plugins()
+    os.makedirs(a.out, exist_ok=True)
+    report, records = os.path.join(a.out, "breakdown.md"), os.path.join(a.out, "breakdown.json")
+    lines = open(report).read().splitlines() if os.path.exists(report) else [
+        f"# tfm train-step breakdown from the compiled HLO (compile-only), jax {jax.__version__}", ""]
+    data = json.load(open(records)) if os.path.exists(records) else []
+    for B in (int(b) for b in a.batches.split(",")):
+        print(f"compile {a.model} {B}x{a.seq} for {a.target} ...", flush=True)
+        case, record = compile_only_case(a.model, B, a.seq, a.impl or "pallas", a.target, a.vocab_chunk, execution,
+                                         a.tiny, a.top or 20)
+        lines += case
+        data.append(record)
+        with open(report, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(records, "w") as f:
+            json.dump(data, f, indent=1)
+        print("\n".join(case), flush=True)
     return 0
 
 

@@ -59,19 +59,22 @@ def _jax_case(name, B, T, vocab_chunk=None):
             {"inputs": ids(B, T), "targets_in": ids(B, T), "targets": ids(B, T)})
 
 
-def _trainer(name, B, T, vocab_chunk=None, **model_changes):
+def case_trainer(name, B, T, vocab_chunk=None, mesh=None, **model_changes):
+    """(Trainer set up for case `name` at B x T, its batch of numpy arrays). mesh: None = the
+    Trainer's own over this machine's devices; a mesh of one compile-only GPU works too (setup
+    runs nothing)."""
     model, task, batch = _jax_case(name, B, T, vocab_chunk)
     if model_changes:
         model = type(model)(model.config.replace(**model_changes))
     cfg = TrainConfig(batch_size=B, mesh=MeshConfig(data=1), optimizer=OptimizerConfig())
-    return Trainer(model, task, cfg, None).setup(batch), batch
+    return Trainer(model, task, cfg, mesh).setup(batch), batch
 
 
 def jax_stepper(name, B, T, dtype="float32", vocab_chunk=None, **model_changes):
     """(step, trainer, compiled): step() runs one train step to completion, warmed up; compiled is
     the step it runs (the Trainer's, compiled once ahead of time: `memory_analysis()`, `as_text()`).
     model_changes replace ModelConfig fields (attention_impl, or TINY for a smoke run)."""
-    trainer, batch = _trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
+    trainer, batch = case_trainer(name, B, T, vocab_chunk, dtype=dtype, **model_changes)
     state, gb = [trainer.init_state()], trainer.global_batch(batch)
     with trainer.context():
         compiled = trainer.jitted_train_step.lower(state[0], gb).compile()
@@ -98,7 +101,7 @@ def interleaved(steps, rounds: int) -> list[float]:
 def compiled_temp_bytes(vocab_chunk, B=8, T=1024) -> int:
     """XLA's temp memory of the GPT-2-small fp32 train step (chunked attention), compiled
     as the Trainer compiles it (state donated) but not run."""
-    trainer, batch = _trainer("gpt2", B, T, vocab_chunk, attention_impl="chunked")
+    trainer, batch = case_trainer("gpt2", B, T, vocab_chunk, attention_impl="chunked")
     step = make_train_step(trainer.model, trainer.task, trainer.tx, trainer.schedule)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     with trainer.context():

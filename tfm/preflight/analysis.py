@@ -25,9 +25,9 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"  # the computation name XLA TPU gives its reduce-scatter fusions
 KERNEL_TARGETS = {"tpu_custom_call": "pallas (Mosaic)", "__gpu$xla.gpu.triton": "pallas (Triton)",
                   "__cudnn$fmha": "cudnn"}
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\]")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+            "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(ITEMSIZE) + r")\[([\d,]*)\]")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 
 
@@ -108,10 +108,14 @@ def model_flops(model, task, params_shapes, batch: dict) -> float:
 # ---------------------------------------------------------------------------- the HLO
 
 
+def shape_arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of each array in an HLO shape ("bf16[2,8]{1,0}": one; a tuple: each element)."""
+    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape_text)]
+
+
 def _largest_array(shape_text: str) -> tuple[int, str]:
     """(bytes, "bf16[2,8]") of the largest array in a result shape (a tuple's largest element)."""
-    sizes = [(_ITEMSIZE[t] * math.prod(int(d) for d in dims.split(",") if d), f"{t}[{dims}]")
-             for t, dims in _ARRAY.findall(shape_text)]
+    sizes = [(ITEMSIZE[t] * math.prod(dims), f"{t}[{','.join(map(str, dims))}]") for t, dims in shape_arrays(shape_text)]
     return max(sizes, default=(0, ""))
 
 
@@ -120,7 +124,7 @@ def _arrays(shape_text: str) -> str:
     return ", ".join(f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)) or shape_text
 
 
-def _split_instruction(line: str):
+def split_instruction(line: str):
     """(name, result shape text, opcode, rest) of an HLO instruction line, or None."""
     m = _DEF.match(line)
     if not m:
@@ -155,7 +159,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
             fused = "fused" in header or "fusion" in header
             scatter_body = header.strip().lstrip("%").startswith(_REDUCE_SCATTER_FUSION)
             continue
-        parts = _split_instruction(line)
+        parts = split_instruction(line)
         if parts is None:
             continue
         name, shape, opcode, rest = parts
