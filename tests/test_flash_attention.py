@@ -148,7 +148,7 @@ def test_block_ranges_skip_exactly_the_empty_blocks(causal, window, T, S, bq, bk
     """Visible-block ranges hold every block with a visible key and no other, also with the queries
     shifted (query i at position i + shift, as a block of context parallelism)."""
     Sp = -(-S // bk) * bk
-    cfg = fa._Config(causal=causal, window=window, softcap=None, scale=1.0, kv_len=S if Sp != S else None,
+    cfg = fa.TileConfig(causal=causal, window=window, softcap=None, scale=1.0, kv_len=S if Sp != S else None,
                      segments=False, alibi=False, groups=1, block_q=bq, block_kv=bk, driver="loop",
                      interpret=True)
     pos_q, pos_k = shift + np.arange(-(-T // bq) * bq)[None], np.arange(Sp)[None]

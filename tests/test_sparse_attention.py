@@ -103,7 +103,7 @@ def test_pattern_matches_xla_and_visits_only_non_empty_tiles(name):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=f"{impl} d{label}")
     for bq, bk in (case.blocks.block_q, case.blocks.block_kv), case.blocks.backward:  # forward, backward tiles
         nq, nk = -(-case.T // bq), -(-case.S // bk)
-        cfg = fa._Config(causal=case.causal, window=case.window, softcap=None, scale=1.0,
+        cfg = fa.TileConfig(causal=case.causal, window=case.window, softcap=None, scale=1.0,
                          kv_len=None if case.S % bk == 0 else case.S, segments=False, alibi=False, groups=1,
                          block_q=bq, block_kv=bk, driver="loop", interpret=True, sparsity=case.pattern)
         seen = fa.visible_tiles(cfg, nq, nk)

@@ -15,6 +15,10 @@ that share the same per-tile math:
         accumulators live in VMEM scratch, and empty blocks are skipped with `pl.when`
         and their index maps clamped so no DMA is issued for them.
 
+A third driver, for Hopper GPUs in Pallas Mosaic GPU (`tfm.kernels.flash_hopper`: forward only so
+far, measured by `benchmarks.gpu_check` before anything selects it), shares `tile_mask` and
+`kv_block_range` with these two.
+
 The visible blocks are a range per block row (causal, window) or, with a sparsity pattern
 (`tfm.kernels.sparsity`), block lists: `visible_tiles` -> `block_lists`, index [n, M] and count [n]
 per row. The loop driver loops over index[r, :count[r]]; the grid driver's block axis has M
@@ -26,11 +30,11 @@ which iterates over the G query heads of its key/value head so K and V are never
 
 Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `block_forward` and
 `block_backward` run the kernels alone, the softmax statistics the caller's, with the queries at
-positions shifted by a traced int32 scalar relative to the keys (`_Config.shifted`): an operand of
+positions shifted by a traced int32 scalar relative to the keys (`TileConfig.shifted`): an operand of
 the loop driver, scalar-prefetched by the grid driver so its index maps still skip empty blocks.
 Causal, window and ALiBi read the shifted positions; without a shift the kernels are unchanged.
 
-Attention dropout (`_Config.dropout`, rate > 0): each kernel regenerates the keep mask M of its tile from
+Attention dropout (`TileConfig.dropout`, rate > 0): each kernel regenerates the keep mask M of its tile from
 `tfm.kernels.dropout` (a hash of the seed, the global batch row and query head, and the query and key
 positions; the seed and the call's batch/head offsets are one int32 [3] operand, scalar-prefetched by the
 grid driver), so it depends on neither tiles nor driver and is never stored. The softmax statistics (lse)
@@ -67,7 +71,7 @@ GPU_NUM_WARPS, GPU_NUM_STAGES = 8, 2
 # Static configuration and visible-block ranges
 # --------------------------------------------------------------------------------------
 
-class _Config(NamedTuple):
+class TileConfig(NamedTuple):
     """Everything static about one call; hashable, so it can be a nondiff argument."""
     causal: bool
     window: Optional[int]
@@ -96,7 +100,7 @@ def _blocks_upto(end, block: int):
     return _div(jnp.maximum(end, 0) + block - 1, block)
 
 
-def kv_block_range(qi, cfg: _Config, block_q: int, block_kv: int, num_kv: int, shift=0):
+def kv_block_range(qi, cfg: TileConfig, block_q: int, block_kv: int, num_kv: int, shift=0):
     """Key blocks [lo, hi) holding a key visible from query block qi (its queries at positions
     qi * block_q + shift + [0, block_q) relative to key 0); others are empty."""
     first = qi * block_q + shift
@@ -113,7 +117,7 @@ def kv_block_range(qi, cfg: _Config, block_q: int, block_kv: int, num_kv: int, s
     return lo, hi
 
 
-def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int, shift=0):
+def q_block_range(kj, cfg: TileConfig, block_q: int, block_kv: int, num_q: int, shift=0):
     """Query blocks [lo, hi) that can see a key of key block kj (query i at position i + shift
     relative to key 0); others are empty."""
     first, last = kj * block_kv - shift, kj * block_kv + block_kv - 1 - shift  # in query indices
@@ -127,7 +131,7 @@ def q_block_range(kj, cfg: _Config, block_q: int, block_kv: int, num_q: int, shi
     return lo, hi
 
 
-def visible_tiles(cfg: _Config, nq: int, nk: int) -> np.ndarray:
+def visible_tiles(cfg: TileConfig, nq: int, nk: int) -> np.ndarray:
     """bool [nq, nk]: the (block_q x block_kv) tiles holding a visible (query, key) pair as far as the
     static masks tell (causal, window, key padding, sparsity; segment ids are data, not consulted).
     Each term alone is exact, and so is a pattern with causal (a tile straddling the diagonal holds an
@@ -156,7 +160,7 @@ def visited_share(length: int, *, causal: bool = False, window: Optional[int] = 
     if isinstance(sparsity, sparsity_lib.BigBird):
         sparsity.check_tiles(block, block)
     n = -(-length // block)
-    cfg = _Config(causal=causal, window=window, softcap=None, scale=1.0, kv_len=None, segments=False, alibi=False,
+    cfg = TileConfig(causal=causal, window=window, softcap=None, scale=1.0, kv_len=None, segments=False, alibi=False,
                   groups=1, block_q=block, block_kv=block, driver="loop", interpret=True, sparsity=sparsity)
     return float(visible_tiles(cfg, n, n).mean())
 
@@ -192,7 +196,7 @@ def _dot(a, b, contract=(1, 0)):
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
+def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: TileConfig):
     """Masked fp32 logits [bq, bk] for q [bq, H], k [bk, H].
 
     Returns (logits, visible [bq, bk] or None, tanh(raw / softcap) or None).
@@ -205,6 +209,15 @@ def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
         s = cfg.softcap * capped
     rows = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
     cols = kv_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s, visible = tile_mask(s, rows, cols, q_seg, kv_seg, slope, cfg)
+    return s, visible, capped
+
+
+def tile_mask(s, rows, cols, q_seg, kv_seg, slope, cfg: TileConfig):
+    """ALiBi and the masks of one tile of scaled (and soft-capped) fp32 logits s [bq, bk]: (s with
+    invisible entries at -1e30, visible bool [bq, bk] or None when all are). rows, cols int32 [bq, bk]:
+    the query and key positions; q_seg, kv_seg ints broadcasting to [bq, bk] or None; slope a scalar
+    or None. Shared by every driver (the Hopper driver's operands carry its register layouts)."""
     if slope is not None:
         s = s - slope * jnp.abs(rows - cols).astype(jnp.float32)
     visible = None
@@ -225,7 +238,7 @@ def _tile_logits(q, k, q_start, kv_start, q_seg, kv_seg, slope, cfg: _Config):
         visible = conj(cols < cfg.kv_len)
     if visible is not None:
         s = jnp.where(visible, s, _NEG_INF)
-    return s, visible, capped
+    return s, visible
 
 
 def _probs(s, visible, lse):
@@ -243,7 +256,7 @@ def _drop_key(seed_ref, batch, head):
     return dropout_lib.head_key(seed_ref[0], seed_ref[1] + batch, seed_ref[2] + head)
 
 
-def _dropout_mask(shape, q_start, kv_start, drop, cfg: _Config):
+def _dropout_mask(shape, q_start, kv_start, drop, cfg: TileConfig):
     """bool [bq, bk]: the tile's keep mask, its query positions from q_start and keys from kv_start (the
     row and column hashes O(bq + bk), one mix per element); None without dropout (drop None)."""
     if drop is None:
@@ -253,7 +266,7 @@ def _dropout_mask(shape, q_start, kv_start, drop, cfg: _Config):
     return dropout_lib.keep(drop, rows, cols, cfg.dropout)
 
 
-def _masked(x, kept, cfg: _Config):
+def _masked(x, kept, cfg: TileConfig):
     """x [bq, bk] * keep mask / (1 - rate); x without dropout (kept None)."""
     return x if kept is None else jnp.where(kept, x * (1.0 / (1.0 - cfg.dropout)), 0.0)
 
@@ -299,9 +312,9 @@ def _ds_tile(q, k, v, do, lse, delta, q_start, kv_start, q_seg, kv_seg, slope, d
 # prefetch).
 # --------------------------------------------------------------------------------------
 
-def _split_refs(refs, cfg: _Config, num_main: int):
+def _split_refs(refs, cfg: TileConfig, num_main: int):
     """(main refs, q_seg_ref, kv_seg_ref, slope_ref, block lists (index_ref, count_ref) or None, shift,
-    seed_ref, rest); shift: the queries' position offset (a traced int32 scalar, `_Config.shifted`) or 0;
+    seed_ref, rest); shift: the queries' position offset (a traced int32 scalar, `TileConfig.shifted`) or 0;
     seed_ref: int32 [3] with dropout (`_drop_key`), else None."""
     q_seg_ref = kv_seg_ref = slope_ref = lists = seed_ref = None
     shift = 0
@@ -335,7 +348,7 @@ def _load(ref, *idx):
     return None if ref is None else ref[idx]
 
 
-def _fwd_loop_kernel(*refs, cfg: _Config):
+def _fwd_loop_kernel(*refs, cfg: TileConfig):
     """Grid (B, N, T/bq). q [bq, H], k/v [S, H] -> o [bq, H], lse [bq, 1]."""
     (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (o_ref, lse_ref) = \
         _split_refs(refs, cfg, 3)
@@ -357,7 +370,7 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
     _fwd_finish(*lax.fori_loop(lo, hi, body, init), o_ref, lse_ref)
 
 
-def _fwd_grid_kernel(*refs, cfg: _Config):
+def _fwd_grid_kernel(*refs, cfg: TileConfig):
     """Grid (B, N, T/bq, S/bk), last axis sequential; m, l, acc in VMEM scratch."""
     (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, rest = _split_refs(refs, cfg, 3)
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
@@ -384,7 +397,7 @@ def _fwd_grid_kernel(*refs, cfg: _Config):
         _fwd_finish(m_ref[...], l_ref[...], acc_ref[...], o_ref, lse_ref)
 
 
-def _dq_loop_kernel(*refs, cfg: _Config):
+def _dq_loop_kernel(*refs, cfg: TileConfig):
     """Grid (B, N, T/bq). q/do [bq, H], lse/delta [bq, 1], k/v [S, H] -> dq [bq, H]."""
     main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dq_ref,) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
@@ -406,7 +419,7 @@ def _dq_loop_kernel(*refs, cfg: _Config):
     dq_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(dq_ref.shape, jnp.float32)).astype(dq_ref.dtype)
 
 
-def _dq_grid_kernel(*refs, cfg: _Config):
+def _dq_grid_kernel(*refs, cfg: TileConfig):
     """Grid (B, N, T/bq, S/bk), last axis sequential; dq accumulates in VMEM scratch."""
     main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dq_ref, acc_ref) = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
@@ -440,7 +453,7 @@ def _dkv_accumulate(dk, dv, q, k, v, do, lse, delta, q_start, kv_start, q_seg, k
     return dk, dv
 
 
-def _dkv_loop_kernel(*refs, cfg: _Config):
+def _dkv_loop_kernel(*refs, cfg: TileConfig):
     """Grid (B, K, S/bk). q/do [G*T, H], lse/delta [G*T, 1], q_seg [T, 1], slope [G, 1],
     k/v [bk, H] -> dk, dv [bk, H]; loops over the G heads and the visible query blocks."""
     main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, (dk_ref, dv_ref) = _split_refs(refs, cfg, 6)
@@ -469,7 +482,7 @@ def _dkv_loop_kernel(*refs, cfg: _Config):
     dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
-def _dkv_grid_kernel(*refs, cfg: _Config):
+def _dkv_grid_kernel(*refs, cfg: TileConfig):
     """Grid (B, K, S/bk, G, T/bq), last two axes sequential; dk, dv in VMEM scratch."""
     main, q_seg_ref, kv_seg_ref, slope_ref, lists, shift, seed_ref, rest = _split_refs(refs, cfg, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = main
@@ -530,18 +543,18 @@ def _clamp(idx, lo, hi, count):
     return jnp.clip(jnp.clip(idx, lo, jnp.maximum(hi - 1, lo)), 0, count - 1)
 
 
-def _lists(cfg: _Config, seen):
+def _lists(cfg: TileConfig, seen):
     """Block lists (index [n, M], count [n, 1]; `block_lists`) of the tiles seen() -> [n, m] bool, or None
     without a sparsity pattern (the kernels then skip by the causal/window ranges)."""
     return None if cfg.sparsity is None else block_lists(seen())
 
 
-def _num_prefetched(cfg: _Config) -> int:
+def _num_prefetched(cfg: TileConfig) -> int:
     """Scalar-prefetch operands of the grid driver: the block lists (2), the shift (1), the dropout seed (1)."""
     return 2 * (cfg.sparsity is not None) + cfg.shifted + (cfg.dropout > 0)
 
 
-def _prefetched(cfg: _Config, prefetch):
+def _prefetched(cfg: TileConfig, prefetch):
     """The grid driver's scalar-prefetch refs -> (block lists (index_ref, count_ref) or None, shift or 0,
     seed_ref or None)."""
     lists, prefetch = (tuple(prefetch[:2]), prefetch[2:]) if cfg.sparsity is not None else (None, prefetch)
@@ -556,7 +569,7 @@ def _listed(prefetch, row, step):
     return index_ref[row, jnp.clip(step, 0, jnp.maximum(count_ref[row] - 1, 0))]
 
 
-def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None,
+def _extras(cfg: TileConfig, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_spec, lists=None, shift=None,
             seed=None):
     """Optional operands and their specs, in kernel ref order. The loop driver takes the block lists as
     two operands, row r at its grid step (., ., r), the shift as one (int32 [1]) and the dropout seed as one
@@ -587,7 +600,7 @@ def _extras(cfg: _Config, q_seg, kv_seg, slopes, q_seg_spec, kv_seg_spec, slope_
 _MATMULS = {"flash_attention_fwd": 2, "flash_attention_dq": 3, "flash_attention_dkv": 4}
 
 
-def cost_estimate(name: str, cfg: _Config, q_shape, S: int, K: int, itemsize: int) -> pl.CostEstimate:
+def cost_estimate(name: str, cfg: TileConfig, q_shape, S: int, K: int, itemsize: int) -> pl.CostEstimate:
     """What XLA's cost model knows of one kernel call (it scores a Pallas call by this alone): for q
     [B, N, T, H] against S keys of K heads, the visible tiles' (`visible_tiles`) matrix products (2 FLOPs
     a multiply-add), one exp per visible score (a tanh too with soft-cap), and the bytes: the operands
@@ -607,7 +620,7 @@ def cost_estimate(name: str, cfg: _Config, q_shape, S: int, K: int, itemsize: in
                            transcendentals=scores * (2 if cfg.softcap else 1), bytes_accessed=moved)
 
 
-def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
+def _call(kernel, cfg: TileConfig, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
           num_sequential: int, cost: pl.CostEstimate, shift=None, seed=None):
     """The pallas_call of `kernel` as a function of its operands. With block lists, a shift or a dropout
     seed the grid driver takes them first, as TPU scalar prefetch (index [n, M], count [n], shift [1] and
@@ -631,7 +644,7 @@ def _call(kernel, cfg: _Config, backend: str, lists, *, grid, in_specs, out_spec
     return functools.partial(call, *prefetch)
 
 
-def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
+def _query_major_specs(q_shape, S: int, cfg: TileConfig, lists=None):
     """Grid and BlockSpecs shared by the forward and dQ calls: the grid runs over query blocks
     (the TPU "grid" driver adds a sequential key-block axis that skips masked-out blocks, or with
     block lists steps through the listed ones).
@@ -660,7 +673,7 @@ def _query_major_specs(q_shape, S: int, cfg: _Config, lists=None):
     return (B, N, nq, steps), q_map, kv_spec, seg_specs, slope_spec
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
+def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, backend: str, shift=None, seed=None):
     """-> o [B, N, T, H] (q dtype), lse [B, N, T, 1] fp32. shift: int32 scalar when cfg.shifted; seed:
     int32 [3] when cfg.dropout (`_drop_key`)."""
     B, N, T, H = q.shape
@@ -681,7 +694,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=
                                                q.dtype.itemsize))(q, k, v, *extra_args)
 
 
-def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
+def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: TileConfig, backend: str, shift=None, seed=None):
     """-> dq [B, N, T, H]."""
     T, H = q.shape[2:]
     lists = _lists(cfg, lambda: visible_tiles(cfg, T // cfg.block_q, k.shape[2] // cfg.block_kv))
@@ -701,7 +714,7 @@ def _dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backe
                  )(q, k, v, do, lse, delta, *extra_args)
 
 
-def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: _Config, backend: str, shift=None, seed=None):
+def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: TileConfig, backend: str, shift=None, seed=None):
     """-> dk, dv [B, K, S, H]; each key/value head sums over its G query heads."""
     B, N, T, H = q.shape
     K, S, G, bq, bk = k.shape[1], k.shape[2], cfg.groups, cfg.block_q, cfg.block_kv
@@ -781,7 +794,8 @@ def _fit(block: int, length: int, floor: int) -> int:
     return min(block, max(floor, pl.next_power_of_2(length)))
 
 
-def _pad(x, axis: int, size: int, value=0):
+def pad_to(x, axis: int, size: int, value=0):
+    """x padded at the end of `axis` to `size` with `value`."""
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths, constant_values=value)
@@ -804,14 +818,14 @@ class _Prepared(NamedTuple):
     q_seg: Optional[jax.Array]
     kv_seg: Optional[jax.Array]
     slopes: Optional[jax.Array]
-    cfg: _Config
-    cfg_bwd: _Config
+    cfg: TileConfig
+    cfg_bwd: TileConfig
     backend: str
     padded: tuple  # (Tp, Sp, Hp)
 
     def to_kernel(self, x, length: int, value=0):
         """x [B, L, N, H] -> [B, N, Lp, Hp] (length: Tp or Sp), padded with value."""
-        return _pad(_pad(x, 1, length, value), 3, self.padded[2]).transpose(0, 2, 1, 3)
+        return pad_to(pad_to(x, 1, length, value), 3, self.padded[2]).transpose(0, 2, 1, 3)
 
 
 def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
@@ -851,11 +865,11 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
     if kv_seg is not None and q_seg is None:  # key padding only: any non-zero id is visible
         kv_seg, q_seg = (kv_seg != 0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)
     if kv_seg is not None:
-        q_seg = _pad(q_seg.astype(jnp.int32), 1, Tp)[:, :, None]    # [B, Tp, 1]
-        kv_seg = _pad(kv_seg.astype(jnp.int32), 1, Sp)[:, None, :]  # [B, 1, Sp]
+        q_seg = pad_to(q_seg.astype(jnp.int32), 1, Tp)[:, :, None]    # [B, Tp, 1]
+        kv_seg = pad_to(kv_seg.astype(jnp.int32), 1, Sp)[:, None, :]  # [B, 1, Sp]
     slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32).reshape(N, 1, 1)
 
-    cfg = _Config(causal=causal, window=window, softcap=softcap, scale=float(scale),
+    cfg = TileConfig(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
                   groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
                   interpret=interpret, sparsity=sparsity, shifted=shifted, dropout=float(dropout_rate))
@@ -915,7 +929,7 @@ def block_backward(q, k, v, do, lse, delta, shift, **options):
     [B, N, T] (fp32): dq [B, T, N, H], dk, dv [B, S, K, H] (this block's share, input dtypes)."""
     c = _prepare(q, k, v, shifted=True, **options)
     Tp = c.padded[0]
-    rows = lambda x, value: _pad(x, 2, Tp, value)[..., None]  # [B, N, T] -> [B, N, Tp, 1]
+    rows = lambda x, value: pad_to(x, 2, Tp, value)[..., None]  # [B, N, T] -> [B, N, Tp, 1]
     operands = (c.q, c.k, c.v, c.to_kernel(do, Tp), rows(lse, jnp.inf), rows(delta, 0.0), c.q_seg, c.kv_seg,
                 c.slopes)
     dq = _dq_call(*operands, c.cfg_bwd, c.backend, shift)

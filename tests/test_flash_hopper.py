@@ -1,0 +1,95 @@
+"""The Hopper (Mosaic GPU) forward kernel: in Mosaic GPU's interpreter on CPU against the xla
+reference (outputs and log-sum-exp, bf16 inputs: max-abs <= 2e-2), its one-line refusals, and its
+lowering for a compile-only H100 (every feature, H 64/128/256) into one Mosaic GPU call.
+
+The interpreter runs the kernel's warpgroups, barriers and TMA copies but not its register layouts
+or the wgmma instruction itself (`flash_hopper._Registers`); the lowering covers those up to the
+Mosaic GPU module (ptxas, which reports registers and spills, needs a GPU: benchmarks.gpu_check)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_flash_attention import Case, _segment_ids
+from tfm.kernels.flash_hopper import flash_attention_forward
+from tfm.ops import attention
+
+# Every feature the driver takes, in few interpreted calls (one batch row: the interpreter runs each
+# thread block's three warpgroups in turn): ragged lengths pad to whole tiles, row 0 of the packed
+# case has query ids its keys lack (rows that see nothing: o 0, lse +inf).
+CASES = {
+    "causal_gqa_ragged_softcap": Case(T=100, S=100, N=4, K=2, H=16, causal=True, softcap=3.0),
+    "cross_mqa_window_bidirectional": Case(T=72, S=200, N=2, K=1, H=64, window=40),
+    "packed_segments_causal_window": Case(T=160, S=160, N=2, K=2, H=32, causal=True, window=33, segments="packed"),
+    "kv_padding_only": Case(T=64, S=100, N=2, K=2, H=16, segments="kv"),
+}
+
+
+def _inputs(case):
+    """bf16 q [1, T, N, H], k, v [1, S, K, H]."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    shapes = [(1, case.T, case.N, case.H), (1, case.S, case.K, case.H), (1, case.S, case.K, case.H)]
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key, shape in zip(keys, shapes))
+
+
+def _options(case):
+    q_seg, kv_seg = (None if ids is None else ids[:1] for ids in _segment_ids(case))
+    return dict(causal=case.causal, window=case.window, softcap=case.softcap, q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_matches_xla_in_the_interpreter(name):
+    case = CASES[name]
+    q, k, v = _inputs(case)
+    options = _options(case)
+    o, lse = jax.jit(lambda q, k, v: flash_attention_forward(q, k, v, interpret=True, **options))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    want = attention.dot_product_attention(f32(q), f32(k), f32(v), impl="xla", **options)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    np.testing.assert_allclose(np.asarray(f32(o)), np.asarray(want), rtol=0, atol=2e-2)
+    # lse against the reference's logits: log-sum-exp over the visible keys, +inf where none is
+    G = case.N // case.K
+    logits = jnp.einsum("btnh,bsnh->bnts", f32(q), jnp.repeat(f32(k), G, axis=2)) * case.H ** -0.5
+    if case.softcap:
+        logits = case.softcap * jnp.tanh(logits / case.softcap)
+    q_seg, kv_seg = options["q_segment_ids"], options["kv_segment_ids"]
+    if kv_seg is not None and q_seg is None:  # key padding only
+        q_seg, kv_seg = jnp.ones((q.shape[0], case.T), jnp.int32), (kv_seg != 0).astype(jnp.int32)
+    seen = attention.visibility(jnp.arange(case.T)[None], jnp.arange(case.S)[None], q_seg, kv_seg,
+                                causal=case.causal, window=case.window)[:, None]  # [B, 1, T, S]
+    if q_seg is not None:
+        seen &= (kv_seg != 0)[:, None, None, :]
+    want_lse = jnp.where(seen.any(-1), jax.nn.logsumexp(jnp.where(seen, logits, -jnp.inf), axis=-1), jnp.inf)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jnp.broadcast_to(want_lse, lse.shape)), rtol=0, atol=2e-2)
+
+
+def test_refusals_are_one_line():
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    for options, match in ((dict(alibi_slopes=jnp.ones(2)), "does not implement ALiBi yet"),
+                           (dict(dropout_rate=0.1), "does not implement attention dropout yet"),
+                           (dict(), "all bfloat16 or all float16, not float32/float32/float32")):
+        x = q.astype(jnp.float32) if not options else q
+        with pytest.raises(ValueError, match=match):
+            flash_attention_forward(x, x, x, **options)
+    with pytest.raises(ValueError, match="head dims up to 256, got 320"):
+        flash_attention_forward(*(jnp.zeros((1, 128, 2, 320), jnp.bfloat16),) * 3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
+    """Every feature subset the driver takes, traced for a compile-only H100: the Mosaic GPU module
+    is built (register layouts, wgmma operands, TMA shapes, shared memory) into one custom call."""
+    from test_kernel_compile import _devices
+    mesh = jax.sharding.Mesh(np.array(_devices("h100-1")[:1]), ("x",))
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    subsets = [dict(causal=True), dict(window=100), dict(causal=True, window=100, softcap=30.0, segments=True),
+               dict(segments=True)]
+    for options in subsets:
+        segments = options.pop("segments", False)
+        f = lambda q, k, v, ids: flash_attention_forward(
+            q, k, v, q_segment_ids=ids if segments else None, kv_segment_ids=ids if segments else None, **options)[0]
+        text = jax.jit(f).lower(spec(2, 384, 8, head_dim), spec(2, 384, 2, head_dim), spec(2, 384, 2, head_dim),
+                                spec(2, 384, dtype=jnp.int32)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1, options
