@@ -33,12 +33,13 @@ FLOPs are not known (0, listed). A roofline time per kernel is max(bytes / HBM b
 dense bf16 peak) of the target chip: an estimate, not a measurement. Category, first rule that
 holds: "attention" (a cuDNN attention or Pallas flash-attention call), "weight convert" (only
 converts between f32 and bf16, with moves, of an array shaped as a parameter, up to the order of
-its dims: parameters are the ENTRY parameters named state.params), then by the kernel's op_name
-(its root op's): "attention" (tfm's attention entry point's scope), "logits/cross-entropy" (an
-output layer's scope: output, mlm_output, ...; or the cross_entropy scope of tfm's losses),
-"optimizer" (the train step's optimizer scope: the optax update), then by what it computes:
-"matmul" (a dot, a convolution or a cuBLAS gemm), "collective", "copy/transpose" (only copies,
-transposes, slices, pads, concatenations, reshapes), "gather/scatter", "reduction", "elementwise".
+its dims: parameters are the ENTRY parameters named state.params), "copy/transpose" (only copies,
+transposes, slices, pads, concatenations, reshapes, wherever they come from: the op_name says),
+then by the kernel's op_name (its root op's): "attention" (tfm's attention entry point's scope),
+"logits/cross-entropy" (an output layer's scope: output, mlm_output, ...; or the cross_entropy
+scope of tfm's losses), "optimizer" (the train step's optimizer scope: the optax update), then by
+what it computes: "matmul" (a dot, a convolution or a cuBLAS gemm), "collective",
+"gather/scatter", "reduction", "elementwise".
 Every f32<->bf16 convert of a parameter-shaped array is listed too, fused into another kernel or not.
 """
 from __future__ import annotations
@@ -336,16 +337,16 @@ def _category(i: Instruction, ops: list, flops: float, weight_convert: bool) -> 
         return "attention"
     if weight_convert:
         return "weight convert"
+    kinds = {op.opcode for op in ops} - _NO_KERNEL
+    if kinds and kinds <= _MOVES:
+        return "copy/transpose"
     for label, scope in _SCOPES:
         if scope.search(i.op_name):
             return label
-    kinds = {op.opcode for op in ops} - _NO_KERNEL
     if flops or i.target.startswith(_GEMMS):
         return "matmul"
     if any(k.removesuffix("-start") in COLLECTIVES for k in kinds):
         return "collective"
-    if kinds and kinds <= _MOVES:
-        return "copy/transpose"
     if kinds & {"gather", "scatter"}:
         return "gather/scatter"
     return "reduction" if "reduce" in kinds else "elementwise"

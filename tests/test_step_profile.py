@@ -83,7 +83,7 @@ ENTRY %main.9 (w: f32[64,32], x: bf16[16,64], emb: f32[100,32], g: bf16[64,32], 
   %logits = f32[16,100]{1,0} fusion(%h, %embc), kind=kCustom, calls=%logits_dot, metadata={op_name="jit(train_step)/jvp(DecoderLM)/output/BTD,VD->BTV/dot_general"}
   %sums = f32[16]{0} fusion(%logits), kind=kInput, calls=%row_sum, metadata={op_name="jit(train_step)/reduce_sum"}
   %upd = f32[64,32]{1,0} fusion(%w, %g), kind=kLoop, calls=%adam, metadata={op_name="jit(train_step)/optimizer/add"}
-  %tr = bf16[32,16]{1,0} transpose(%h), dimensions={1,0}
+  %tr = bf16[32,16]{1,0} transpose(%h), dimensions={1,0}, metadata={op_name="jit(train_step)/jvp(DecoderLM)/layer_0/self_attn/attention/transpose"}
   %zero = s32[] constant(0)
   %init = (s32[], bf16[16,32]{1,0}) tuple(%zero, %h)
   %loop = (s32[], bf16[16,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
@@ -101,7 +101,7 @@ EXPECTED = [
     ("logits", "logits/cross-entropy", 16 * 100 * 4 + 16 * 32 * 2 + 100 * 32 * 2, 2 * 16 * 100 * 32, 1),
     ("sums", "reduction", 16 * 4 + 16 * 100 * 4, 0, 1),
     ("upd", "optimizer", 64 * 32 * 4 * 2 + 64 * 32 * 2, 0, 1),
-    ("tr", "copy/transpose", 2 * 16 * 32 * 2, 0, 1),
+    ("tr", "copy/transpose", 2 * 16 * 32 * 2, 0, 1),  # a move, whatever its scope
     ("e.0", "elementwise", 2 * 16 * 32 * 2, 0, 3),  # the loop body's kernel, 3 trips
     # cuDNN forward: O + softmax stats (its u8 scratch left out), Q, K, V; 2 products of B N T S x H
     ("attn", "attention", 2 * 4 * 16 * 8 * 2 + 2 * 4 * 16 * 4 + 3 * 2 * 16 * 4 * 8 * 2, 2 * (2 * 4 * 16 * 16) * (8 + 8), 1),
