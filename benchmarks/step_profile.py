@@ -446,12 +446,9 @@ def breakdown_lines(kernels: list, converts: list, chip: Chip, top: int = 20) ->
 
 def compile_step(model: str, B: int, T: int, impl: str, target_name: str, vocab_chunk=None,
                  execution: Optional[dict] = None, tiny: bool = False):
-    """(compiled, trainer, seconds): tfm's bf16 train step of the case compiled, not run, for a
-    compile-only GPU of `target_name` (one chip)."""
-    target = parse_target(target_name)
-    if target.chip.platform != "gpu" or target.chips != 1:
-        raise ValueError(f"--target {target_name!r}: --compile-only takes one GPU, h100-1 or h200-1")
-    mesh = make_mesh(MeshConfig(data=1), target.devices())
+    """(compiled, trainer, seconds): tfm's bf16 train step of the case compiled, not run, for the
+    compile-only GPU `target_name` (one chip: h100-1 or h200-1)."""
+    mesh = make_mesh(MeshConfig(data=1), parse_target(target_name).devices())
     changes = dict(dtype="bfloat16", attention_impl=impl, **(bench.TINY if tiny else {}), **(execution or {}))
     trainer, batch = bench.case_trainer(model, B, T, vocab_chunk, mesh=mesh, **changes)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
@@ -531,6 +528,14 @@ def main(argv=None) -> int:
 
 def compile_only_main(a, execution: dict) -> int:
     """--compile-only: each batch's breakdown appended to DIR/breakdown.md and DIR/breakdown.json."""
+    target = parse_target(a.target)
+    if target.chip.platform != "gpu" or target.chips != 1:
+        print(f"error: --compile-only takes one GPU: --target h100-1 or h200-1, got {a.target!r}", file=sys.stderr)
+        return 1
+    if a.impl == "cudnn":
+        print("error: --compile-only cannot trace JAX's cuDNN attention without cuDNN; take --impl pallas or xla",
+              file=sys.stderr)
+        return 1
     if jax.config.jax_platforms != "cpu":
         jax.config.update("jax_platforms", "cpu")  # before JAX starts its backends: compile-only GPUs
     use_plugins()
