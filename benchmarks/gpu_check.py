@@ -72,7 +72,7 @@ BUDGET_S = {"correctness": 210, "attention": 300, "train": 360, "decode": 180, "
 # fp32 allows TF32 matmul units (10-bit mantissa) on the GPU.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 2e-3}
 TFM_IMPLS = ("pallas", "cudnn", "xla")
-# tfm's Hopper (Mosaic GPU) forward kernel, not yet behind the entry point: checked and timed on its own
+# tfm's Hopper (Mosaic GPU) kernels, not yet behind the entry point: checked and timed on their own
 HOPPER = "hopper"
 
 
@@ -186,16 +186,16 @@ def case_inputs(case: Case) -> tuple[tuple, dict]:
 
 
 def outputs_and_grads(impl: str, arrays: tuple, masks: dict, dtype) -> dict[str, np.ndarray]:
-    """{"o", "dq", "dk", "dv"} of tfm's `impl` at `dtype`, gradients of <o, do>; as fp32 numpy.
-    HOPPER: {"o"} of the Hopper forward kernel (it has no backward yet)."""
+    """{"o", "dq", "dk", "dv"} of tfm's `impl` (or HOPPER, its Hopper kernels called directly) at
+    `dtype`, gradients of <o, do>; as fp32 numpy."""
     if impl == HOPPER:
-        from tfm.kernels.flash_hopper import flash_attention_forward
-        o = jax.jit(lambda q, k, v: flash_attention_forward(q, k, v, **masks)[0])(
-            *(a.astype(dtype) for a in arrays[:3]))
-        return {"o": np.asarray(o.astype(jnp.float32))}
+        from tfm.kernels.flash_hopper import flash_attention
+        attend = lambda q, k, v: flash_attention(q, k, v, **masks)[0]
+    else:
+        attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks)
 
     def run(q, k, v, do):
-        o, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks), q, k, v)
+        o, vjp = jax.vjp(attend, q, k, v)
         return (o, *vjp(do))
     results = jax.jit(run)(*(a.astype(dtype) for a in arrays))
     return {name: np.asarray(x.astype(jnp.float32)) for name, x in zip(("o", "dq", "dk", "dv"), results)}
@@ -350,8 +350,8 @@ def jax_forward(impl: str, causal: bool):
     if impl == "tfm hopper":
         if not hopper_present():
             raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
-        from tfm.kernels.flash_hopper import flash_attention_forward
-        return lambda q, k, v: flash_attention_forward(q, k, v, causal=causal)[0]
+        from tfm.kernels.flash_hopper import flash_attention
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)[0]
     if impl.startswith("tfm "):
         name = impl.split()[1]
         if name == "cudnn" and jax.default_backend() != "gpu":
@@ -406,8 +406,6 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
 
 
 def measure_impl(impl: str, shape, backward: bool, iters: int, dtype: str = "bfloat16"):
-    if impl == "tfm hopper" and backward:
-        raise Unavailable("the Hopper kernel has no backward yet")
     if impl.startswith("torch "):
         if dtype != "bfloat16":
             raise Unavailable("the torch rows are timed in bf16 only")
@@ -482,7 +480,7 @@ def train_cases(smoke: bool, selection: Selection = Selection()) -> list[tuple[s
     """(model, B, T): GPT-2 small at 8×1024 and at its best measured batch, BERT-base without and
     with the paper's dropout (0.1, attention too), the Llama-1B shape; narrowed to the selection's
     models (`benchmarks.train_step` names)."""
-    cases = ([("gpt2", 2, 32), ("bert", 2, 32), ("bert_dropout", 2, 32)] if smoke else
+    cases = ([("gpt2", 2, 32), ("bert_dropout", 2, 32)] if smoke else  # smoke: BERT's path with dropout
              [("gpt2", 8, 1024), ("gpt2", 32, 1024), ("bert", 32, 512), ("bert_dropout", 32, 512),
               ("llama1b", 4, 2048)])
     return [c for c in cases if selection.models is None or c[0] in selection.models]

@@ -1,17 +1,20 @@
-"""The Hopper (Mosaic GPU) forward kernel: in Mosaic GPU's interpreter on CPU against the xla
-reference (outputs and log-sum-exp, bf16 inputs: max-abs <= 2e-2), its one-line refusals, and its
-lowering for a compile-only H100 (every feature, H 64/128/256) into one Mosaic GPU call.
+"""The Hopper (Mosaic GPU) flash-attention kernels: in Mosaic GPU's interpreter on CPU against the
+xla reference (o, log-sum-exp and dq, dk, dv; bf16 inputs: max-abs <= 2e-2, gradients relative to
+their largest), the one-line refusals, and the lowering of forward and backward for a compile-only
+H100 (every feature, H 64/128/256) into Mosaic GPU calls.
 
 The interpreter runs the kernel's warpgroups, barriers and TMA copies but not its register layouts
 or the wgmma instruction itself (`flash_hopper._Registers`); the lowering covers those up to the
 Mosaic GPU module (ptxas, which reports registers and spills, needs a GPU: benchmarks.gpu_check)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from test_flash_attention import Case, _segment_ids
-from tfm.kernels.flash_hopper import flash_attention_forward
+from tfm.kernels.flash_hopper import flash_attention
 from tfm.ops import attention
 
 # Every feature the driver takes, in few interpreted calls (one batch row: the interpreter runs each
@@ -39,15 +42,31 @@ def _options(case):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_forward_matches_xla_in_the_interpreter(name):
+def test_matches_xla_in_the_interpreter(name):
+    """o, lse and the gradients of <o, ct> (the dQ and dK/dV kernels) against the xla reference on
+    the same bf16 inputs in fp32."""
     case = CASES[name]
     q, k, v = _inputs(case)
+    ct = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
     options = _options(case)
-    o, lse = jax.jit(lambda q, k, v: flash_attention_forward(q, k, v, interpret=True, **options))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    want = attention.dot_product_attention(f32(q), f32(k), f32(v), impl="xla", **options)
+
+    def loss(impl, q, k, v):
+        if impl == "hopper":
+            o, lse = flash_attention(q, k, v, interpret=True, **options)
+        else:
+            o, lse = attention.dot_product_attention(f32(q), f32(k), f32(v), impl="xla", **options), None
+        return jnp.sum(f32(o) * ct), (o, lse)
+
+    grad = lambda impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), argnums=(0, 1, 2), has_aux=True))
+    (_, (o, lse)), grads = grad("hopper")(q, k, v)
+    (_, (want, _)), want_grads = grad("xla")(q, k, v)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     np.testing.assert_allclose(np.asarray(f32(o)), np.asarray(want), rtol=0, atol=2e-2)
+    for name_, got, ref, x in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype, name_
+        np.testing.assert_allclose(np.asarray(f32(got)), np.asarray(f32(ref)), rtol=0,
+                                   atol=2e-2 * max(1.0, float(jnp.abs(ref).max())), err_msg=name_)
     # lse against the reference's logits: log-sum-exp over the visible keys, +inf where none is
     G = case.N // case.K
     logits = jnp.einsum("btnh,bsnh->bnts", f32(q), jnp.repeat(f32(k), G, axis=2)) * case.H ** -0.5
@@ -58,8 +77,6 @@ def test_forward_matches_xla_in_the_interpreter(name):
         q_seg, kv_seg = jnp.ones((q.shape[0], case.T), jnp.int32), (kv_seg != 0).astype(jnp.int32)
     seen = attention.visibility(jnp.arange(case.T)[None], jnp.arange(case.S)[None], q_seg, kv_seg,
                                 causal=case.causal, window=case.window)[:, None]  # [B, 1, T, S]
-    if q_seg is not None:
-        seen &= (kv_seg != 0)[:, None, None, :]
     want_lse = jnp.where(seen.any(-1), jax.nn.logsumexp(jnp.where(seen, logits, -jnp.inf), axis=-1), jnp.inf)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(jnp.broadcast_to(want_lse, lse.shape)), rtol=0, atol=2e-2)
 
@@ -71,15 +88,19 @@ def test_refusals_are_one_line():
                            (dict(), "all bfloat16 or all float16, not float32/float32/float32")):
         x = q.astype(jnp.float32) if not options else q
         with pytest.raises(ValueError, match=match):
-            flash_attention_forward(x, x, x, **options)
+            flash_attention(x, x, x, **options)
     with pytest.raises(ValueError, match="head dims up to 256, got 320"):
-        flash_attention_forward(*(jnp.zeros((1, 128, 2, 320), jnp.bfloat16),) * 3)
+        flash_attention(*(jnp.zeros((1, 128, 2, 320), jnp.bfloat16),) * 3)
+    wide = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backward takes head dims up to 128, got 256; use impl='pallas'"):
+        jax.make_jaxpr(jax.grad(lambda q: flash_attention(q, wide, wide)[0].astype(jnp.float32).sum()))(wide)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
-    """Every feature subset the driver takes, traced for a compile-only H100: the Mosaic GPU module
-    is built (register layouts, wgmma operands, TMA shapes, shared memory) into one custom call."""
+    """Every feature subset the driver takes, forward and backward, traced for a compile-only H100:
+    the Mosaic GPU modules are built (register layouts, wgmma operands, TMA shapes, shared memory)
+    into three custom calls (forward, dQ, dK/dV)."""
     from test_kernel_compile import _devices
     mesh = jax.sharding.Mesh(np.array(_devices("h100-1")[:1]), ("x",))
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
@@ -88,8 +109,10 @@ def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
                dict(segments=True)]
     for options in subsets:
         segments = options.pop("segments", False)
-        f = lambda q, k, v, ids: flash_attention_forward(
-            q, k, v, q_segment_ids=ids if segments else None, kv_segment_ids=ids if segments else None, **options)[0]
-        text = jax.jit(f).lower(spec(2, 384, 8, head_dim), spec(2, 384, 2, head_dim), spec(2, 384, 2, head_dim),
+        f = lambda q, k, v, ids: jnp.sum(flash_attention(
+            q, k, v, q_segment_ids=ids if segments else None, kv_segment_ids=ids if segments else None,
+            **options)[0].astype(jnp.float32))
+        traced = jax.jit(jax.grad(f, argnums=(0, 1, 2)) if head_dim <= 128 else f)  # the backward up to H 128
+        text = traced.lower(spec(2, 384, 8, head_dim), spec(2, 384, 2, head_dim), spec(2, 384, 2, head_dim),
                                 spec(2, 384, dtype=jnp.int32)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1, options
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == (3 if head_dim <= 128 else 1), options

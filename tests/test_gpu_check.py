@@ -49,7 +49,8 @@ def test_smoke_run_exits_zero_with_every_section(smoke):
 def test_xla_and_pallas_are_within_tolerance_in_every_case(smoke):
     _, report, _ = smoke
     rows = [r for r in table_rows(section(report, 1)) if r[1] in ("xla", "pallas")]
-    assert len({r[0] for r in rows}) == 6 and len(rows) == 6 * 2 * 2  # cases x impls x dtypes
+    cases = len(gpu_check.correctness_cases(smoke=True))
+    assert len({r[0] for r in rows}) == cases == 7 and len(rows) == cases * 2 * 2  # cases x impls x dtypes
     for case, impl, dtype, *errors, tolerance, status in rows:
         assert status == "ok", (case, impl, dtype, status)
         assert all(float(e) < float(tolerance) == gpu_check.TOLERANCE[dtype] for e in errors), (case, impl, errors)
@@ -60,7 +61,10 @@ def test_unavailable_cases_say_why(smoke):
     cudnn = [r for r in table_rows(section(report, 1)) if r[1] == "cudnn"]
     assert cudnn and all(r[-1] == "unavailable: cuDNN needs a GPU (JAX backend is cpu)" for r in cudnn)
     cells = [c for r in table_rows(section(report, 2)) for c in r[6:]]
-    assert sum(c.startswith("unavailable: torch") and "has no CUDA device" in c for c in cells) == 2 * len(cells) // 7
+    hopper = [r for r in table_rows(section(report, 1)) if r[1] == "hopper"]
+    assert hopper and all(r[-1] == "unavailable: the Hopper kernel needs an H100/H200 (device: cpu)" for r in hopper)
+    impls = len(gpu_check.THROUGHPUT_IMPLS)
+    assert sum(c.startswith("unavailable: torch") and "has no CUDA device" in c for c in cells) == 2 * len(cells) // impls
     assert all(re.fullmatch(r"[\d.]+|unavailable: \S.*", c) for c in cells), cells
     train = table_rows(section(report, 3))
     assert any(r[2] == "torch compile" and r[-1].startswith("unavailable: torch.compile") for r in train)

@@ -15,9 +15,9 @@ that share the same per-tile math:
         accumulators live in VMEM scratch, and empty blocks are skipped with `pl.when`
         and their index maps clamped so no DMA is issued for them.
 
-A third driver, for Hopper GPUs in Pallas Mosaic GPU (`tfm.kernels.flash_hopper`: forward only so
-far, measured by `benchmarks.gpu_check` before anything selects it), shares `tile_mask` and
-`kv_block_range` with these two.
+A third driver, for Hopper GPUs in Pallas Mosaic GPU (`tfm.kernels.flash_hopper`: warp-specialised,
+TMA-fed wgmma kernels; measured by `benchmarks.gpu_check` before anything selects it), shares
+`tile_mask`, `kv_block_range` and `q_block_range` with these two.
 
 The visible blocks are a range per block row (causal, window) or, with a sparsity pattern
 (`tfm.kernels.sparsity`), block lists: `visible_tiles` -> `block_lists`, index [n, M] and count [n]

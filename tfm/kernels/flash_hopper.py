@@ -1,29 +1,36 @@
-"""The flash-attention forward kernel for Hopper GPUs (sm_90a) in Pallas Mosaic GPU.
+"""Flash attention for Hopper GPUs (sm_90a) in Pallas Mosaic GPU: forward and a deterministic backward.
 
 Layout: q [B, T, N, H], k and v [B, S, K, H] (bf16 or fp16), G = N // K, as at tfm's entry point;
 the mask semantics are those of `tfm.kernels.flash_attention` (causal, window, segment ids with
-0 = padding, soft-cap; rows with no visible key give 0), and each tile's masks are that module's
-`tile_mask`, its visible key blocks `kv_block_range`.
+0 = padding, soft-cap; rows with no visible key give 0). Every tile's masks are that module's
+`tile_mask` and its visible blocks `kv_block_range` / `q_block_range`.
 
-One thread block per (batch row, 128 queries, query head), three warpgroups:
-  0, 1  compute: 64 query rows each. Q stays in shared memory; per key block S = Q Kᵀ and
-        O += P V run on the tensor cores (wgmma, fp32 accumulators in registers), the online
-        softmax between them.
-  2     memory: streams the key/value blocks both compute warpgroups need (the union of their
-        visible ranges) by TMA into a ring of `STAGES` slots, refilling a slot once both have
-        released it (a "consumed" barrier of two arrivals).
-A compute warpgroup waits on every streamed block (so the barriers' phases stay in step) and
-computes only those it can see. The kernel writes o and the log-sum-exp [B, N, T] (fp32).
+Each kernel runs three warpgroups per thread block:
+  0, 1  compute: 64 rows each (queries in the forward and dQ, keys in dK/dV), held in shared
+        memory; the products run on the tensor cores (wgmma, fp32 accumulators in registers).
+  2     memory: streams the blocks of the other sequence that either compute warpgroup sees (the
+        union of their visible ranges) by TMA into a ring of `STAGES` slots, refilling a slot once
+        both have released it (a "consumed" barrier of two arrivals).
+A compute warpgroup waits on every streamed block, so the barriers' phases stay in step, and
+computes only the blocks it can see.
 
-Not yet here (refused in one line): ALiBi, attention dropout, the backward; `auto` and the
-entry point never pick this driver until `benchmarks.gpu_check` has measured it correct and fast
-on a Hopper GPU (benchmarks/RESULTS.md). On a CPU it runs in Mosaic GPU's interpreter
-(`interpret=True`), which models the warpgroups, barriers and TMA copies.
+  forward  grid (B, T / 128, N): per key block S = Q Kᵀ, the online softmax, O += P V; writes o
+           and the log-sum-exp [B, N, T] (fp32, +inf on rows that see no key).
+  dQ       grid (B, T / 128, N): S and P again from lse, dP = dO Vᵀ, dS = P (dP - delta),
+           dQ += dS K, with delta = rowsum(dO * O) computed before.
+  dK/dV    grid (B, S / 128, K): each key block walks the G query heads of its key/value head and
+           their visible query blocks: Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dK += dSᵀ Q. No atomics and
+           no repeated K/V, so the gradients are deterministic.
+
+Not yet here (refused in one line): ALiBi and attention dropout. `auto` and the entry point never
+pick this driver until `benchmarks.gpu_check` has measured it correct and fast on a Hopper GPU
+(benchmarks/RESULTS.md). On a CPU it runs in Mosaic GPU's interpreter (`interpret=True`), which
+models the warpgroups, barriers and TMA copies (see `_Registers` for what it leaves out).
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,27 +38,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tfm.kernels.flash_attention import TileConfig, kv_block_range, pad_to, tile_mask
+from tfm.kernels.flash_attention import TileConfig, kv_block_range, pad_to, q_block_range, tile_mask
 from tfm.kernels.tiles import GPU_DTYPES
 
-BLOCK_Q = 64           # query rows per compute warpgroup (one wgmma M)
+ROWS = 64              # rows per compute warpgroup (one wgmma M)
 COMPUTE_WARPGROUPS = 2
-STAGES = 2             # key/value slots in flight
+STAGES = 2             # blocks of the streamed sequence in flight
+LENGTH_MULTIPLE = 128  # T and S are padded to this: whole thread blocks in every kernel
 
 
-def _block_kv(head_dim: int) -> int:
-    """Keys per block: 128 up to H 128 (the shared memory of the ring and Q fits), 64 beyond."""
-    return 128 if head_dim <= 128 else 64
+BACKWARD_MAX_HEAD_DIM = 128  # beyond, the backward's tiles outgrow shared memory (wgmma's K is >= 64)
+
+
+class _Blocks(NamedTuple):
+    """Streamed block lengths, fitted to shared memory (227 KiB) per head dim: the forward's and
+    dQ's key blocks, dK/dV's query blocks (the backward's only up to BACKWARD_MAX_HEAD_DIM)."""
+    forward: int
+    dq: int
+    dkv: int
+
+    @staticmethod
+    def for_head_dim(h: int) -> "_Blocks":
+        return _Blocks(128, 128, 64) if h <= BACKWARD_MAX_HEAD_DIM else _Blocks(64, 0, 0)
 
 
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # the interpreter's one entry
     return InterpretGPUParams()
-
-
-def _smem_tile(shape, dtype):
-    """A shared-memory buffer in wgmma's operand layout: 8×64 tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
 class _Registers:
@@ -65,16 +78,26 @@ class _Registers:
     def cast(self, x, layout):
         return x if self.interpret else plgpu.layout_cast(x, layout)
 
+    def zeros(self, shape):
+        return self.cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
     def iota(self, shape, dimension: int):
         if self.interpret:
             return lax.broadcasted_iota(jnp.int32, shape, dimension)
         return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
-    def load(self, ref, layout):
-        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout)
+    def rows(self, ref, shape):
+        """A per-row vector [m] from shared memory, broadcast over the columns of an [m, n] tile."""
+        x = ref[...] if self.interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    def columns(self, ref, shape):
+        """A per-column vector [n] from shared memory, broadcast over the rows of an [m, n] tile."""
+        x = ref[...] if self.interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(x, shape, [1])
 
     def product(self, a, b_ref, transpose_b: bool, shape):
-        """fp32 a @ b (a a shared-memory ref or a register array; b [K, n], or [n, K] transposed)."""
+        """fp32 a @ b: a [m, k] a shared-memory ref or a register array; b [k, n], or [n, k] transposed."""
         if self.interpret:
             a = a if isinstance(a, jax.Array) else a[...]
             return lax.dot_general(a, b_ref[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
@@ -87,37 +110,123 @@ class _Registers:
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _row(x, shape):
-    """A per-query-row vector [bq] broadcast over the key columns of a [bq, bk] tile."""
-    return lax.broadcast_in_dim(x, shape, [0])
+def _operand(shape, dtype):
+    """Shared memory in wgmma's operand layout: 8×64 tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def _forward(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool):
-    """o [B, Tp, N, H], lse [B, N, Tp] for padded q [B, Tp, N, H], k, v [B, Sp, K, H] and
-    q_seg [B, Tp], kv_seg [B, Sp] int32 (or None)."""
+def _scores(s, cfg: TileConfig):
+    """Scaled logits, soft-capped: (s, tanh(s / softcap) or None)."""
+    s = s * cfg.scale
+    if cfg.softcap is None:
+        return s, None
+    capped = jnp.tanh(s / cfg.softcap)
+    return cfg.softcap * capped, capped
+
+
+def _produce(steps, issue, done):
+    """The memory warpgroup: issue(step, slot) for steps [0, steps) into slot step % STAGES, refilling
+    a slot once each barrier of `done` has its arrivals for it, and waiting for the last ones."""
+    plgpu.set_max_registers(40, action="decrease")
+    for slot in range(STAGES):
+        pl.when(slot < steps)(functools.partial(issue, slot, slot))
+
+    @pl.loop(0, jnp.maximum(steps - STAGES, 0))
+    def _refill(i):
+        slot = lax.rem(i, jnp.int32(STAGES))
+        for barrier in done:
+            plgpu.barrier_wait(barrier.at[slot])
+        issue(i + STAGES, slot)
+
+    for slot in range(STAGES):  # the last release of each slot used: every phase of a barrier is observed
+        @pl.when(slot < steps)
+        def _drain():
+            for barrier in done:
+                plgpu.barrier_wait(barrier.at[slot])
+
+
+def _consume(base, count, lo, hi, attend, carry, loaded, done):
+    """A compute warpgroup over the streamed steps base + [0, count): waits on each, calls
+    attend(step, slot, carry) for those in base + [lo, hi) (its visible blocks), releases each."""
+    def wait(slot):
+        for barrier in loaded:
+            plgpu.barrier_wait(barrier.at[slot])
+
+    def release(slot):
+        for barrier in done:
+            plgpu.barrier_arrive(barrier.at[slot])
+
+    def skip(step, carry):
+        slot = lax.rem(step, jnp.int32(STAGES))
+        wait(slot)
+        release(slot)
+        return carry
+
+    def visit(step, carry):
+        slot = lax.rem(step, jnp.int32(STAGES))
+        wait(slot)
+        carry = attend(step, slot, carry)
+        release(slot)
+        return carry
+
+    lo = jnp.clip(lo, 0, count)
+    hi = jnp.clip(hi, lo, count)
+    carry = lax.fori_loop(base, base + lo, skip, carry)
+    carry = lax.fori_loop(base + lo, base + hi, visit, carry)
+    return lax.fori_loop(base + hi, base + count, skip, carry)
+
+
+def _barriers(n: int, present: bool = True):
+    return plgpu.Barrier(num_barriers=n) if present else None
+
+
+def _ring_done():
+    return plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=STAGES)
+
+
+def _store(values, smem, gmem):
+    """Register tile -> shared memory -> global memory (TMA), waiting for the copy."""
+    smem[...] = values
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel(body, operands, out_type, grid, grid_names, interpret: bool):
+    return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        interpret=_interpret_params() if interpret else None)(*operands)
+
+
+# ------------------------------------------------------------------------- forward and dQ
+
+def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backward=None):
+    """The forward kernel (backward None): (o [B, Tp, N, H], lse [B, N, Tp]); or the dQ kernel
+    (backward = (do [B, Tp, N, H], lse, delta [B, N, Tp])): dq [B, Tp, N, H]. Padded operands:
+    q [B, Tp, N, H], k, v [B, Sp, K, H], q_seg [B, Tp], kv_seg [B, Sp] int32 (or None)."""
     B, Tp, N, H = q.shape
-    Sp = k.shape[1]
-    bq, bk, G = cfg.block_q, cfg.block_kv, cfg.groups
-    num_kv, rows_per_block = Sp // bk, COMPUTE_WARPGROUPS * bq
-    dtype, tile = q.dtype, (bq, bk)
-    segments = q_seg is not None
-    regs = _Registers(interpret)
-    row_layout, column_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    bq, bk, G = ROWS, (_Blocks.for_head_dim(H).dq if backward else _Blocks.for_head_dim(H).forward), cfg.groups
+    num_kv, tile, dtype = k.shape[1] // bk, (ROWS, bk), q.dtype
+    segments, regs = q_seg is not None, _Registers(interpret)
+    per_row = backward is not None  # dQ reads lse and delta per query row
+    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + (tuple(backward) if per_row else ())
 
-    def kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, smem, loaded, consumed):
-        q_smem, k_smem, v_smem, lse_smem, q_seg_smem, kv_seg_smem = smem
-        q_bar, q_seg_bar, k_bar, v_bar, seg_bar = loaded
-        k_done, v_done = consumed
-        b, qt, n = lax.axis_index("batch"), lax.axis_index("q_block"), lax.axis_index("head")
-        wg = lax.axis_index("wg")
-        # the key blocks either warpgroup sees: from the first one's lo to the second one's hi
+    def kernel(refs, smem, loaded, done):
+        ins, outs = refs[:len(operands)], refs[len(operands):]
+        q_ref, k_ref, v_ref = ins[:3]
+        q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
+        do_ref, lse_ref, delta_ref = ins[-3:] if per_row else (None,) * 3
+        q_smem, do_smem, rows_smem, q_seg_smem, k_smem, v_smem, kv_seg_smem = smem
+        own_loaded, k_bar, v_bar, seg_bar = loaded
+        b, qt, n, wg = (lax.axis_index(a) for a in ("batch", "q_block", "head", "wg"))
         first, _ = kv_block_range(qt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_kv)
         _, last = kv_block_range(qt * COMPUTE_WARPGROUPS + COMPUTE_WARPGROUPS - 1, cfg, bq, bk, num_kv)
         steps = jnp.maximum(last - first, 0)
+        ring_loaded = [x for x in (k_bar, v_bar, seg_bar) if x is not None]
 
         @pl.when(wg == COMPUTE_WARPGROUPS)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(n, jnp.int32(G))
 
             def issue(step, slot):
@@ -126,16 +235,7 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool):
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_bar.at[slot])
                 if segments:
                     plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, keys], kv_seg_smem.at[slot], seg_bar.at[slot])
-
-            for slot in range(STAGES):
-                pl.when(slot < steps)(functools.partial(issue, slot, slot))
-
-            @pl.loop(0, jnp.maximum(steps - STAGES, 0))
-            def _refill(i):
-                slot = lax.rem(i, jnp.int32(STAGES))
-                plgpu.barrier_wait(k_done.at[slot])
-                plgpu.barrier_wait(v_done.at[slot])
-                issue(i + STAGES, slot)
+            _produce(steps, issue, done)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
@@ -143,105 +243,217 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool):
             block = qt * COMPUTE_WARPGROUPS + wg
             q_start = block * bq
             rows = pl.ds(q_start, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_smem.at[wg], q_bar.at[wg])
+            own = [(q_ref.at[b, rows, n], q_smem.at[wg])]
             if segments:
-                plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[wg], q_seg_bar.at[wg])
-                plgpu.barrier_wait(q_seg_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            q_segs = None
-            if segments:
-                q_segs = _row(regs.load(q_seg_smem.at[wg], row_layout), tile)
-            lo, hi = kv_block_range(block, cfg, bq, bk, num_kv)
+                own.append((q_seg_ref.at[b, rows], q_seg_smem.at[wg]))
+            if per_row:
+                own += [(do_ref.at[b, rows, n], do_smem.at[wg]), (lse_ref.at[b, n, rows], rows_smem.at[0, wg]),
+                        (delta_ref.at[b, n, rows], rows_smem.at[1, wg])]
+            for i, (src, dst) in enumerate(own):  # barrier i·W + wg: copy i of this warpgroup
+                plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            for i in range(len(own)):
+                plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            q_segs = regs.rows(q_seg_smem.at[wg], tile) if segments else None
+            lse_rows = regs.rows(rows_smem.at[0, wg], tile) if per_row else None
+            delta_rows = regs.rows(rows_smem.at[1, wg], tile) if per_row else None
 
-            def wait(slot):
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[slot])
-                if segments:
-                    plgpu.barrier_wait(seg_bar.at[slot])
+            def logits(step, slot):
+                s, capped = _scores(regs.product(q_smem.at[wg], k_smem.at[slot], True, tile), cfg)
+                kv_pos = (first + step) * bk + regs.iota(tile, 1)
+                kv_segs = regs.columns(kv_seg_smem.at[slot], tile) if segments else None
+                s, visible = tile_mask(s, q_start + regs.iota(tile, 0), kv_pos, q_segs, kv_segs, None, cfg)
+                return s, visible, capped
 
-            def release(slot):
-                plgpu.barrier_arrive(k_done.at[slot])
-                plgpu.barrier_arrive(v_done.at[slot])
-
-            def skip(step, carry):
-                slot = lax.rem(step, jnp.int32(STAGES))
-                wait(slot)
-                release(slot)
-                return carry
-
-            def attend(step, carry):
+            def forward_step(step, slot, carry):
                 m, l, acc = carry
-                slot = lax.rem(step, jnp.int32(STAGES))
-                wait(slot)
-
-                s = regs.product(q_smem.at[wg], k_smem.at[slot], True, tile) * cfg.scale
-                if cfg.softcap is not None:
-                    s = cfg.softcap * jnp.tanh(s / cfg.softcap)
-                kv_start = (first + step) * bk
-                q_pos, kv_pos = q_start + regs.iota(tile, 0), kv_start + regs.iota(tile, 1)
-                kv_segs = None
-                if segments:
-                    kv_segs = lax.broadcast_in_dim(regs.load(kv_seg_smem.at[slot], column_layout), tile, [1])
-                s, visible = tile_mask(s, q_pos, kv_pos, q_segs, kv_segs, None, cfg)
+                s, visible, _ = logits(step, slot)
                 m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp(s - _row(m_new, tile))
+                p = jnp.exp(s - lax.broadcast_in_dim(m_new, tile, [0]))
                 if visible is not None:  # a row with nothing visible yet has m_new = -1e30: exp(0) there
                     p = jnp.where(visible, p, 0.0)
                 correction = jnp.exp(m - m_new)
-                l = l * correction + p.sum(axis=1)
-
                 pv = regs.product(p.astype(dtype), v_smem.at[slot], False, (bq, H))
-                release(slot)
-                return m_new, l, acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+                return m_new, l * correction + p.sum(axis=1), acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
-            vector = lambda value: regs.cast(jnp.full((bq,), value, jnp.float32), row_layout)
-            carry = (vector(-1e30), vector(0.0), regs.cast(jnp.zeros((bq, H), jnp.float32), plgpu.Layout.WGMMA))
-            lo_step, hi_step = jnp.clip(lo - first, 0, steps), jnp.clip(hi - first, 0, steps)
-            carry = lax.fori_loop(0, lo_step, skip, carry)
-            m, l, acc = lax.fori_loop(lo_step, jnp.maximum(hi_step, lo_step), attend, carry)
-            lax.fori_loop(jnp.maximum(hi_step, lo_step), steps, skip, None)
+            def dq_step(step, slot, dq):
+                s, visible, capped = logits(step, slot)
+                p = jnp.exp(s - lse_rows)  # lse +inf (a row that sees nothing): 0
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
+                dp = regs.product(do_smem.at[wg], v_smem.at[slot], True, tile)
+                ds = p * (dp - delta_rows)
+                if capped is not None:
+                    ds = ds * (1.0 - capped * capped)
+                return dq + regs.product(ds.astype(dtype), k_smem.at[slot], False, (bq, H))
 
+            lo, hi = kv_block_range(block, cfg, bq, bk, num_kv)
+            if per_row:
+                dq = _consume(0, steps, lo - first, hi - first, dq_step, regs.zeros((bq, H)), ring_loaded, done)
+                _store((dq * cfg.scale).astype(dtype), q_smem.at[wg], outs[0].at[b, rows, n])
+                return
+            vector = lambda value: regs.cast(jnp.full((bq,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            m, l, acc = _consume(0, steps, lo - first, hi - first, forward_step,
+                                 (vector(-1e30), vector(0.0), regs.zeros((bq, H))), ring_loaded, done)
             seen = l > 0.0
             inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-            q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype)
-            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, n])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, rows])
+            rows_smem.at[0, wg][...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+            _store((acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(dtype), q_smem.at[wg],
+                   outs[0].at[b, rows, n])
+            plgpu.copy_smem_to_gmem(rows_smem.at[0, wg], outs[1].at[b, n, rows])
             plgpu.wait_smem_to_gmem(0)
 
-    def entry(q_ref, k_ref, v_ref, *refs):
-        q_seg_ref, kv_seg_ref = refs[:2] if segments else (None, None)
-        o_ref, lse_ref = refs[-2:]
-        smem = (_smem_tile((COMPUTE_WARPGROUPS, bq, H), dtype), _smem_tile((STAGES, bk, H), dtype),
-                _smem_tile((STAGES, bk, H), dtype), plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.float32),
-                plgpu.SMEM((COMPUTE_WARPGROUPS, bq), jnp.int32) if segments else None,
+    def entry(*refs):
+        W = COMPUTE_WARPGROUPS
+        smem = (_operand((W, bq, H), dtype), _operand((W, bq, H), dtype) if per_row else None,
+                plgpu.SMEM((2, W, bq), jnp.float32), plgpu.SMEM((W, bq), jnp.int32) if segments else None,
+                _operand((STAGES, bk, H), dtype), _operand((STAGES, bk, H), dtype),
                 plgpu.SMEM((STAGES, bk), jnp.int32) if segments else None)
-        loaded = (plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-                  plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS) if segments else None, plgpu.Barrier(num_barriers=STAGES),
-                  plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES) if segments else None)
-        consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=STAGES),) * 2
-        pl.run_scoped(lambda *scratch: kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *scratch),
-                      smem, loaded, consumed, collective_axes="wg")
+        own = 1 + segments + 3 * per_row
+        loaded = (plgpu.Barrier(num_barriers=own * W), _barriers(STAGES), _barriers(STAGES),
+                  _barriers(STAGES, segments))
+        pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
+                      collective_axes="wg")
 
-    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ())
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)),
-        grid=(B, Tp // rows_per_block, N), grid_names=("batch", "q_block", "head"),
-        num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
-    )(*operands)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) if per_row else (
+        jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), jnp.float32))
+    outs = _kernel(entry, operands, out_type, (B, Tp // (COMPUTE_WARPGROUPS * bq), N),
+                   ("batch", "q_block", "head"), interpret)
+    return outs[0] if per_row else tuple(outs)
 
 
-def flash_attention_forward(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
-                            window: Optional[int] = None, softcap: Optional[float] = None,
-                            scale: Optional[float] = None, alibi_slopes=None, dropout_rate: float = 0.0,
-                            interpret: bool = False):
+# ------------------------------------------------------------------------- dK/dV
+
+def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpret: bool):
+    """The dK/dV kernel: (dk, dv) [B, Sp, K, H] for padded q, do [B, Tp, N, H], k, v [B, Sp, K, H],
+    lse, delta [B, N, Tp], q_seg [B, Tp], kv_seg [B, Sp] (or None)."""
+    B, Tp, N, H = q.shape
+    Sp, K = k.shape[1], k.shape[2]
+    bk, bq, G = ROWS, _Blocks.for_head_dim(H).dkv, cfg.groups
+    num_q, tile, dtype = Tp // bq, (ROWS, bq), q.dtype  # tiles are [keys, queries]
+    segments, regs = q_seg is not None, _Registers(interpret)
+    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + (do, lse, delta)
+
+    def kernel(refs, smem, loaded, done):
+        ins, (dk_ref, dv_ref) = refs[:len(operands)], refs[len(operands):]
+        q_ref, k_ref, v_ref = ins[:3]
+        q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
+        do_ref, lse_ref, delta_ref = ins[-3:]
+        k_smem, v_smem, kv_seg_smem, q_smem, do_smem, rows_smem, q_seg_smem = smem
+        own_loaded, q_bar, do_bar, lse_bar, delta_bar, seg_bar = loaded
+        b, kt, kv_head, wg = (lax.axis_index(a) for a in ("batch", "kv_block", "kv_head", "wg"))
+        first, _ = q_block_range(kt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_q)
+        _, last = q_block_range(kt * COMPUTE_WARPGROUPS + COMPUTE_WARPGROUPS - 1, cfg, bq, bk, num_q)
+        per_head = jnp.maximum(last - first, 0)  # query blocks streamed per query head
+        steps = G * per_head                    # the G query heads of this key/value head in turn
+        ring_loaded = [x for x in (q_bar, do_bar, lse_bar, delta_bar, seg_bar) if x is not None]
+
+        def head_and_block(step):
+            """(query head, query block) of a streamed step."""
+            g = lax.div(step, jnp.maximum(per_head, 1))
+            return kv_head * G + g, first + step - g * per_head
+
+        @pl.when(wg == COMPUTE_WARPGROUPS)
+        def _memory():
+            def issue(step, slot):
+                n, qb = head_and_block(step)
+                rows = pl.ds(qb * bq, bq)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, n, rows], rows_smem.at[0, slot], lse_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], rows_smem.at[1, slot], delta_bar.at[slot])
+                if segments:
+                    plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], seg_bar.at[slot])
+            _produce(steps, issue, done)
+
+        @pl.when(wg < COMPUTE_WARPGROUPS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            block = kt * COMPUTE_WARPGROUPS + wg
+            k_start = block * bk
+            keys = pl.ds(k_start, bk)
+            own = [(k_ref.at[b, keys, kv_head], k_smem.at[wg]), (v_ref.at[b, keys, kv_head], v_smem.at[wg])]
+            if segments:
+                own.append((kv_seg_ref.at[b, keys], kv_seg_smem.at[wg]))
+            for i, (src, dst) in enumerate(own):
+                plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            for i in range(len(own)):
+                plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            kv_segs = regs.rows(kv_seg_smem.at[wg], tile) if segments else None
+            k_pos = k_start + regs.iota(tile, 0)
+
+            def step_fn(step, slot, carry):
+                dk, dv = carry
+                _, qb = head_and_block(step)
+                s, capped = _scores(regs.product(k_smem.at[wg], q_smem.at[slot], True, tile), cfg)
+                q_segs = regs.columns(q_seg_smem.at[slot], tile) if segments else None
+                s, visible = tile_mask(s, qb * bq + regs.iota(tile, 1), k_pos, q_segs, kv_segs, None, cfg)
+                p = jnp.exp(s - regs.columns(rows_smem.at[0, slot], tile))
+                if visible is not None:
+                    p = jnp.where(visible, p, 0.0)
+                dv = dv + regs.product(p.astype(dtype), do_smem.at[slot], False, (bk, H))
+                dp = regs.product(v_smem.at[wg], do_smem.at[slot], True, tile)
+                ds = p * (dp - regs.columns(rows_smem.at[1, slot], tile))
+                if capped is not None:
+                    ds = ds * (1.0 - capped * capped)
+                return dk + regs.product(ds.astype(dtype), q_smem.at[slot], False, (bk, H)), dv
+
+            lo, hi = q_block_range(block, cfg, bq, bk, num_q)
+            heads = lambda g, carry: _consume(g * per_head, per_head, lo - first, hi - first, step_fn, carry,
+                                              ring_loaded, done)
+            dk, dv = lax.fori_loop(0, G, heads, (regs.zeros((bk, H)), regs.zeros((bk, H))))
+            _store((dk * cfg.scale).astype(dtype), k_smem.at[wg], dk_ref.at[b, keys, kv_head])
+            _store(dv.astype(dtype), v_smem.at[wg], dv_ref.at[b, keys, kv_head])
+
+    def entry(*refs):
+        W = COMPUTE_WARPGROUPS
+        smem = (_operand((W, bk, H), dtype), _operand((W, bk, H), dtype),
+                plgpu.SMEM((W, bk), jnp.int32) if segments else None,
+                _operand((STAGES, bq, H), dtype), _operand((STAGES, bq, H), dtype),
+                plgpu.SMEM((2, STAGES, bq), jnp.float32), plgpu.SMEM((STAGES, bq), jnp.int32) if segments else None)
+        loaded = (plgpu.Barrier(num_barriers=(2 + segments) * W), _barriers(STAGES), _barriers(STAGES),
+                  _barriers(STAGES), _barriers(STAGES), _barriers(STAGES, segments))
+        pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
+                      collective_axes="wg")
+
+    out = jax.ShapeDtypeStruct(k.shape, dtype)
+    return tuple(_kernel(entry, operands, (out, out), (B, Sp // (COMPUTE_WARPGROUPS * bk), K),
+                         ("batch", "kv_block", "kv_head"), interpret))
+
+
+# ------------------------------------------------------------------------- the differentiable call
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool):
+    return _query_major(q, k, v, q_seg, kv_seg, cfg, interpret)
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, cfg, interpret):
+    o, lse = _query_major(q, k, v, q_seg, kv_seg, cfg, interpret)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _attention_bwd(cfg, interpret, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    if q.shape[-1] > BACKWARD_MAX_HEAD_DIM:
+        raise ValueError(f"the Hopper flash-attention backward takes head dims up to {BACKWARD_MAX_HEAD_DIM}, got "
+                         f"{q.shape[-1]}; use impl='pallas' (the Triton driver) or 'xla' to train this model")
+    do = cotangents[0].astype(q.dtype)  # lse is an output for callers, not differentiated
+    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    dq = _query_major(q, k, v, q_seg, kv_seg, cfg, interpret, backward=(do, lse, delta))
+    dk, dv = _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg, interpret)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
+                    window: Optional[int] = None, softcap: Optional[float] = None, scale: Optional[float] = None,
+                    alibi_slopes=None, dropout_rate: float = 0.0, interpret: bool = False):
     """(o [B, T, N, H], lse [B, N, T] fp32, +inf on rows that see no key) of attention on a Hopper
-    GPU; q [B, T, N, H], k, v [B, S, K, H] in bf16 or fp16, H a multiple of 64 up to 256 after
-    padding (smaller H is padded to 64). interpret: run Mosaic GPU's interpreter (CPU)."""
+    GPU, differentiable in q, k, v through o (lse's cotangent is ignored); q [B, T, N, H], k, v
+    [B, S, K, H] all bf16 or all fp16, H up to 256 (padded to a multiple of 64; the backward up to
+    128). interpret: Mosaic GPU's interpreter (CPU)."""
     for name, unsupported in (("ALiBi", alibi_slopes is not None), ("attention dropout", dropout_rate > 0.0)):
         if unsupported:
             raise ValueError(f"the Hopper flash-attention driver does not implement {name} yet; use "
@@ -255,8 +467,7 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, q_segment_ids=None
     Hp = -(-H // 64) * 64
     if Hp > 256:
         raise ValueError(f"the Hopper flash-attention driver takes head dims up to 256, got {H}")
-    bk = _block_kv(Hp)
-    Tp, Sp = -(-T // (COMPUTE_WARPGROUPS * BLOCK_Q)) * COMPUTE_WARPGROUPS * BLOCK_Q, -(-S // bk) * bk
+    Tp, Sp = (-(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE for length in (T, S))
     q_seg, kv_seg = q_segment_ids, kv_segment_ids
     if kv_seg is not None and q_seg is None:  # key padding only: any non-zero id is visible
         kv_seg, q_seg = (kv_seg != 0).astype(jnp.int32), jnp.ones((B, T), jnp.int32)
@@ -264,8 +475,7 @@ def flash_attention_forward(q, k, v, *, causal: bool = False, q_segment_ids=None
         q_seg, kv_seg = pad_to(q_seg.astype(jnp.int32), 1, Tp), pad_to(kv_seg.astype(jnp.int32), 1, Sp)
     cfg = TileConfig(causal=causal, window=window, softcap=softcap, scale=float(H ** -0.5 if scale is None else scale),
                      kv_len=None if Sp == S or kv_seg is not None else S, segments=kv_seg is not None,
-                     alibi=False, groups=N // K, block_q=BLOCK_Q, block_kv=bk, driver="hopper",
-                     interpret=interpret)
+                     alibi=False, groups=N // K, block_q=ROWS, block_kv=ROWS, driver="hopper", interpret=interpret)
     pad = lambda x, length: pad_to(pad_to(x, 1, length), 3, Hp)
-    o, lse = _forward(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, cfg, interpret)
+    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, cfg, interpret)
     return o[:, :T, :, :H], lse[:, :, :T]
