@@ -11,11 +11,9 @@ import os
 import shutil
 import tempfile
 
-# The tests' programs are tiny, so XLA:CPU's compile time is most of their time: LLVM at -O0 without
-# its expensive passes compiles them in about half the CPU time (tests/test_parallel_families.py:
-# 99 -> 57 CPU s) and computes the same IEEE arithmetic. Users' runs keep XLA's defaults.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+import xla_env
+
+os.environ.setdefault("XLA_FLAGS", xla_env.flags(devices=8))  # LLVM -O0: xla_env says why
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _JAX_CACHE = tempfile.mkdtemp(prefix="tfm-tests-jax-cache-")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import xla_env
+
 from tfm.train.checkpoint import directory_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +23,7 @@ FLAGS = ["--config=experiments/lm/configs/tiny.py", "--config.num_train_steps=40
 
 
 def _train(workdir, data_dir, cache, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = xla_env.subprocess_env()
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.run([sys.executable, "-m", "experiments.lm.train", f"--workdir={workdir}",

@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+import xla_env
+
 import train_job
 from tfm.data import synthetic
 
@@ -109,7 +111,7 @@ TIMINGS = {"step_time", "tokens_per_s", "mfu"}
 def _pretrain(workdir, corpus, *flags, **kw):
     """`experiments.bert.pretrain` on one CPU device, as a user runs it; the runs share JAX's
     compilation cache (beside the corpus), so only the first compiles."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = xla_env.subprocess_env()
     env.update(JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(corpus), "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen([sys.executable, "-m", "experiments.bert.pretrain", f"--workdir={workdir}",

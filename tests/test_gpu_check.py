@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+import xla_env
+
 from benchmarks import gpu_check
 
 SECTIONS = ["## 1. correctness", "## 2. attention", "## 3. train", "## 4. decode", "## 5. auto"]
@@ -17,7 +19,7 @@ SECTIONS = ["## 1. correctness", "## 2. attention", "## 3. train", "## 4. decode
 def smoke(tmp_path_factory):
     """(completed process, report text, output directory) of one --smoke run."""
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as one GPU
+    env = xla_env.subprocess_env()  # one CPU device, as one GPU
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600,

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 5  # TFM_HEARTBEAT_TIMEOUT, seconds
 FLAGS = ["--config=experiments/lm/configs/tiny.py", "--config.num_train_steps=20", "--config.checkpoint_every=5",
@@ -28,7 +30,7 @@ def _job(workdir, data, cache) -> list:
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = xla_env.subprocess_env()
         env.update(TFM_COORDINATOR=f"127.0.0.1:{port}", TFM_NUM_PROCESSES="2", TFM_PROCESS_ID=str(rank),
                    TFM_HEARTBEAT_TIMEOUT=str(TIMEOUT), JAX_COMPILATION_CACHE_DIR=str(cache),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import train_job
+import xla_env
 
 JOB = os.path.join(os.path.dirname(__file__), "train_job.py")
 TOL = 1e-5
@@ -27,7 +28,7 @@ def _free_port():
 def _launch_two(workdir, *args):
     """Two train_job processes x 4 CPU devices joined through jax.distributed."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = xla_env.subprocess_env(devices=4)
     return [subprocess.Popen([sys.executable, JOB, "--workdir", str(workdir), *args,
                               "--multihost", str(i), "--port", str(port)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

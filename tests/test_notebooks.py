@@ -13,6 +13,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+import xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = ("01_transformer_from_blocks", "02_translation", "03_bert", "04_flash_attention", "05_sharding",
              "06_captioning")
@@ -70,7 +72,7 @@ def test_outputs_are_stripped(name):
 def test_notebook_runs(name, monkeypatch):
     # The kernel inherits this environment: one CPU device, as on a Colab CPU runtime (notebook 05
     # asks for its 8 simulated devices itself), and the inline backend, which draws PNGs with Agg.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", xla_env.flags())
     monkeypatch.delenv("MPLBACKEND", raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = _read(name)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import xla_env
 from tfm import parallel, preflight
 from tfm.data import pipeline
 from tfm.models import DecoderLM
@@ -229,7 +230,7 @@ def test_pallas_in_a_plain_jit_under_a_mesh_is_split_per_device():
 
 
 def _preflight(*args, **env_changes):
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **env_changes}
+    env = xla_env.subprocess_env(**env_changes)
     return subprocess.run([sys.executable, "-m", "experiments.preflight", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
