@@ -157,7 +157,8 @@ def test_cli_exit_statuses_logs_across_resumes_and_one_line_errors(tmp_path):
         line = _one_error_line(_cli(tmp_path, "--config.fallback_to_older=False"))
         assert re.match(rf"error: checkpoint {checkpoints}/24 (could not be restored|is unreadable) \(corrupt or "
                         r"partial\): \w+: ", line), line
-        assert re.search(r'Error reading "(params|opt_state)\.[\w.]+/', line), line  # the array that failed
+        # the array that failed: whichever of the train state's arrays orbax's concurrent reads reach first
+        assert re.search(r'Error reading "(step|rng|params|opt_state)[\w.]*/', line), line
         assert "fallback_to_older=True" in line and not re.search(r"TensorStore\(|tensorstore_spec|<bound", line), line
 
 
