@@ -21,8 +21,8 @@ from tfm.ops import attention
 # thread block's three warpgroups in turn): ragged lengths pad to whole tiles, row 0 of the packed
 # case has query ids its keys lack (rows that see nothing: o 0, lse +inf).
 CASES = {
-    "causal_gqa_ragged_softcap": Case(T=100, S=100, N=4, K=2, H=16, causal=True, softcap=3.0),
-    "cross_mqa_window_bidirectional": Case(T=72, S=200, N=2, K=1, H=64, window=40),
+    "causal_gqa_ragged_softcap_alibi": Case(T=100, S=100, N=4, K=2, H=16, causal=True, softcap=3.0, alibi=True),
+    "cross_mqa_window_bidirectional_alibi": Case(T=72, S=200, N=2, K=1, H=64, window=40, alibi=True),
     "packed_segments_causal_window": Case(T=160, S=160, N=2, K=2, H=32, causal=True, window=33, segments="packed"),
     "kv_padding_only": Case(T=64, S=100, N=2, K=2, H=16, segments="kv"),
 }
@@ -38,7 +38,7 @@ def _inputs(case):
 def _options(case):
     q_seg, kv_seg = (None if ids is None else ids[:1] for ids in _segment_ids(case))
     return dict(causal=case.causal, window=case.window, softcap=case.softcap, q_segment_ids=q_seg,
-                kv_segment_ids=kv_seg)
+                kv_segment_ids=kv_seg, alibi_slopes=attention.alibi_slopes(case.N) if case.alibi else None)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -72,6 +72,9 @@ def test_matches_xla_in_the_interpreter(name):
     logits = jnp.einsum("btnh,bsnh->bnts", f32(q), jnp.repeat(f32(k), G, axis=2)) * case.H ** -0.5
     if case.softcap:
         logits = case.softcap * jnp.tanh(logits / case.softcap)
+    if case.alibi:
+        distance = jnp.abs(jnp.arange(case.T)[:, None] - jnp.arange(case.S)[None, :])
+        logits = logits - options["alibi_slopes"][:, None, None] * distance
     q_seg, kv_seg = options["q_segment_ids"], options["kv_segment_ids"]
     if kv_seg is not None and q_seg is None:  # key padding only
         q_seg, kv_seg = jnp.ones((q.shape[0], case.T), jnp.int32), (kv_seg != 0).astype(jnp.int32)
@@ -83,8 +86,7 @@ def test_matches_xla_in_the_interpreter(name):
 
 def test_refusals_are_one_line():
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    for options, match in ((dict(alibi_slopes=jnp.ones(2)), "does not implement ALiBi yet"),
-                           (dict(dropout_rate=0.1), "does not implement attention dropout yet"),
+    for options, match in ((dict(dropout_rate=0.1), "does not implement attention dropout yet"),
                            (dict(), "all bfloat16 or all float16, not float32/float32/float32")):
         x = q.astype(jnp.float32) if not options else q
         with pytest.raises(ValueError, match=match):
@@ -106,7 +108,7 @@ def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
         shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     subsets = [dict(causal=True), dict(window=100), dict(causal=True, window=100, softcap=30.0, segments=True),
-               dict(segments=True)]
+               dict(segments=True, alibi_slopes=attention.alibi_slopes(8))]
     for options in subsets:
         segments = options.pop("segments", False)
         f = lambda q, k, v, ids: jnp.sum(flash_attention(

@@ -2,7 +2,7 @@
 
 Layout: q [B, T, N, H], k and v [B, S, K, H] (bf16 or fp16), G = N // K, as at tfm's entry point;
 the mask semantics are those of `tfm.kernels.flash_attention` (causal, window, segment ids with
-0 = padding, soft-cap; rows with no visible key give 0). Every tile's masks are that module's
+0 = padding, ALiBi, soft-cap; rows with no visible key give 0). Every tile's masks are that module's
 `tile_mask` and its visible blocks `kv_block_range` / `q_block_range`.
 
 Each kernel runs three warpgroups per thread block:
@@ -22,7 +22,7 @@ computes only the blocks it can see.
            their visible query blocks: Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dK += dSᵀ Q. No atomics and
            no repeated K/V, so the gradients are deterministic.
 
-Not yet here (refused in one line): ALiBi and attention dropout. `auto` and the entry point never
+Not yet here (refused in one line): attention dropout. `auto` and the entry point never
 pick this driver until `benchmarks.gpu_check` has measured it correct and fast on a Hopper GPU
 (benchmarks/RESULTS.md). On a CPU it runs in Mosaic GPU's interpreter (`interpret=True`), which
 models the warpgroups, barriers and TMA copies (see `_Registers` for what it leaves out).
@@ -201,23 +201,26 @@ def _kernel(body, operands, out_type, grid, grid_names, interpret: bool):
 
 # ------------------------------------------------------------------------- forward and dQ
 
-def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backward=None):
+def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: bool, backward=None):
     """The forward kernel (backward None): (o [B, Tp, N, H], lse [B, N, Tp]); or the dQ kernel
     (backward = (do [B, Tp, N, H], lse, delta [B, N, Tp])): dq [B, Tp, N, H]. Padded operands:
-    q [B, Tp, N, H], k, v [B, Sp, K, H], q_seg [B, Tp], kv_seg [B, Sp] int32 (or None)."""
+    q [B, Tp, N, H], k, v [B, Sp, K, H], q_seg [B, Tp], kv_seg [B, Sp] int32 (or None), slopes
+    [N, ROWS] fp32 (each head's ALiBi slope along a row; or None)."""
     B, Tp, N, H = q.shape
     bq, bk, G = ROWS, (_Blocks.for_head_dim(H).dq if backward else _Blocks.for_head_dim(H).forward), cfg.groups
     num_kv, tile, dtype = k.shape[1] // bk, (ROWS, bk), q.dtype
     segments, regs = q_seg is not None, _Registers(interpret)
     per_row = backward is not None  # dQ reads lse and delta per query row
-    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + (tuple(backward) if per_row else ())
+    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (
+        tuple(backward) if per_row else ())
 
     def kernel(refs, smem, loaded, done):
         ins, outs = refs[:len(operands)], refs[len(operands):]
         q_ref, k_ref, v_ref = ins[:3]
         q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
+        slopes_ref = ins[3 + 2 * segments] if cfg.alibi else None
         do_ref, lse_ref, delta_ref = ins[-3:] if per_row else (None,) * 3
-        q_smem, do_smem, rows_smem, q_seg_smem, k_smem, v_smem, kv_seg_smem = smem
+        q_smem, do_smem, rows_smem, q_seg_smem, slope_smem, k_smem, v_smem, kv_seg_smem = smem
         own_loaded, k_bar, v_bar, seg_bar = loaded
         b, qt, n, wg = (lax.axis_index(a) for a in ("batch", "q_block", "head", "wg"))
         first, _ = kv_block_range(qt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_kv)
@@ -246,6 +249,8 @@ def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backw
             own = [(q_ref.at[b, rows, n], q_smem.at[wg])]
             if segments:
                 own.append((q_seg_ref.at[b, rows], q_seg_smem.at[wg]))
+            if cfg.alibi:
+                own.append((slopes_ref.at[n], slope_smem.at[wg]))
             if per_row:
                 own += [(do_ref.at[b, rows, n], do_smem.at[wg]), (lse_ref.at[b, n, rows], rows_smem.at[0, wg]),
                         (delta_ref.at[b, n, rows], rows_smem.at[1, wg])]
@@ -254,6 +259,7 @@ def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backw
             for i in range(len(own)):
                 plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
             q_segs = regs.rows(q_seg_smem.at[wg], tile) if segments else None
+            slope = regs.rows(slope_smem.at[wg], tile) if cfg.alibi else None
             lse_rows = regs.rows(rows_smem.at[0, wg], tile) if per_row else None
             delta_rows = regs.rows(rows_smem.at[1, wg], tile) if per_row else None
 
@@ -261,7 +267,7 @@ def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backw
                 s, capped = _scores(regs.product(q_smem.at[wg], k_smem.at[slot], True, tile), cfg)
                 kv_pos = (first + step) * bk + regs.iota(tile, 1)
                 kv_segs = regs.columns(kv_seg_smem.at[slot], tile) if segments else None
-                s, visible = tile_mask(s, q_start + regs.iota(tile, 0), kv_pos, q_segs, kv_segs, None, cfg)
+                s, visible = tile_mask(s, q_start + regs.iota(tile, 0), kv_pos, q_segs, kv_segs, slope, cfg)
                 return s, visible, capped
 
             def forward_step(step, slot, carry):
@@ -306,9 +312,9 @@ def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backw
         W = COMPUTE_WARPGROUPS
         smem = (_operand((W, bq, H), dtype), _operand((W, bq, H), dtype) if per_row else None,
                 plgpu.SMEM((2, W, bq), jnp.float32), plgpu.SMEM((W, bq), jnp.int32) if segments else None,
-                _operand((STAGES, bk, H), dtype), _operand((STAGES, bk, H), dtype),
+                plgpu.SMEM((W, bq), jnp.float32) if cfg.alibi else None, _operand((STAGES, bk, H), dtype), _operand((STAGES, bk, H), dtype),
                 plgpu.SMEM((STAGES, bk), jnp.int32) if segments else None)
-        own = 1 + segments + 3 * per_row
+        own = 1 + segments + cfg.alibi + 3 * per_row
         loaded = (plgpu.Barrier(num_barriers=own * W), _barriers(STAGES), _barriers(STAGES),
                   _barriers(STAGES, segments))
         pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
@@ -323,29 +329,30 @@ def _query_major(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool, backw
 
 # ------------------------------------------------------------------------- dK/dV
 
-def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpret: bool):
+def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, interpret: bool):
     """The dK/dV kernel: (dk, dv) [B, Sp, K, H] for padded q, do [B, Tp, N, H], k, v [B, Sp, K, H],
-    lse, delta [B, N, Tp], q_seg [B, Tp], kv_seg [B, Sp] (or None)."""
+    lse, delta [B, N, Tp], q_seg [B, Tp], kv_seg [B, Sp] (or None), slopes [N, ROWS] (or None)."""
     B, Tp, N, H = q.shape
     Sp, K = k.shape[1], k.shape[2]
     bk, bq, G = ROWS, _Blocks.for_head_dim(H).dkv, cfg.groups
     num_q, tile, dtype = Tp // bq, (ROWS, bq), q.dtype  # tiles are [keys, queries]
     segments, regs = q_seg is not None, _Registers(interpret)
-    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + (do, lse, delta)
+    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (do, lse, delta)
 
     def kernel(refs, smem, loaded, done):
         ins, (dk_ref, dv_ref) = refs[:len(operands)], refs[len(operands):]
         q_ref, k_ref, v_ref = ins[:3]
         q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
+        slopes_ref = ins[3 + 2 * segments] if cfg.alibi else None
         do_ref, lse_ref, delta_ref = ins[-3:]
-        k_smem, v_smem, kv_seg_smem, q_smem, do_smem, rows_smem, q_seg_smem = smem
-        own_loaded, q_bar, do_bar, lse_bar, delta_bar, seg_bar = loaded
+        k_smem, v_smem, kv_seg_smem, q_smem, do_smem, rows_smem, q_seg_smem, slope_smem = smem
+        own_loaded, q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar = loaded
         b, kt, kv_head, wg = (lax.axis_index(a) for a in ("batch", "kv_block", "kv_head", "wg"))
         first, _ = q_block_range(kt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_q)
         _, last = q_block_range(kt * COMPUTE_WARPGROUPS + COMPUTE_WARPGROUPS - 1, cfg, bq, bk, num_q)
         per_head = jnp.maximum(last - first, 0)  # query blocks streamed per query head
         steps = G * per_head                    # the G query heads of this key/value head in turn
-        ring_loaded = [x for x in (q_bar, do_bar, lse_bar, delta_bar, seg_bar) if x is not None]
+        ring_loaded = [x for x in (q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar) if x is not None]
 
         def head_and_block(step):
             """(query head, query block) of a streamed step."""
@@ -363,6 +370,8 @@ def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpre
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], rows_smem.at[1, slot], delta_bar.at[slot])
                 if segments:
                     plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], seg_bar.at[slot])
+                if cfg.alibi:  # the slope of this step's query head, along its query columns
+                    plgpu.copy_gmem_to_smem(slopes_ref.at[n], slope_smem.at[slot], slope_bar.at[slot])
             _produce(steps, issue, done)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
@@ -386,7 +395,8 @@ def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpre
                 _, qb = head_and_block(step)
                 s, capped = _scores(regs.product(k_smem.at[wg], q_smem.at[slot], True, tile), cfg)
                 q_segs = regs.columns(q_seg_smem.at[slot], tile) if segments else None
-                s, visible = tile_mask(s, qb * bq + regs.iota(tile, 1), k_pos, q_segs, kv_segs, None, cfg)
+                slope = regs.columns(slope_smem.at[slot], tile) if cfg.alibi else None
+                s, visible = tile_mask(s, qb * bq + regs.iota(tile, 1), k_pos, q_segs, kv_segs, slope, cfg)
                 p = jnp.exp(s - regs.columns(rows_smem.at[0, slot], tile))
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)
@@ -409,9 +419,10 @@ def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpre
         smem = (_operand((W, bk, H), dtype), _operand((W, bk, H), dtype),
                 plgpu.SMEM((W, bk), jnp.int32) if segments else None,
                 _operand((STAGES, bq, H), dtype), _operand((STAGES, bq, H), dtype),
-                plgpu.SMEM((2, STAGES, bq), jnp.float32), plgpu.SMEM((STAGES, bq), jnp.int32) if segments else None)
+                plgpu.SMEM((2, STAGES, bq), jnp.float32), plgpu.SMEM((STAGES, bq), jnp.int32) if segments else None,
+                plgpu.SMEM((STAGES, bq), jnp.float32) if cfg.alibi else None)
         loaded = (plgpu.Barrier(num_barriers=(2 + segments) * W), _barriers(STAGES), _barriers(STAGES),
-                  _barriers(STAGES), _barriers(STAGES), _barriers(STAGES, segments))
+                  _barriers(STAGES), _barriers(STAGES), _barriers(STAGES, segments), _barriers(STAGES, cfg.alibi))
         pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
                       collective_axes="wg")
 
@@ -422,26 +433,26 @@ def _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: TileConfig, interpre
 
 # ------------------------------------------------------------------------- the differentiable call
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, q_seg, kv_seg, cfg: TileConfig, interpret: bool):
-    return _query_major(q, k, v, q_seg, kv_seg, cfg, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: bool):
+    return _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret)
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, cfg, interpret):
-    o, lse = _query_major(q, k, v, q_seg, kv_seg, cfg, interpret)
-    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+def _attention_fwd(q, k, v, q_seg, kv_seg, slopes, cfg, interpret):
+    o, lse = _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret)
+    return (o, lse), (q, k, v, q_seg, kv_seg, slopes, o, lse)
 
 
 def _attention_bwd(cfg, interpret, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, o, lse = residuals
+    q, k, v, q_seg, kv_seg, slopes, o, lse = residuals
     if q.shape[-1] > BACKWARD_MAX_HEAD_DIM:
         raise ValueError(f"the Hopper flash-attention backward takes head dims up to {BACKWARD_MAX_HEAD_DIM}, got "
                          f"{q.shape[-1]}; use impl='pallas' (the Triton driver) or 'xla' to train this model")
     do = cotangents[0].astype(q.dtype)  # lse is an output for callers, not differentiated
     delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq = _query_major(q, k, v, q_seg, kv_seg, cfg, interpret, backward=(do, lse, delta))
-    dk, dv = _key_major(q, k, v, q_seg, kv_seg, do, lse, delta, cfg, interpret)
-    return dq, dk, dv, None, None
+    dq = _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret, backward=(do, lse, delta))
+    dk, dv = _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg, interpret)
+    return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -454,10 +465,9 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
     GPU, differentiable in q, k, v through o (lse's cotangent is ignored); q [B, T, N, H], k, v
     [B, S, K, H] all bf16 or all fp16, H up to 256 (padded to a multiple of 64; the backward up to
     128). interpret: Mosaic GPU's interpreter (CPU)."""
-    for name, unsupported in (("ALiBi", alibi_slopes is not None), ("attention dropout", dropout_rate > 0.0)):
-        if unsupported:
-            raise ValueError(f"the Hopper flash-attention driver does not implement {name} yet; use "
-                             f"impl='pallas' (the Triton driver) or 'xla'")
+    if dropout_rate > 0.0:
+        raise ValueError("the Hopper flash-attention driver does not implement attention dropout yet; use "
+                         "impl='pallas' (the Triton driver) or 'xla'")
     dtypes = sorted({jnp.dtype(x.dtype).name for x in (q, k, v)} - set(GPU_DTYPES))
     if dtypes or len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"the Hopper flash-attention driver takes q, k, v all bfloat16 or all float16, not "
@@ -475,7 +485,9 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
         q_seg, kv_seg = pad_to(q_seg.astype(jnp.int32), 1, Tp), pad_to(kv_seg.astype(jnp.int32), 1, Sp)
     cfg = TileConfig(causal=causal, window=window, softcap=softcap, scale=float(H ** -0.5 if scale is None else scale),
                      kv_len=None if Sp == S or kv_seg is not None else S, segments=kv_seg is not None,
-                     alibi=False, groups=N // K, block_q=ROWS, block_kv=ROWS, driver="hopper", interpret=interpret)
+                     alibi=alibi_slopes is not None, groups=N // K, block_q=ROWS, block_kv=ROWS, driver="hopper", interpret=interpret)
     pad = lambda x, length: pad_to(pad_to(x, 1, length), 3, Hp)
-    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, cfg, interpret)
+    slopes = None if alibi_slopes is None else jnp.broadcast_to(
+        jnp.asarray(alibi_slopes, jnp.float32)[:, None], (N, ROWS))  # a head's slope along a row of tiles
+    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, slopes, cfg, interpret)
     return o[:, :T, :, :H], lse[:, :, :T]
