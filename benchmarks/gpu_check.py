@@ -189,8 +189,12 @@ def outputs_and_grads(impl: str, arrays: tuple, masks: dict, dtype) -> dict[str,
     """{"o", "dq", "dk", "dv"} of tfm's `impl` (or HOPPER, its Hopper kernels called directly) at
     `dtype`, gradients of <o, do>; as fp32 numpy."""
     if impl == HOPPER:
+        from tfm.kernels import dropout
         from tfm.kernels.flash_hopper import flash_attention
-        attend = lambda q, k, v: flash_attention(q, k, v, **masks)[0]
+        kernel_masks = dict(masks)
+        if "dropout_rng" in kernel_masks:  # the entry point's rng, as the kernels' int32 seed
+            kernel_masks["dropout_seed"] = dropout.seed(kernel_masks.pop("dropout_rng"))
+        attend = lambda q, k, v: flash_attention(q, k, v, **kernel_masks)[0]
     else:
         attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks)
 
@@ -233,8 +237,6 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
             return f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})"
         if dtype == "float32":
             return "the Hopper kernel takes bf16/fp16 only"
-        if case.dropout:
-            return "the Hopper kernel has no dropout yet"
         return None
     if impl == "pallas" and dtype == "float32" and jax.default_backend() == "gpu":
         return "tfm's Triton kernels refuse fp32 by design (off the tensor cores; `auto` picks xla)"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from test_flash_attention import Case, _segment_ids
+from tfm.kernels import dropout
 from tfm.kernels.flash_hopper import flash_attention
 from tfm.ops import attention
 
@@ -45,7 +46,18 @@ def _options(case):
 def test_matches_xla_in_the_interpreter(name):
     """o, lse and the gradients of <o, ct> (the dQ and dK/dV kernels) against the xla reference on
     the same bf16 inputs in fp32."""
-    case = CASES[name]
+    _check(CASES[name])
+
+
+def test_dropout_drops_what_xla_drops():
+    """Attention dropout 0.1: the kernels regenerate the keep mask xla builds from the same seed
+    (tfm.kernels.dropout), in the forward and both backward kernels."""
+    rng = jax.random.PRNGKey(3)
+    _check(CASES["causal_gqa_ragged_softcap_alibi"], hopper=dict(dropout_rate=0.1, dropout_seed=dropout.seed(rng)),
+           xla=dict(dropout_rate=0.1, dropout_rng=rng))
+
+
+def _check(case, hopper=None, xla=None):
     q, k, v = _inputs(case)
     ct = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.float32)
     options = _options(case)
@@ -53,9 +65,10 @@ def test_matches_xla_in_the_interpreter(name):
 
     def loss(impl, q, k, v):
         if impl == "hopper":
-            o, lse = flash_attention(q, k, v, interpret=True, **options)
+            o, lse = flash_attention(q, k, v, interpret=True, **options, **(hopper or {}))
         else:
-            o, lse = attention.dot_product_attention(f32(q), f32(k), f32(v), impl="xla", **options), None
+            o, lse = attention.dot_product_attention(f32(q), f32(k), f32(v), impl="xla", **options,
+                                                     **(xla or {})), None
         return jnp.sum(f32(o) * ct), (o, lse)
 
     grad = lambda impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), argnums=(0, 1, 2), has_aux=True))
@@ -86,7 +99,7 @@ def test_matches_xla_in_the_interpreter(name):
 
 def test_refusals_are_one_line():
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    for options, match in ((dict(dropout_rate=0.1), "does not implement attention dropout yet"),
+    for options, match in ((dict(dropout_rate=0.1), "dropout_rate > 0 needs a dropout_seed"),
                            (dict(), "all bfloat16 or all float16, not float32/float32/float32")):
         x = q.astype(jnp.float32) if not options else q
         with pytest.raises(ValueError, match=match):
@@ -108,7 +121,8 @@ def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
         shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     subsets = [dict(causal=True), dict(window=100), dict(causal=True, window=100, softcap=30.0, segments=True),
-               dict(segments=True, alibi_slopes=attention.alibi_slopes(8))]
+               dict(segments=True, alibi_slopes=attention.alibi_slopes(8)),
+               dict(causal=True, dropout_rate=0.1, dropout_seed=jnp.int32(5))]
     for options in subsets:
         segments = options.pop("segments", False)
         f = lambda q, k, v, ids: jnp.sum(flash_attention(

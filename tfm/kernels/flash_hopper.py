@@ -2,7 +2,7 @@
 
 Layout: q [B, T, N, H], k and v [B, S, K, H] (bf16 or fp16), G = N // K, as at tfm's entry point;
 the mask semantics are those of `tfm.kernels.flash_attention` (causal, window, segment ids with
-0 = padding, ALiBi, soft-cap; rows with no visible key give 0). Every tile's masks are that module's
+0 = padding, ALiBi, soft-cap, dropout; rows with no visible key give 0). Every tile's masks are that module's
 `tile_mask` and its visible blocks `kv_block_range` / `q_block_range`.
 
 Each kernel runs three warpgroups per thread block:
@@ -22,7 +22,8 @@ computes only the blocks it can see.
            their visible query blocks: Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dK += dSᵀ Q. No atomics and
            no repeated K/V, so the gradients are deterministic.
 
-Not yet here (refused in one line): attention dropout. `auto` and the entry point never
+Attention dropout regenerates each tile's keep mask from `tfm.kernels.dropout` (the other drivers'
+hash of seed, batch row, query head and positions), never stored. `auto` and the entry point never
 pick this driver until `benchmarks.gpu_check` has measured it correct and fast on a Hopper GPU
 (benchmarks/RESULTS.md). On a CPU it runs in Mosaic GPU's interpreter (`interpret=True`), which
 models the warpgroups, barriers and TMA copies (see `_Registers` for what it leaves out).
@@ -38,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from tfm.kernels import dropout as dropout_lib
 from tfm.kernels.flash_attention import TileConfig, kv_block_range, pad_to, q_block_range, tile_mask
 from tfm.kernels.tiles import GPU_DTYPES
 
@@ -124,6 +126,11 @@ def _scores(s, cfg: TileConfig):
     return cfg.softcap * capped, capped
 
 
+def _dropped(x, kept, cfg: TileConfig):
+    """x * keep mask / (1 - rate) (0 where dropped); x itself without dropout (kept None)."""
+    return x if kept is None else jnp.where(kept, x * (1.0 / (1.0 - cfg.dropout)), 0.0)
+
+
 def _produce(steps, issue, done):
     """The memory warpgroup: issue(step, slot) for steps [0, steps) into slot step % STAGES, refilling
     a slot once each barrier of `done` has its arrivals for it, and waiting for the last ones."""
@@ -201,26 +208,29 @@ def _kernel(body, operands, out_type, grid, grid_names, interpret: bool):
 
 # ------------------------------------------------------------------------- forward and dQ
 
-def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: bool, backward=None):
+def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool, backward=None):
     """The forward kernel (backward None): (o [B, Tp, N, H], lse [B, N, Tp]); or the dQ kernel
     (backward = (do [B, Tp, N, H], lse, delta [B, N, Tp])): dq [B, Tp, N, H]. Padded operands:
     q [B, Tp, N, H], k, v [B, Sp, K, H], q_seg [B, Tp], kv_seg [B, Sp] int32 (or None), slopes
-    [N, ROWS] fp32 (each head's ALiBi slope along a row; or None)."""
+    [N, ROWS] fp32 (each head's ALiBi slope along a row; or None), keys [B, N, ROWS] int32 (each
+    (batch row, head)'s dropout key along a row; or None)."""
     B, Tp, N, H = q.shape
     bq, bk, G = ROWS, (_Blocks.for_head_dim(H).dq if backward else _Blocks.for_head_dim(H).forward), cfg.groups
     num_kv, tile, dtype = k.shape[1] // bk, (ROWS, bk), q.dtype
     segments, regs = q_seg is not None, _Registers(interpret)
     per_row = backward is not None  # dQ reads lse and delta per query row
+    dropout = cfg.dropout > 0.0
     operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (
-        tuple(backward) if per_row else ())
+        (keys,) if dropout else ()) + (tuple(backward) if per_row else ())
 
     def kernel(refs, smem, loaded, done):
         ins, outs = refs[:len(operands)], refs[len(operands):]
         q_ref, k_ref, v_ref = ins[:3]
         q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
         slopes_ref = ins[3 + 2 * segments] if cfg.alibi else None
+        keys_ref = ins[3 + 2 * segments + cfg.alibi] if dropout else None
         do_ref, lse_ref, delta_ref = ins[-3:] if per_row else (None,) * 3
-        q_smem, do_smem, rows_smem, q_seg_smem, slope_smem, k_smem, v_smem, kv_seg_smem = smem
+        q_smem, do_smem, rows_smem, q_seg_smem, slope_smem, key_smem, k_smem, v_smem, kv_seg_smem = smem
         own_loaded, k_bar, v_bar, seg_bar = loaded
         b, qt, n, wg = (lax.axis_index(a) for a in ("batch", "q_block", "head", "wg"))
         first, _ = kv_block_range(qt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_kv)
@@ -251,6 +261,8 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: boo
                 own.append((q_seg_ref.at[b, rows], q_seg_smem.at[wg]))
             if cfg.alibi:
                 own.append((slopes_ref.at[n], slope_smem.at[wg]))
+            if dropout:
+                own.append((keys_ref.at[b, n], key_smem.at[wg]))
             if per_row:
                 own += [(do_ref.at[b, rows, n], do_smem.at[wg]), (lse_ref.at[b, n, rows], rows_smem.at[0, wg]),
                         (delta_ref.at[b, n, rows], rows_smem.at[1, wg])]
@@ -260,6 +272,8 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: boo
                 plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
             q_segs = regs.rows(q_seg_smem.at[wg], tile) if segments else None
             slope = regs.rows(slope_smem.at[wg], tile) if cfg.alibi else None
+            drop_key = regs.rows(key_smem.at[wg], tile) if dropout else None
+            q_pos = q_start + regs.iota(tile, 0)
             lse_rows = regs.rows(rows_smem.at[0, wg], tile) if per_row else None
             delta_rows = regs.rows(rows_smem.at[1, wg], tile) if per_row else None
 
@@ -267,26 +281,27 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: boo
                 s, capped = _scores(regs.product(q_smem.at[wg], k_smem.at[slot], True, tile), cfg)
                 kv_pos = (first + step) * bk + regs.iota(tile, 1)
                 kv_segs = regs.columns(kv_seg_smem.at[slot], tile) if segments else None
-                s, visible = tile_mask(s, q_start + regs.iota(tile, 0), kv_pos, q_segs, kv_segs, slope, cfg)
-                return s, visible, capped
+                s, visible = tile_mask(s, q_pos, kv_pos, q_segs, kv_segs, slope, cfg)
+                kept = dropout_lib.keep(drop_key, q_pos, kv_pos, cfg.dropout) if dropout else None
+                return s, visible, capped, kept
 
             def forward_step(step, slot, carry):
                 m, l, acc = carry
-                s, visible, _ = logits(step, slot)
+                s, visible, _, kept = logits(step, slot)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 p = jnp.exp(s - lax.broadcast_in_dim(m_new, tile, [0]))
                 if visible is not None:  # a row with nothing visible yet has m_new = -1e30: exp(0) there
                     p = jnp.where(visible, p, 0.0)
                 correction = jnp.exp(m - m_new)
-                pv = regs.product(p.astype(dtype), v_smem.at[slot], False, (bq, H))
+                pv = regs.product(_dropped(p, kept, cfg).astype(dtype), v_smem.at[slot], False, (bq, H))
                 return m_new, l * correction + p.sum(axis=1), acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
             def dq_step(step, slot, dq):
-                s, visible, capped = logits(step, slot)
+                s, visible, capped, kept = logits(step, slot)
                 p = jnp.exp(s - lse_rows)  # lse +inf (a row that sees nothing): 0
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)
-                dp = regs.product(do_smem.at[wg], v_smem.at[slot], True, tile)
+                dp = _dropped(regs.product(do_smem.at[wg], v_smem.at[slot], True, tile), kept, cfg)
                 ds = p * (dp - delta_rows)
                 if capped is not None:
                     ds = ds * (1.0 - capped * capped)
@@ -312,9 +327,10 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: boo
         W = COMPUTE_WARPGROUPS
         smem = (_operand((W, bq, H), dtype), _operand((W, bq, H), dtype) if per_row else None,
                 plgpu.SMEM((2, W, bq), jnp.float32), plgpu.SMEM((W, bq), jnp.int32) if segments else None,
-                plgpu.SMEM((W, bq), jnp.float32) if cfg.alibi else None, _operand((STAGES, bk, H), dtype), _operand((STAGES, bk, H), dtype),
+                plgpu.SMEM((W, bq), jnp.float32) if cfg.alibi else None,
+                plgpu.SMEM((W, bq), jnp.int32) if dropout else None, _operand((STAGES, bk, H), dtype), _operand((STAGES, bk, H), dtype),
                 plgpu.SMEM((STAGES, bk), jnp.int32) if segments else None)
-        own = 1 + segments + cfg.alibi + 3 * per_row
+        own = 1 + segments + cfg.alibi + dropout + 3 * per_row
         loaded = (plgpu.Barrier(num_barriers=own * W), _barriers(STAGES), _barriers(STAGES),
                   _barriers(STAGES, segments))
         pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
@@ -329,30 +345,34 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: boo
 
 # ------------------------------------------------------------------------- dK/dV
 
-def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, interpret: bool):
+def _key_major(q, k, v, q_seg, kv_seg, slopes, keys, do, lse, delta, cfg: TileConfig, interpret: bool):
     """The dK/dV kernel: (dk, dv) [B, Sp, K, H] for padded q, do [B, Tp, N, H], k, v [B, Sp, K, H],
-    lse, delta [B, N, Tp], q_seg [B, Tp], kv_seg [B, Sp] (or None), slopes [N, ROWS] (or None)."""
+    lse, delta [B, N, Tp], q_seg [B, Tp], kv_seg [B, Sp] (or None), slopes [N, ROWS] and dropout keys
+    [B, N, ROWS] (or None)."""
     B, Tp, N, H = q.shape
     Sp, K = k.shape[1], k.shape[2]
     bk, bq, G = ROWS, _Blocks.for_head_dim(H).dkv, cfg.groups
     num_q, tile, dtype = Tp // bq, (ROWS, bq), q.dtype  # tiles are [keys, queries]
     segments, regs = q_seg is not None, _Registers(interpret)
-    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (do, lse, delta)
+    dropout = cfg.dropout > 0.0
+    operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (
+        (keys,) if dropout else ()) + (do, lse, delta)
 
     def kernel(refs, smem, loaded, done):
         ins, (dk_ref, dv_ref) = refs[:len(operands)], refs[len(operands):]
         q_ref, k_ref, v_ref = ins[:3]
         q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
         slopes_ref = ins[3 + 2 * segments] if cfg.alibi else None
+        keys_ref = ins[3 + 2 * segments + cfg.alibi] if dropout else None
         do_ref, lse_ref, delta_ref = ins[-3:]
-        k_smem, v_smem, kv_seg_smem, q_smem, do_smem, rows_smem, q_seg_smem, slope_smem = smem
-        own_loaded, q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar = loaded
+        k_smem, v_smem, kv_seg_smem, q_smem, do_smem, rows_smem, q_seg_smem, slope_smem, key_smem = smem
+        own_loaded, q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar, key_bar = loaded
         b, kt, kv_head, wg = (lax.axis_index(a) for a in ("batch", "kv_block", "kv_head", "wg"))
         first, _ = q_block_range(kt * COMPUTE_WARPGROUPS, cfg, bq, bk, num_q)
         _, last = q_block_range(kt * COMPUTE_WARPGROUPS + COMPUTE_WARPGROUPS - 1, cfg, bq, bk, num_q)
         per_head = jnp.maximum(last - first, 0)  # query blocks streamed per query head
         steps = G * per_head                    # the G query heads of this key/value head in turn
-        ring_loaded = [x for x in (q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar) if x is not None]
+        ring_loaded = [x for x in (q_bar, do_bar, lse_bar, delta_bar, seg_bar, slope_bar, key_bar) if x is not None]
 
         def head_and_block(step):
             """(query head, query block) of a streamed step."""
@@ -372,6 +392,8 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, 
                     plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], seg_bar.at[slot])
                 if cfg.alibi:  # the slope of this step's query head, along its query columns
                     plgpu.copy_gmem_to_smem(slopes_ref.at[n], slope_smem.at[slot], slope_bar.at[slot])
+                if dropout:  # the dropout key of (this batch row, this step's query head)
+                    plgpu.copy_gmem_to_smem(keys_ref.at[b, n], key_smem.at[slot], key_bar.at[slot])
             _produce(steps, issue, done)
 
         @pl.when(wg < COMPUTE_WARPGROUPS)
@@ -396,12 +418,15 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, 
                 s, capped = _scores(regs.product(k_smem.at[wg], q_smem.at[slot], True, tile), cfg)
                 q_segs = regs.columns(q_seg_smem.at[slot], tile) if segments else None
                 slope = regs.columns(slope_smem.at[slot], tile) if cfg.alibi else None
-                s, visible = tile_mask(s, qb * bq + regs.iota(tile, 1), k_pos, q_segs, kv_segs, slope, cfg)
+                q_pos = qb * bq + regs.iota(tile, 1)
+                s, visible = tile_mask(s, q_pos, k_pos, q_segs, kv_segs, slope, cfg)
+                kept = (dropout_lib.keep(regs.columns(key_smem.at[slot], tile), q_pos, k_pos, cfg.dropout)
+                        if dropout else None)
                 p = jnp.exp(s - regs.columns(rows_smem.at[0, slot], tile))
                 if visible is not None:
                     p = jnp.where(visible, p, 0.0)
-                dv = dv + regs.product(p.astype(dtype), do_smem.at[slot], False, (bk, H))
-                dp = regs.product(v_smem.at[wg], do_smem.at[slot], True, tile)
+                dv = dv + regs.product(_dropped(p, kept, cfg).astype(dtype), do_smem.at[slot], False, (bk, H))
+                dp = _dropped(regs.product(v_smem.at[wg], do_smem.at[slot], True, tile), kept, cfg)
                 ds = p * (dp - regs.columns(rows_smem.at[1, slot], tile))
                 if capped is not None:
                     ds = ds * (1.0 - capped * capped)
@@ -420,9 +445,11 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, 
                 plgpu.SMEM((W, bk), jnp.int32) if segments else None,
                 _operand((STAGES, bq, H), dtype), _operand((STAGES, bq, H), dtype),
                 plgpu.SMEM((2, STAGES, bq), jnp.float32), plgpu.SMEM((STAGES, bq), jnp.int32) if segments else None,
-                plgpu.SMEM((STAGES, bq), jnp.float32) if cfg.alibi else None)
+                plgpu.SMEM((STAGES, bq), jnp.float32) if cfg.alibi else None,
+                plgpu.SMEM((STAGES, bq), jnp.int32) if dropout else None)
         loaded = (plgpu.Barrier(num_barriers=(2 + segments) * W), _barriers(STAGES), _barriers(STAGES),
-                  _barriers(STAGES), _barriers(STAGES), _barriers(STAGES, segments), _barriers(STAGES, cfg.alibi))
+                  _barriers(STAGES), _barriers(STAGES), _barriers(STAGES, segments), _barriers(STAGES, cfg.alibi),
+                  _barriers(STAGES, dropout))
         pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
                       collective_axes="wg")
 
@@ -433,26 +460,26 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg: TileConfig, 
 
 # ------------------------------------------------------------------------- the differentiable call
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, q_seg, kv_seg, slopes, cfg: TileConfig, interpret: bool):
-    return _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attention(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool):
+    return _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret)
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, slopes, cfg, interpret):
-    o, lse = _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret)
-    return (o, lse), (q, k, v, q_seg, kv_seg, slopes, o, lse)
+def _attention_fwd(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret):
+    o, lse = _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret)
+    return (o, lse), (q, k, v, q_seg, kv_seg, slopes, keys, o, lse)
 
 
 def _attention_bwd(cfg, interpret, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, slopes, o, lse = residuals
+    q, k, v, q_seg, kv_seg, slopes, keys, o, lse = residuals
     if q.shape[-1] > BACKWARD_MAX_HEAD_DIM:
         raise ValueError(f"the Hopper flash-attention backward takes head dims up to {BACKWARD_MAX_HEAD_DIM}, got "
                          f"{q.shape[-1]}; use impl='pallas' (the Triton driver) or 'xla' to train this model")
     do = cotangents[0].astype(q.dtype)  # lse is an output for callers, not differentiated
     delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-    dq = _query_major(q, k, v, q_seg, kv_seg, slopes, cfg, interpret, backward=(do, lse, delta))
-    dk, dv = _key_major(q, k, v, q_seg, kv_seg, slopes, do, lse, delta, cfg, interpret)
-    return dq, dk, dv, None, None, None
+    dq = _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret, backward=(do, lse, delta))
+    dk, dv = _key_major(q, k, v, q_seg, kv_seg, slopes, keys, do, lse, delta, cfg, interpret)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -460,14 +487,18 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
                     window: Optional[int] = None, softcap: Optional[float] = None, scale: Optional[float] = None,
-                    alibi_slopes=None, dropout_rate: float = 0.0, interpret: bool = False):
+                    alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None, dropout_offsets=(0, 0),
+                    interpret: bool = False):
     """(o [B, T, N, H], lse [B, N, T] fp32, +inf on rows that see no key) of attention on a Hopper
     GPU, differentiable in q, k, v through o (lse's cotangent is ignored); q [B, T, N, H], k, v
     [B, S, K, H] all bf16 or all fp16, H up to 256 (padded to a multiple of 64; the backward up to
-    128). interpret: Mosaic GPU's interpreter (CPU)."""
-    if dropout_rate > 0.0:
-        raise ValueError("the Hopper flash-attention driver does not implement attention dropout yet; use "
-                         "impl='pallas' (the Triton driver) or 'xla'")
+    128). Dropout as `tfm.kernels.flash_attention.flash_attention`'s: the mask of `tfm.kernels.dropout`
+    for int32 dropout_seed at batch row b + dropout_offsets[0], query head n + dropout_offsets[1].
+    interpret: Mosaic GPU's interpreter (CPU)."""
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate and dropout_seed is None:
+        raise ValueError("the Hopper flash-attention driver with dropout_rate > 0 needs a dropout_seed")
     dtypes = sorted({jnp.dtype(x.dtype).name for x in (q, k, v)} - set(GPU_DTYPES))
     if dtypes or len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"the Hopper flash-attention driver takes q, k, v all bfloat16 or all float16, not "
@@ -485,9 +516,16 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
         q_seg, kv_seg = pad_to(q_seg.astype(jnp.int32), 1, Tp), pad_to(kv_seg.astype(jnp.int32), 1, Sp)
     cfg = TileConfig(causal=causal, window=window, softcap=softcap, scale=float(H ** -0.5 if scale is None else scale),
                      kv_len=None if Sp == S or kv_seg is not None else S, segments=kv_seg is not None,
-                     alibi=alibi_slopes is not None, groups=N // K, block_q=ROWS, block_kv=ROWS, driver="hopper", interpret=interpret)
+                     alibi=alibi_slopes is not None, groups=N // K, block_q=ROWS, block_kv=ROWS, driver="hopper",
+                     interpret=interpret, dropout=float(dropout_rate))
     pad = lambda x, length: pad_to(pad_to(x, 1, length), 3, Hp)
     slopes = None if alibi_slopes is None else jnp.broadcast_to(
         jnp.asarray(alibi_slopes, jnp.float32)[:, None], (N, ROWS))  # a head's slope along a row of tiles
-    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, slopes, cfg, interpret)
+    keys = None
+    if dropout_rate:  # each (batch row, query head)'s key along a row of tiles
+        batch, head = (jnp.asarray(offset, jnp.int32) + jnp.arange(size, dtype=jnp.int32)
+                       for offset, size in zip(dropout_offsets, (B, N)))
+        keys = dropout_lib.head_key(jnp.asarray(dropout_seed, jnp.int32), batch[:, None], head[None, :])
+        keys = jnp.broadcast_to(keys[:, :, None], (B, N, ROWS))
+    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, slopes, keys, cfg, interpret)
     return o[:, :T, :, :H], lse[:, :, :T]
