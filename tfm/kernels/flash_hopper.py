@@ -183,6 +183,15 @@ def _consume(base, count, lo, hi, attend, carry, loaded, done):
     return lax.fori_loop(base + hi, base + count, skip, carry)
 
 
+def _load_own(copies, barrier, wg):
+    """A compute warpgroup's own blocks: copies [(gmem, smem)] by TMA, copy i on barrier i·W + wg,
+    then waits for all of them."""
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, barrier.at[i * COMPUTE_WARPGROUPS + wg])
+    for i in range(len(copies)):
+        plgpu.barrier_wait(barrier.at[i * COMPUTE_WARPGROUPS + wg])
+
+
 def _barriers(n: int, present: bool = True):
     return plgpu.Barrier(num_barriers=n) if present else None
 
@@ -266,10 +275,7 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpre
             if per_row:
                 own += [(do_ref.at[b, rows, n], do_smem.at[wg]), (lse_ref.at[b, n, rows], rows_smem.at[0, wg]),
                         (delta_ref.at[b, n, rows], rows_smem.at[1, wg])]
-            for i, (src, dst) in enumerate(own):  # barrier i·W + wg: copy i of this warpgroup
-                plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
-            for i in range(len(own)):
-                plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            _load_own(own, own_loaded, wg)
             q_segs = regs.rows(q_seg_smem.at[wg], tile) if segments else None
             slope = regs.rows(slope_smem.at[wg], tile) if cfg.alibi else None
             drop_key = regs.rows(key_smem.at[wg], tile) if dropout else None
@@ -405,10 +411,7 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, keys, do, lse, delta, cfg: TileCo
             own = [(k_ref.at[b, keys, kv_head], k_smem.at[wg]), (v_ref.at[b, keys, kv_head], v_smem.at[wg])]
             if segments:
                 own.append((kv_seg_ref.at[b, keys], kv_seg_smem.at[wg]))
-            for i, (src, dst) in enumerate(own):
-                plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
-            for i in range(len(own)):
-                plgpu.barrier_wait(own_loaded.at[i * COMPUTE_WARPGROUPS + wg])
+            _load_own(own, own_loaded, wg)
             kv_segs = regs.rows(kv_seg_smem.at[wg], tile) if segments else None
             k_pos = k_start + regs.iota(tile, 0)
 
