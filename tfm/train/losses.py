@@ -37,6 +37,18 @@ def _smoothing(vocab: int, label_smoothing: float):
     return confidence, low, entropy
 
 
+def _smoothed_ce(target_logit, log_z, total, vocab: int, label_smoothing: float):
+    """Per-token smoothed cross-entropy, shifted so a perfect prediction scores 0, from the target's
+    logit, log Z and the sum of all logits (total; read only with label smoothing), each [...]."""
+    confidence, low, entropy = _smoothing(vocab, label_smoothing)
+    target_lp = target_logit - log_z
+    ce = -confidence * target_lp
+    if label_smoothing:
+        ce -= low * (total - vocab * log_z - target_lp)
+        ce += entropy
+    return ce
+
+
 def _sums(ce, log_z, correct, weights, z_loss):
     """Per-token ce, log Z, correct [...] -> the `LossTerm` of weighted sums both losses return."""
     return LossTerm(ce=jnp.sum(ce * weights), z=z_loss * jnp.sum(log_z ** 2 * weights),
@@ -84,13 +96,9 @@ def _token_forward(label_smoothing, logits, targets):
     x = logits.astype(jnp.float32)
     vocab = x.shape[-1]
     log_z = jax.nn.logsumexp(x, axis=-1)                                            # [...]
-    confidence, low, entropy = _smoothing(vocab, label_smoothing)
-    target_lp = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - log_z
-    ce = -confidence * target_lp
-    if label_smoothing:
-        ce -= low * (jnp.sum(x, axis=-1) - vocab * log_z - target_lp)
-        ce += entropy
-    return (ce, log_z), (logits, targets, log_z)
+    target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    total = jnp.sum(x, axis=-1) if label_smoothing else None
+    return (_smoothed_ce(target_logit, log_z, total, vocab, label_smoothing), log_z), (logits, targets, log_z)
 
 
 def _token_backward(label_smoothing, residuals, cotangents):
@@ -196,12 +204,7 @@ def _fused_forward(num_chunks, dtype, label_smoothing, hidden, kernel, bias, tar
             jnp.zeros(shape, jnp.int32))
     (m, s, target_logit, total, argmax), _ = jax.lax.scan(body, init, (ids, kernels, biases))
     log_z = m + jnp.log(s)
-    confidence, low, entropy = _smoothing(vocab, label_smoothing)
-    target_lp = target_logit - log_z
-    ce = -confidence * target_lp
-    if label_smoothing:
-        ce -= low * (total - vocab * log_z - target_lp)
-        ce += entropy
+    ce = _smoothed_ce(target_logit, log_z, total, vocab, label_smoothing)
     return (ce, log_z, argmax), (hidden, kernel, bias, targets, log_z)
 
 
