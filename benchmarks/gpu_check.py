@@ -108,6 +108,12 @@ class Budget:
         return f"skipped: section budget of {self.seconds:.0f} s spent"
 
 
+def log_traceback(error: BaseException, lines: int = 25) -> None:
+    """The last `lines` lines of `error`'s traceback, for the command's log (the report keeps `short`)."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip().splitlines()
+    log("\n".join("    | " + line for line in text[-lines:]))
+
+
 def short(error: BaseException) -> str:
     """'Type: first line of the message', at most 120 characters of it."""
     lines = str(error).strip().splitlines()
@@ -255,6 +261,13 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     return None
 
 
+def correctness_impls(selection: Selection) -> tuple[str, ...]:
+    """tfm's implementations the correctness section checks: those named "tfm <impl>" in the
+    selection's impls, or all."""
+    every = TFM_IMPLS + (HOPPER,)
+    return every if selection.impls is None else tuple(i for i in every if f"tfm {i}" in selection.impls)
+
+
 def correctness(smoke: bool, budget: Budget, selection: Selection = Selection()) -> tuple[list[str], list[str]]:
     """(markdown lines, names of the failed cases)."""
     rows, failures = [], []
@@ -271,7 +284,7 @@ def correctness(smoke: bool, budget: Budget, selection: Selection = Selection())
             rows.append([case.name, "reference", "float32", "", "", "", "", "", f"FAIL: raised {short(e)}"])
             failures.append(f"{case.name} reference: raised {short(e)}")
             continue
-        for impl in TFM_IMPLS + (HOPPER,):
+        for impl in correctness_impls(selection):
             for dtype in ("bfloat16", "float32"):
                 row, failed = correctness_row(case, impl, dtype, arrays, masks, ref)
                 errors = " ".join(f"{n} {e}" for n, e in zip(("o", "dq", "dk", "dv"), row[3:7]) if e)
@@ -299,6 +312,7 @@ def correctness_row(case: Case, impl: str, dtype: str, arrays, masks, ref) -> tu
     try:
         errors, problems = compare(outputs_and_grads(impl, arrays, masks, jnp.dtype(dtype)), ref, tolerance)
     except Exception as e:  # a supported case that raises is a failure
+        log_traceback(e)
         return head + ["", "", "", "", f"{tolerance:.0e}", f"FAIL: raised {short(e)}"], True
     status = "FAIL: " + "; ".join(problems) if problems else "ok"
     return (head + [f"{errors[n]:.1e}" if n in errors else "" for n in ("o", "dq", "dk", "dv")]
@@ -463,6 +477,7 @@ def throughput_cell(row: dict, impl: str, shape, backward: bool, iters: int, dty
     except Unavailable as e:
         return f"unavailable: {e}"
     except Exception as e:  # out of memory, or a kernel that does not lower: shown, not fatal
+        log_traceback(e)
         return f"error: {short(e)}"
     return f"{row['tflops']:.3f}"
 
@@ -782,7 +797,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every section's time budget")
     parser.add_argument("--cases", help="correctness: only the cases whose name contains one of these (comma-separated)")
-    parser.add_argument("--impls", help="attention: only these implementations (comma-separated), from "
+    parser.add_argument("--impls", help="attention and correctness (the tfm ones): only these implementations (comma-separated), from "
                         + ", ".join(THROUGHPUT_IMPLS))
     parser.add_argument("--heads", help="attention: only these head dims (comma-separated)")
     parser.add_argument("--lengths", help="attention: only these sequence lengths (comma-separated)")
