@@ -81,13 +81,15 @@ def measure_forward(forward, shape: Shape, backward: bool, dtype, iters: int):
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """TFLOP/s and peak memory against L: one panel pair per (pass, causal), a line per impl and H."""
+    """TFLOP/s and peak memory (where rows have it) against L: one panel pair per (pass, causal), a
+    line per impl and H."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["pass"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    memory = any(r.get("peak") is not None for r in rows)
+    fig, axes = plt.subplots(1 + memory, len(panels), figsize=(4.5 * len(panels), 3.5 * (1 + memory)), squeeze=False)
     for col, (pass_, causal) in enumerate(panels):
         for (impl, H) in sorted({(r["impl"], r["H"]) for r in rows}):
             line = sorted((r["L"], r["tflops"], r["peak"]) for r in rows
@@ -97,11 +99,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             L, tflops, peak = zip(*line)
             style = dict(marker="o", label=f"{impl} H={H}", linestyle="-" if H == 128 else "--")
             axes[0, col].plot(L, tflops, **style)
-            if None not in peak:
+            if memory and None not in peak:
                 axes[1, col].plot(L, peak, **style)
         axes[0, col].set_title(f"{pass_}, {'causal' if causal else 'bidirectional'}")
         axes[0, col].set_ylabel("TFLOP/s")
-        axes[1, col].set_ylabel("peak MiB")
+        if memory:
+            axes[1, col].set_ylabel("peak MiB")
         for ax in axes[:, col]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length L")

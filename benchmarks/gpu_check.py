@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import attention as attention_bench
+from tfm.ops import select
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
 SECTIONS = ("correctness", "attention", "train", "decode", "auto")
@@ -71,9 +72,7 @@ BUDGET_S = {"correctness": 210, "attention": 300, "train": 360, "decode": 180, "
 # Relative error max|x - ref| / max|ref| allowed per dtype, for outputs and gradients alike.
 # fp32 allows TF32 matmul units (10-bit mantissa) on the GPU.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 2e-3}
-TFM_IMPLS = ("pallas", "cudnn", "xla")
-# tfm's Hopper (Mosaic GPU) kernels, not yet behind the entry point: checked and timed on their own
-HOPPER = "hopper"
+TFM_IMPLS = ("pallas", "hopper", "cudnn", "xla")
 
 
 def log(text: str) -> None:
@@ -192,17 +191,8 @@ def case_inputs(case: Case) -> tuple[tuple, dict]:
 
 
 def outputs_and_grads(impl: str, arrays: tuple, masks: dict, dtype) -> dict[str, np.ndarray]:
-    """{"o", "dq", "dk", "dv"} of tfm's `impl` (or HOPPER, its Hopper kernels called directly) at
-    `dtype`, gradients of <o, do>; as fp32 numpy."""
-    if impl == HOPPER:
-        from tfm.kernels import dropout
-        from tfm.kernels.flash_hopper import flash_attention
-        kernel_masks = dict(masks)
-        if "dropout_rng" in kernel_masks:  # the entry point's rng, as the kernels' int32 seed
-            kernel_masks["dropout_seed"] = dropout.seed(kernel_masks.pop("dropout_rng"))
-        attend = lambda q, k, v: flash_attention(q, k, v, **kernel_masks)[0]
-    else:
-        attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks)
+    """{"o", "dq", "dk", "dv"} of tfm's `impl` at `dtype`, gradients of <o, do>; as fp32 numpy."""
+    attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks)
 
     def run(q, k, v, do):
         o, vjp = jax.vjp(attend, q, k, v)
@@ -238,8 +228,8 @@ def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], tolerance: f
 
 def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     """Why tfm's `impl` cannot run this case here, or None."""
-    if impl == HOPPER:
-        if not hopper_present():
+    if impl == "hopper":
+        if not select.hopper_present():
             return f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})"
         if dtype == "float32":
             return "the Hopper kernel takes bf16/fp16 only"
@@ -264,8 +254,7 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
 def correctness_impls(selection: Selection) -> tuple[str, ...]:
     """tfm's implementations the correctness section checks: those named "tfm <impl>" in the
     selection's impls, or all."""
-    every = TFM_IMPLS + (HOPPER,)
-    return every if selection.impls is None else tuple(i for i in every if f"tfm {i}" in selection.impls)
+    return TFM_IMPLS if selection.impls is None else tuple(i for i in TFM_IMPLS if f"tfm {i}" in selection.impls)
 
 
 def correctness(smoke: bool, budget: Budget, selection: Selection = Selection()) -> tuple[list[str], list[str]]:
@@ -343,15 +332,9 @@ MGPU_TILES = dict(block_q=64, block_kv=128, max_concurrent_steps=2,
                   block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
 
-def hopper_present() -> bool:
-    """Whether JAX runs on a Hopper GPU (H100, H200), where Mosaic GPU kernels compile."""
-    kind = jax.devices()[0].device_kind
-    return jax.default_backend() == "gpu" and ("H100" in kind or "H200" in kind)
-
-
 def mgpu_forward(causal: bool):
     """forward(q, k, v) of `jax.experimental.pallas.ops.gpu.attention_mgpu`, or raises Unavailable."""
-    if not hopper_present():
+    if not select.hopper_present():
         raise Unavailable(f"Mosaic GPU attention needs a Hopper GPU (device: {jax.devices()[0].device_kind})")
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
@@ -363,15 +346,12 @@ def mgpu_forward(causal: bool):
 
 def jax_forward(impl: str, causal: bool):
     """forward(q, k, v) [B, L, N, H] for a JAX implementation, or raises Unavailable."""
-    if impl == "tfm hopper":
-        if not hopper_present():
-            raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
-        from tfm.kernels.flash_hopper import flash_attention
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal)[0]
     if impl.startswith("tfm "):
         name = impl.split()[1]
         if name == "cudnn" and jax.default_backend() != "gpu":
             raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
+        if name == "hopper" and not select.hopper_present():
+            raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
         return attention_bench.tfm_forward(name, causal)
     if impl == "jax mgpu":
         return mgpu_forward(causal)
@@ -517,7 +497,7 @@ def torch_device(smoke: bool) -> str:
     raise Unavailable(f"torch {torch.__version__} has no CUDA device")
 
 
-TRAIN_RUNS = ("tfm cudnn", "torch compile", "tfm pallas", "torch eager", "tfm xla")  # in the order they run
+TRAIN_RUNS = ("tfm cudnn", "tfm hopper", "torch compile", "tfm pallas", "torch eager", "tfm xla")  # in the order they run
 
 
 def train(smoke: bool, budget: Budget, selection: Selection = Selection()) -> list[str]:
@@ -602,6 +582,8 @@ def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
     """(step, where, trainer, memory_analysis() of the step) of tfm's bf16 train step with one attention impl."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
+    if impl == "hopper" and not select.hopper_present():
+        raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
     if impl == "cudnn" and name == "bert_dropout":
         raise Unavailable("tfm's cudnn attention has no dropout (the kernels and xla have)")
     tiny = bench.TINY if smoke else {}

@@ -132,3 +132,61 @@ def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim):
         text = traced.lower(spec(2, 384, 8, head_dim), spec(2, 384, 2, head_dim), spec(2, 384, 2, head_dim),
                                 spec(2, 384, dtype=jnp.int32)).as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == (3 if head_dim <= 128 else 1), options
+
+
+
+def test_a_shard_drops_what_the_whole_call_drops_there():
+    """dropout_offsets: a call on row 1 and heads 2-3 of a batch, given their global offsets (as
+    `tfm.ops.shard.per_device` gives each device's shard), equals that block of the whole call."""
+    q, k, v = (jnp.concatenate([x] * 2) for x in _inputs(Case(T=64, S=64, N=4, K=2, H=16)))
+    q = q + jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.float32).astype(jnp.bfloat16)  # rows differ
+    options = dict(causal=True, dropout_rate=0.3, dropout_seed=jnp.int32(11), interpret=True)
+    whole, _ = jax.jit(functools.partial(flash_attention, **options))(q, k, v)
+    part, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 2:], k[1:, :, 1:], v[1:, :, 1:],
+                                                                    dropout_offsets=(1, 2))
+    np.testing.assert_array_equal(np.asarray(part.astype(jnp.float32)), np.asarray(whole[1:, :, 2:].astype(jnp.float32)))
+    moved, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 2:], k[1:, :, 1:], v[1:, :, 1:])
+    assert not np.array_equal(np.asarray(moved), np.asarray(part))  # the offsets change the mask
+
+
+def test_entry_point_runs_the_kernels_per_device_under_a_mesh():
+    """impl="hopper" through `dot_product_attention` under fsdp 4 x tensor 2 (traced, not run: the
+    interpreter's warpgroup threads deadlock across concurrently running CPU devices): forward, dQ and
+    dK/dV are kernel calls inside shard_map on each device's [1 row, 2 query heads | 1 kv head] block."""
+    import flax.linen as nn
+    from jax.extend.core import jaxprs_in_params
+    from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules, parse_parallelism
+
+    def calls(jaxpr, inside=False):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "mpmd_map":  # an interpreted Mosaic GPU kernel (its warpgroups)
+                yield eqn, inside
+                continue
+            for sub in jaxprs_in_params(eqn.params):
+                yield from calls(sub, inside or eqn.primitive.name == "shard_map")
+
+    q, k = jnp.zeros((4, 64, 4, 16), jnp.bfloat16), jnp.zeros((4, 64, 2, 16), jnp.bfloat16)
+    loss = lambda q, k, v: attention.dot_product_attention(q, k, v, impl="hopper", causal=True, dropout_rate=0.1,
+                                                           dropout_rng=jax.random.PRNGKey(0)).astype(jnp.float32).sum()
+    rules = flax_rules(make_rules(*parse_parallelism("fsdp+tensor"), activations=True))
+    with jax.set_mesh(make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))), nn.logical_axis_rules(rules):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k).jaxpr
+    found = list(calls(jaxpr))
+    assert len(found) == 3 and all(inside for _, inside in found), found
+    leading = {tuple(x.aval.shape[:3]) for eqn, _ in found for x in eqn.invars if x.aval.ndim == 4}
+    assert leading == {(1, 128, 2), (1, 128, 1)}, leading  # [B/4, T padded to 128, N/2 | K/2]
+
+
+def test_entry_point_passes_every_mask_to_the_kernels():
+    """impl="hopper" through `dot_product_attention` (interpreted, no mesh) equals impl="xla" given the
+    same masks and dropout rng: scale, causal, soft-cap, ALiBi, packed segment ids and the rng all
+    reach the kernels (o, bf16 inputs, 2e-2)."""
+    case = CASES["packed_segments_causal_window"]
+    q, k, v = _inputs(case)
+    options = dict(_options(case), softcap=4.0, alibi_slopes=attention.alibi_slopes(case.N), scale=0.3,
+                   dropout_rate=0.2, dropout_rng=jax.random.PRNGKey(6))
+    attend = lambda impl, *x: attention.dot_product_attention(*x, impl=impl, **options).astype(jnp.float32)
+    got = jax.jit(functools.partial(attend, "hopper"))(q, k, v)
+    want = jax.jit(functools.partial(attend, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-2)
+    assert float(jnp.abs(want).max()) > 0.5

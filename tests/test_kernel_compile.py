@@ -155,24 +155,44 @@ def test_entry_point_refuses_fp32_on_an_h100_and_auto_picks_xla():
     with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
         assert select.choose_impl(q, q) == "xla"
         bf16 = q.update(dtype=jnp.bfloat16)
-        assert not select.cudnn_present()  # compile-only: JAX cannot lower cuDNN calls here
+        assert not select.cuda_present()  # compile-only: JAX cannot lower cuDNN calls here
         assert select.choose_impl(bf16, q) == "pallas"
         assert (select.choose_context_impl(q), select.choose_context_impl(bf16)) == ("chunked", "pallas")
 
 
-def test_auto_on_a_gpu_with_cudnn_picks_it_where_it_computes_the_layer(monkeypatch):
-    """The rules measured on an H100 (RESULTS.md), cuDNN's presence assumed."""
-    monkeypatch.setattr(select, "cudnn_present", lambda: True)
+@pytest.mark.parametrize("target", ["h100-1", "H200-1"])
+def test_auto_on_a_hopper_gpu_picks_cudnn_then_the_hopper_kernels(monkeypatch, target):
+    """The rules measured on an H100 and an H200 (RESULTS.md), JAX's CUDA libraries assumed present:
+    cuDNN where it computes the layer, else tfm's Hopper kernels, else Triton (sparse patterns, head
+    dims over 128), else xla (fp32)."""
+    monkeypatch.setattr(select, "cuda_present", lambda: True)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
-    with jax.set_mesh(make_mesh(MeshConfig(), _devices("h100-1"))):
+    with jax.set_mesh(make_mesh(MeshConfig(), _devices(target))):
+        assert select.hopper_present()
         assert select.choose_impl(q, q) == "xla"
+        assert select.choose_impl(q, q, dropout_rate=0.1) == "xla"
         bf16 = q.update(dtype=jnp.bfloat16)
         assert select.choose_impl(bf16, q) == "cudnn"
-        for features in (dict(softcap=5.0), dict(window=8), dict(alibi=True), dict(segments=True)):
-            assert select.choose_impl(bf16, q, **features) == "pallas", features
+        for features in (dict(softcap=5.0), dict(window=8), dict(alibi=True), dict(segments=True),
+                         dict(dropout_rate=0.1), dict(causal=True, dropout_rate=0.1)):
+            assert select.choose_impl(bf16, q, **features) == "hopper", features
         assert select.choose_impl(bf16, q, causal=True, window=8) == "cudnn"
         assert select.choose_impl(bf16.update(shape=(1, 256, 2, 80)), q) == "cudnn"
-        assert select.choose_impl(bf16.update(shape=(1, 256, 2, 68)), q) == "pallas"  # H % 8 != 0
+        assert select.choose_impl(bf16.update(shape=(1, 256, 2, 68)), q) == "hopper"  # cuDNN: H % 8 != 0
+        assert select.choose_impl(bf16, q, sparse=True) == "pallas"
+        assert select.choose_impl(bf16.update(shape=(1, 256, 2, 256)), q, alibi=True) == "pallas"  # H > 128
+
+
+def test_impl_hopper_is_refused_in_one_line_where_it_cannot_run():
+    """A compile-only H100 (no CUDA libraries to load a Mosaic GPU kernel with) and a TPU: refused,
+    naming what runs it; auto there never picks it."""
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    for target, where in (("h100-1", r"NVIDIA H100 80GB HBM3 \(gpu, compile-only\)"), ("v5p-8", r"\(tpu\)")):
+        with jax.set_mesh(make_mesh(MeshConfig(), _devices(target))):
+            assert not select.hopper_present() and select.choose_impl(q, q, alibi=True) == "pallas"
+            with pytest.raises(ValueError, match=r"^impl='hopper' runs on H100/H200 GPUs .*" + where) as error:
+                jax.jit(functools.partial(dot_product_attention, impl="hopper")).trace(q, q, q)
+            assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("target", ["v5p-8", "h100-1"])

@@ -164,7 +164,7 @@ def test_patterns_refused_where_they_cannot_apply():
                                                    ("gpu", jnp.bfloat16, "pallas"), ("gpu", jnp.float32, "xla")])
 def test_auto_picks_the_kernels_for_a_pattern_where_they_run(monkeypatch, platform, dtype, impl):
     monkeypatch.setattr(select, "current_platform", lambda: platform)
-    monkeypatch.setattr(select, "cudnn_present", lambda: True)
+    monkeypatch.setattr(select, "cuda_present", lambda: True)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), dtype)
     assert select.choose_impl(q, q, sparse=True) == impl
 

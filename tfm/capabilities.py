@@ -69,6 +69,11 @@ ATTENTION = {
     # The flash kernels (tfm.kernels.flash_attention): Triton on GPU (tensor-core dtypes), Mosaic on
     # TPU, the Pallas interpreter on CPU. Their dropout mask is xla's (tfm.kernels.dropout).
     "pallas": AttentionSupport(dropout=True, sparsity=True, block_sizes=True, gpu_dtypes=GPU_DTYPES),
+    # tfm's Hopper driver (tfm.kernels.flash_hopper, Pallas Mosaic GPU): H100/H200 only, bf16/fp16;
+    # its backward takes head dims up to 128. No sparse block lists or context-parallel blocks yet.
+    # On CPU it runs in Mosaic GPU's interpreter (tests).
+    "hopper": AttentionSupport(dropout=True, context=False, platforms=("cpu", "gpu"),
+                               gpu_dtypes=("bfloat16", "float16"), max_head_dim=128),
     # cuDNN's fused kernel through jax.nn: GPU only.
     "cudnn": AttentionSupport(softcap=False, bidirectional_window=False, context=False, platforms=("gpu",),
                               gpu_dtypes=("bfloat16", "float16"), max_head_dim=128, head_dim_multiple=8),

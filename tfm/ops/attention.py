@@ -21,8 +21,8 @@ A row with no visible key outputs 0 (never NaN). Which backend computes which of
 declared once in `tfm.capabilities`; a call asking a backend for a feature it lacks is refused
 in one line naming the backends that have it.
 
-Backends, one module each: `xla` (the reference), `chunked`, `pallas` and `cudnn`; the
-last two run per device under a mesh (`tfm.ops.shard`). Under a mesh whose rules split
+Backends: `xla` (the reference), `chunked`, `pallas` (with `hopper`, the Hopper driver, in the
+same module) and `cudnn`; the kernels run per device under a mesh (`tfm.ops.shard`). Under a mesh whose rules split
 "length" over `context`, attention is context-parallel (`tfm.ops.context`, by
 `context_strategy`), each block computed by the Pallas kernels for impl "pallas" (and "auto"
 where `select.choose_context_impl` says so), else by the chunked backend; it computes the
@@ -74,7 +74,8 @@ def dot_product_attention(
     """Attention softmax(q k^T * scale + masks) v. q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
     impl: "xla" (reference), "chunked" (pure-JAX blockwise, O(L) memory), "pallas"
-    (flash kernels), "cudnn" (jax.nn, GPU only), "auto" (fastest per backend).
+    (flash kernels), "hopper" (tfm's Hopper kernels, H100/H200 only), "cudnn" (jax.nn, GPU only),
+    "auto" (fastest per backend).
     chunk_size is used by "chunked" (and context parallelism's chunked blocks) only, block_sizes
     (the kernel tiles) by "pallas" only. context_strategy: "ring" or "all_gather", used when the sequence is
     split over the mesh's `context` axis (and no positions are given).
@@ -120,12 +121,15 @@ def dot_product_attention(
                          "; ".join(f"{f} (impl {' / '.join(map(repr, a))} does)" for f, a in able.items()))
     if bias is not None and (bias.ndim != 4 or bias.shape[1:] != (N, T, S) or bias.shape[0] not in (1, B)):
         raise ValueError(f"attention bias must be [{B} or 1, {N}, {T}, {S}]; got {bias.shape}")
-    if impl in ("pallas", "cudnn"):
+    if impl in ("pallas", "hopper", "cudnn"):
         kernel_args = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                            window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
         if impl == "pallas":
             return pallas.attention(q, k, v, block_sizes=block_sizes, sparsity=sparsity, dropout_rate=dropout_rate,
                                     dropout_rng=dropout_rng, **kernel_args)
+        if impl == "hopper":
+            return pallas.attention(q, k, v, driver="hopper", dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                                    **kernel_args)
         return cudnn.attention(q, k, v, **kernel_args)
     q_pos = jnp.arange(T)[None] if q_positions is None else q_positions
     kv_pos = jnp.arange(S)[None] if kv_positions is None else kv_positions

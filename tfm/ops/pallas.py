@@ -1,4 +1,5 @@
-"""The pallas backend: the flash kernels of `tfm.kernels.flash_attention`, per device.
+"""The pallas and hopper backends: the flash kernels of `tfm.kernels.flash_attention` (Triton on
+GPU, Mosaic on TPU) or of `tfm.kernels.flash_hopper` (Mosaic GPU on H100/H200), per device.
 
 Under a mesh the kernel runs inside `shard_map` (`tfm.ops.shard.per_device`): batch and
 heads are split as the active logical rules split them, T and S stay whole, and each device
@@ -20,19 +21,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tfm.kernels import dropout, flash_attention
+from tfm.kernels import dropout, flash_attention, flash_hopper
 from tfm.kernels.tiles import BlockSizes
+from tfm.ops import select
 from tfm.ops.shard import per_device
-from tfm.parallel.mesh import current_platform
+from tfm.parallel.mesh import current_device_kind, current_platform
 
 
 def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
               window: Optional[int] = None, alibi_slopes=None, softcap: Optional[float] = None,
               sparsity=None, scale: float, block_sizes: Optional[BlockSizes] = None,
               backend: Optional[str] = None, interpret: Optional[bool] = None,
-              dropout_rate: float = 0.0, dropout_rng=None):
+              dropout_rate: float = 0.0, dropout_rng=None, driver: str = "flash"):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H].
 
+    driver: "flash" (`tfm.kernels.flash_attention`) or "hopper" (`tfm.kernels.flash_hopper`, which
+    takes no block_sizes or sparsity: the entry point's capabilities refuse those first).
     block_sizes: kernel tiles (default: per backend). backend: "tpu", "gpu" or "cpu" (default:
     the current mesh's platform, so a CPU host compiling for compile-only TPU or GPU devices
     builds their kernels); interpret: run the Pallas interpreter (default: on "cpu").
@@ -45,6 +49,17 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
         raise ValueError("attention dropout_rate > 0 needs a dropout_rng")
     seed = dropout.seed(dropout_rng) if dropout_rate > 0.0 else None
 
+    if driver == "hopper":
+        _check_hopper(backend)
+
+        def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets):
+            return flash_hopper.flash_attention(
+                q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+                alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, interpret=interpret,
+                dropout_rate=dropout_rate, dropout_seed=seed, dropout_offsets=offsets)[0]
+
+        return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
+
     def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets):
         return flash_attention.flash_attention(
             q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -53,6 +68,16 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
             dropout_seed=seed, dropout_offsets=offsets)
 
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
+
+
+def _check_hopper(backend: str) -> None:
+    """The Hopper driver runs on H100/H200 GPUs with JAX's CUDA libraries, or interpreted on CPU."""
+    if backend == "cpu":
+        return
+    if backend != "gpu" or not select.hopper_present():
+        compile_only = ", compile-only" if backend == "gpu" and not select.cuda_present() else ""
+        raise ValueError(f"impl='hopper' runs on H100/H200 GPUs with JAX's CUDA libraries (or interpreted on CPU), "
+                         f"not on {current_device_kind()} ({backend}{compile_only}): use impl='auto' or 'pallas'")
 
 
 def _platform(q) -> str:

@@ -4,12 +4,15 @@ A backend qualifies where its declaration (`tfm.capabilities.ATTENTION`) says it
 platform, takes the dtype and head dim, and computes every feature of the call; among those,
 the first in this order of preference, which follows benchmarks/RESULTS.md:
 
-GPU (measured on an H100 by `benchmarks.gpu_check`, 2026-11-24): cuDNN's fused kernel ran
-forward+backward at 2.5-4.6x the Pallas (Triton) kernels on every measured shape (bf16, H 64/128,
-L 1k-16k, causal and not), so it comes first wherever it computes the layer without a
-materialised operand: not with ALiBi (a [1, N, T, S] bias) nor segment ids (a [B, 1, T, S] mask;
-its speed there is unmeasured), nor without the cuDNN library (a compile-only H100 in
-`tfm.preflight`, where JAX cannot lower cuDNN calls). Then the Pallas kernels, then xla.
+GPU (`benchmarks.gpu_check` on an H100, 2026-11-24, and an H200, 2026-11-27): cuDNN's fused kernel
+comes first wherever it computes the layer without a materialised operand: not with ALiBi (a
+[1, N, T, S] bias) nor segment ids (a [B, 1, T, S] mask; its speed there is unmeasured). On a
+Hopper GPU tfm's Hopper driver comes next: slower than cuDNN but several times the Triton kernels on
+every measured shape (bf16, H 64/128, L 2k-16k, causal and not), with 0 correctness failures over
+every case on the H200, so the features cuDNN lacks (soft-cap, bidirectional windows, ALiBi, segment
+ids, dropout) no longer fall to Triton. Then the Pallas kernels (Triton), then xla. cuDNN
+and the Hopper driver need JAX's CUDA libraries: a compile-only GPU (`tfm.preflight`) has neither
+(JAX cannot lower cuDNN calls there, nor load a Mosaic GPU kernel), so it gets Triton.
 TPU (unmeasured): the Pallas kernels, then xla. CPU: xla while its fp32 logits stay under 1 GiB,
 else chunked (the kernels only interpret there).
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import functools
 
 from tfm import capabilities
-from tfm.parallel.mesh import current_platform
+from tfm.parallel.mesh import current_device_kind, current_platform
 
 # Above this many fp32 logit bytes (B*N*T*S*4) the xla reference's memory dominates on CPU.
 _CPU_XLA_MAX_LOGIT_BYTES = 1 << 30
@@ -45,7 +48,8 @@ def choose_impl(q, k, *, alibi: bool = False, segments: bool = False, **call) ->
 def _preference(platform: str, q, k, *, cudnn_first: bool) -> list:
     """Backend names in the order `auto` tries them (module doc)."""
     if platform == "gpu":
-        return (["cudnn"] if cudnn_first and cudnn_present() else []) + ["pallas", "xla"]
+        cudnn = ["cudnn"] if cudnn_first and cuda_present() else []
+        return cudnn + (["hopper"] if hopper_present() else []) + ["pallas", "xla"]
     if platform == "tpu":
         return ["pallas", "xla"]
     B, T, N, _ = q.shape
@@ -62,10 +66,18 @@ def choose_context_impl(q) -> str:
 
 
 @functools.cache
-def cudnn_present() -> bool:
-    """Whether JAX found the CUDA libraries it lowers cuDNN attention with (its own check)."""
+def cuda_present() -> bool:
+    """Whether JAX found its CUDA libraries (its own check): what it lowers cuDNN attention with and
+    loads Mosaic GPU kernels with. Absent on a compile-only GPU."""
     try:
         from jax._src.lib import cuda_versions
     except ImportError:
         return False
     return cuda_versions is not None
+
+
+def hopper_present() -> bool:
+    """Whether the current mesh's devices are Hopper GPUs (H100, H200, H800) that can run tfm's
+    Hopper driver: compiled for sm_90a and loaded by JAX's CUDA libraries."""
+    return (current_platform() == "gpu" and cuda_present()
+            and any(name in current_device_kind() for name in ("H100", "H200", "H800")))

@@ -76,6 +76,13 @@ def current_platform() -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
 
 
+def current_device_kind() -> str:
+    """The `device_kind` of the current mesh's devices (e.g. "NVIDIA H100 80GB HBM3"), else of
+    JAX's first device; compile-only devices have theirs too."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].device_kind if mesh.empty else mesh.abstract_device.device_kind
+
+
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> jax.sharding.Mesh:
     """A `Mesh` over AXES with Auto axis types (for jit with in/out shardings)."""
     devices = list(jax.devices() if devices is None else devices)
