@@ -166,7 +166,6 @@ def versions(ptxas: str) -> str:
 def table(variants, *, backward: bool):
     """Yields a markdown table, a row per (variant, H in 64, 128): each kernel's registers and
     headroom at the default blocks (forward block_q x block_kv / backward ones)."""
-    from tfm.kernels.flash_attention import GPU_NUM_STAGES
     from tfm.kernels.tiles import BlockSizes
     from tfm.preflight.targets import parse_target
 
@@ -182,7 +181,7 @@ def table(variants, *, backward: bool):
                                      ptxas=ptxas)
             regs = [found[k] for k in kernels]
             yield (f"| {variant.name} | {head_dim} | {blocks.block_q}x{blocks.block_kv} / "
-                   f"{'x'.join(map(str, blocks.backward))} | {regs[0].threads // 32}, {GPU_NUM_STAGES} | "
+                   f"{'x'.join(map(str, blocks.backward))} | {regs[0].threads // 32}, {blocks.launch.num_stages} | "
                    f"{', '.join(str(r.registers) for r in regs)} | "
                    f"{sum(r.spill_stores + r.spill_loads for r in regs)} | "
                    f"{', '.join(str(r.headroom) for r in regs)} |")

@@ -129,7 +129,7 @@ def test_gpu_forward_register_headroom(head_dim):
     found = gpu_registers.kernel_registers(variant, head_dim, _devices("h100-1"), backward=False)
     forward = found["flash_attention_fwd"]
     print(f"H {head_dim}: forward {forward}")
-    assert forward.threads == 32 * fa.GPU_NUM_WARPS
+    assert forward.threads == 32 * fa.Launch().num_warps
     assert forward.spill_stores == forward.spill_loads == 0
     assert forward.registers <= gpu_registers.MAX_REGISTERS - HEADROOM, forward
 

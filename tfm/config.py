@@ -149,8 +149,9 @@ class ExecutionConfig(_FieldGroup):
     remat_policy: what each block saves for the backward ("none", "full", or a jax.checkpoint policy).
     attention_impl: a backend of `tfm.capabilities.ATTENTION`, or "auto" (tfm.ops.select per call).
     attention_chunk_size: the chunked backend's key block (and context parallelism's chunked blocks).
-    attention_block_sizes: the Pallas kernel tiles: a BlockSizes, a dict of its fields, or
-      (block_q, block_kv[, block_q_bwd, block_kv_bwd]); None = the kernel's per-backend default.
+    attention_block_sizes: the Pallas kernel tiles (and their Triton launch parameters on GPU): a
+      BlockSizes, a dict of its fields, or (block_q, block_kv[, block_q_bwd, block_kv_bwd]); None =
+      the kernel's per-backend default.
     context_strategy: the sequence split over the mesh's `context` axis: "ring" passes K/V blocks
       around the devices (O(L/c) memory each), "all_gather" gathers all of K/V (tfm.ops.context).
     moe_impl: "ragged" (sort by expert + grouped matmuls, dropless) or "einsum" (one-hot slots).

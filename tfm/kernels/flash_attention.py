@@ -27,6 +27,8 @@ steps, step t loading block index[r, t] (scalar-prefetched) and computing while 
 Forward: online softmax with fp32 accumulators, saving the log-sum-exp [B, N, T]. Backward
 (`jax.custom_vjp`): recomputes the probabilities per tile; one kernel for dQ, one for dK/dV,
 which iterates over the G query heads of its key/value head so K and V are never repeated.
+Each of the three kernels takes its own tiles and, on GPU, its own Triton launch parameters
+(`BlockSizes`: `block_*`, `launch*`; `benchmarks.triton_sweep` times them).
 
 Blocks of a longer attention (context parallelism, `tfm.ops.pallas.Blocks`): `block_forward` and
 `block_backward` run the kernels alone, the softmax statistics the caller's, with the queries at
@@ -56,15 +58,10 @@ from jax.experimental import pallas as pl
 
 from tfm.kernels import dropout as dropout_lib
 from tfm.kernels import sparsity as sparsity_lib
-from tfm.kernels.tiles import GPU_DTYPES, BlockSizes
+from tfm.kernels.tiles import GPU_DTYPES, BlockSizes, Launch
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
 _BACKENDS = ("tpu", "gpu", "cpu")
-# Triton launch parameters of the three GPU kernels. With 4 warps the forward kernel used all
-# 255 registers a thread has at the default blocks; 8 warps (two warpgroups of 64 rows of the
-# 128-row query tile) halve each thread's share of the fp32 tiles and keep the tiles, so the
-# K/V traffic per query is unchanged (benchmarks/gpu_registers.py, benchmarks/RESULTS.md).
-GPU_NUM_WARPS, GPU_NUM_STAGES = 8, 2
 
 
 # --------------------------------------------------------------------------------------
@@ -88,6 +85,7 @@ class TileConfig(NamedTuple):
     sparsity: Optional[sparsity_lib.Pattern] = None  # its block lists (`visible_tiles`) pick the blocks
     shifted: bool = False  # a shift operand: query i sits at position i + shift relative to key 0
     dropout: float = 0.0   # attention dropout rate; > 0: a seed operand (`_drop_key`)
+    launch: Launch = Launch()  # Triton's num_warps and num_stages for this kernel (GPU only)
 
 
 def _div(x, d: int):
@@ -516,10 +514,11 @@ def _dkv_grid_kernel(*refs, cfg: TileConfig):
 # lse, delta [B, N, T, 1] fp32; q_seg [B, T, 1]; kv_seg [B, 1, S]; slopes [N, 1, 1].
 # --------------------------------------------------------------------------------------
 
-def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequential: int = 0):
+def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequential: int = 0,
+                     launch: Launch = Launch()):
     """TPU: grid-axis semantics (the last `num_sequential` axes accumulate). GPU: Triton
-    parameters, which also select the Triton lowering (pallas_call on GPU would otherwise
-    pick Mosaic GPU)."""
+    parameters (`launch`), which also select the Triton lowering (pallas_call on GPU would
+    otherwise pick Mosaic GPU)."""
     if interpret:
         return None
     if backend == "tpu":
@@ -528,7 +527,7 @@ def _compiler_params(backend: str, interpret: bool, num_axes: int, num_sequentia
         return pltpu.CompilerParams(dimension_semantics=semantics)
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
+        return pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
     return None
 
 
@@ -625,7 +624,7 @@ def _call(kernel, cfg: TileConfig, backend: str, lists, *, grid, in_specs, out_s
     """The pallas_call of `kernel` as a function of its operands. With block lists, a shift or a dropout
     seed the grid driver takes them first, as TPU scalar prefetch (index [n, M], count [n], shift [1] and
     seed [3] in SMEM; the index maps read the first three)."""
-    params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential)
+    params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential, cfg.launch)
     kernel = functools.partial(kernel, cfg=cfg)
     if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -762,22 +761,22 @@ def _dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, slopes, cfg: TileConfig, b
 # custom_vjp core (on padded kernel-layout arrays) and the public wrapper
 # --------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_bwd, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _flash(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_dq, cfg_dkv, backend):
     return _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend, seed=seed)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_bwd, backend):
+def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, seed, cfg, cfg_dq, cfg_dkv, backend):
     o, lse = _fwd_call(q, k, v, q_seg, kv_seg, slopes, cfg, backend, seed=seed)
     return o, (q, k, v, q_seg, kv_seg, slopes, seed, o, lse)
 
 
-def _flash_bwd(cfg, cfg_bwd, backend, residuals, do):
+def _flash_bwd(cfg, cfg_dq, cfg_dkv, backend, residuals, do):
     q, k, v, q_seg, kv_seg, slopes, seed, o, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     operands = (q, k, v, do, lse, delta, q_seg, kv_seg, slopes)
-    dq = _dq_call(*operands, cfg_bwd, backend, seed=seed)
-    dk, dv = _dkv_call(*operands, cfg_bwd, backend, seed=seed)
+    dq = _dq_call(*operands, cfg_dq, backend, seed=seed)
+    dk, dv = _dkv_call(*operands, cfg_dkv, backend, seed=seed)
     return dq, dk, dv, None, None, None, None
 
 
@@ -819,7 +818,8 @@ class _Prepared(NamedTuple):
     kv_seg: Optional[jax.Array]
     slopes: Optional[jax.Array]
     cfg: TileConfig
-    cfg_bwd: TileConfig
+    cfg_dq: TileConfig
+    cfg_dkv: TileConfig
     backend: str
     padded: tuple  # (Tp, Sp, Hp)
 
@@ -855,10 +855,9 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
     if not interpret:
         block_sizes.check_backend(backend)
     floor = {"tpu": 128, "gpu": 16, "cpu": 8}[backend]
-    bq, bq_bwd = (_fit(b, T, floor) for b in (block_sizes.block_q, block_sizes.backward[0]))
-    bk, bk_bwd = (_fit(b, S, floor) for b in (block_sizes.block_kv, block_sizes.backward[1]))
-    Tp = -(-T // max(bq, bq_bwd)) * max(bq, bq_bwd)  # blocks are powers of two: max is a multiple
-    Sp = -(-S // max(bk, bk_bwd)) * max(bk, bk_bwd)
+    tiles = [(_fit(bq, T, floor), _fit(bk, S, floor))  # forward, dQ, dK/dV
+             for bq, bk in ((block_sizes.block_q, block_sizes.block_kv), block_sizes.backward, block_sizes.dkv)]
+    Tp, Sp = (-(-L // max(sizes)) * max(sizes) for L, sizes in zip((T, S), zip(*tiles)))  # powers of two
     Hp = _padded_head_dim(H)
 
     q_seg, kv_seg = q_segment_ids, kv_segment_ids
@@ -871,13 +870,15 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
 
     cfg = TileConfig(causal=causal, window=window, softcap=softcap, scale=float(scale),
                   kv_len=None if Sp == S else S, segments=kv_seg is not None, alibi=slopes is not None,
-                  groups=N // K, block_q=bq, block_kv=bk, driver="grid" if backend == "tpu" else "loop",
-                  interpret=interpret, sparsity=sparsity, shifted=shifted, dropout=float(dropout_rate))
-    cfg_bwd = cfg._replace(block_q=bq_bwd, block_kv=bk_bwd)
+                  groups=N // K, block_q=tiles[0][0], block_kv=tiles[0][1],
+                  driver="grid" if backend == "tpu" else "loop", interpret=interpret, sparsity=sparsity,
+                  shifted=shifted, dropout=float(dropout_rate))
+    cfg, cfg_dq, cfg_dkv = (cfg._replace(block_q=bq, block_kv=bk, launch=launch)
+                            for (bq, bk), launch in zip(tiles, block_sizes.launches))
     if isinstance(sparsity, sparsity_lib.BigBird):
-        sparsity.check_tiles(bq, bk)
-        sparsity.check_tiles(bq_bwd, bk_bwd)
-    prepared = _Prepared(None, None, None, q_seg, kv_seg, slopes, cfg, cfg_bwd, backend, (Tp, Sp, Hp))
+        for bq, bk in tiles:
+            sparsity.check_tiles(bq, bk)
+    prepared = _Prepared(None, None, None, q_seg, kv_seg, slopes, cfg, cfg_dq, cfg_dkv, backend, (Tp, Sp, Hp))
     return prepared._replace(q=prepared.to_kernel(q, Tp), k=prepared.to_kernel(k, Sp), v=prepared.to_kernel(v, Sp))
 
 
@@ -906,7 +907,7 @@ def flash_attention(q, k, v, *, dropout_rate: float = 0.0, dropout_seed=None, dr
         if dropout_seed is None:
             raise ValueError("flash attention with dropout_rate > 0 needs a dropout_seed")
         seed = jnp.stack([jnp.asarray(x, jnp.int32).reshape(()) for x in (dropout_seed, *dropout_offsets)])
-    o = _flash(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, seed, c.cfg, c.cfg_bwd, c.backend)
+    o = _flash(c.q, c.k, c.v, c.q_seg, c.kv_seg, c.slopes, seed, c.cfg, c.cfg_dq, c.cfg_dkv, c.backend)
     return _from_kernel(o, q.shape[1], q.shape[3])
 
 
@@ -932,7 +933,7 @@ def block_backward(q, k, v, do, lse, delta, shift, **options):
     rows = lambda x, value: pad_to(x, 2, Tp, value)[..., None]  # [B, N, T] -> [B, N, Tp, 1]
     operands = (c.q, c.k, c.v, c.to_kernel(do, Tp), rows(lse, jnp.inf), rows(delta, 0.0), c.q_seg, c.kv_seg,
                 c.slopes)
-    dq = _dq_call(*operands, c.cfg_bwd, c.backend, shift)
-    dk, dv = _dkv_call(*operands, c.cfg_bwd, c.backend, shift)
+    dq = _dq_call(*operands, c.cfg_dq, c.backend, shift)
+    dk, dv = _dkv_call(*operands, c.cfg_dkv, c.backend, shift)
     T, S, H = q.shape[1], k.shape[1], q.shape[3]
     return _from_kernel(dq, T, H), _from_kernel(dk, S, H), _from_kernel(dv, S, H)

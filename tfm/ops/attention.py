@@ -77,8 +77,9 @@ def dot_product_attention(
     (flash kernels), "hopper" (tfm's Hopper kernels, H100/H200 only), "cudnn" (jax.nn, GPU only),
     "auto" (fastest per backend).
     chunk_size is used by "chunked" (and context parallelism's chunked blocks) only, block_sizes
-    (the kernel tiles) by "pallas" only. context_strategy: "ring" or "all_gather", used when the sequence is
-    split over the mesh's `context` axis (and no positions are given).
+    (the kernel tiles, and on GPU their Triton launch parameters) by "pallas" only.
+    context_strategy: "ring" or "all_gather", used when the sequence is split over the mesh's
+    `context` axis (and no positions are given).
     """
     check_attention_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     if impl not in capabilities.ATTENTION_IMPLS:
