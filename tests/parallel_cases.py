@@ -17,6 +17,7 @@ MESHES = {  # name -> (mesh config, rule sets)
     "data2_tensor4": (MeshConfig(data=2, tensor=4), "data+tensor"),
     "fsdp4_tensor2": (MeshConfig(data=1, fsdp=4, tensor=2), "fsdp+tensor"),
     "expert4_data2": (MeshConfig(data=2, expert=4), "data+expert"),
+    "fsdp4_expert2": (MeshConfig(data=1, fsdp=4, expert=2), "fsdp+expert"),  # params over fsdp x expert
     "data2_context4": (MeshConfig(data=2, context=4), "data+context"),
     "context4": (MeshConfig(data=1, context=4), "context"),
     "context2_tensor2": (MeshConfig(data=1, context=2, tensor=2), "context+tensor"),

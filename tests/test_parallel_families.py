@@ -7,8 +7,8 @@ from parallel_cases import losses
 
 TOL = 1e-5  # fp32, absolute on the loss
 CASES = [(f, m) for f in ("encoder", "encdec") for m in ("data2_tensor4", "fsdp4_tensor2")] + \
-        [("moe", "expert4_data2"), ("latent_attention", "fsdp4_tensor2"), ("encoder", "data2_context4"),
-         ("encdec", "data2_context4")]
+        [("moe", "expert4_data2"), ("moe", "fsdp4_expert2"), ("latent_attention", "fsdp4_tensor2"),
+         ("encoder", "data2_context4"), ("encdec", "data2_context4")]
 
 
 @pytest.mark.parametrize("family,mesh", CASES)

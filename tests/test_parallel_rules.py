@@ -36,7 +36,8 @@ def test_mesh_infers_one_axis_and_names_problems():
 def test_rule_sets_combine_in_mesh_order():
     rules = dict(make_rules("fsdp", "tensor", "expert", "data"))
     assert rules["batch"] == ("data", "fsdp", "expert")
-    assert rules["embed"] == ("fsdp",) and rules["mlp"] == ("tensor",)
+    assert rules["embed"] == ("fsdp", "expert") and rules["mlp"] == ("tensor",)  # FSDP over every batch axis
+    assert "embed" not in dict(make_rules("data", "expert"))  # without fsdp, params outside experts replicate
     assert "embed" not in dict(make_rules("fsdp", activations=True))
     assert "latent" not in dict(make_rules("fsdp", activations=True))
     assert dict(make_rules("context", activations=True))["length"] == ("context",)
@@ -86,6 +87,11 @@ EXPECTED = {
     ("moe", MeshConfig(data=2, expert=4), "data+expert"): {
         "['ffn']['wi_gate']": P("expert"), "['ffn']['wo']": P("expert"),
         "['ffn']['router']['kernel']": P()},
+    # fsdp+expert: "embed" over fsdp x expert, except where the "expert" dim already takes `expert`
+    ("moe", MeshConfig(data=1, fsdp=4, expert=2), "fsdp+expert"): {
+        "['ffn']['wi_gate']": P("expert", "fsdp"), "['ffn']['wo']": P("expert", None, "fsdp"),
+        "['ffn']['router']['kernel']": P(("fsdp", "expert")),
+        "['self_attn']['query']['kernel']": P(("fsdp", "expert"))},
 }
 
 

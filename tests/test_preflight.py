@@ -106,6 +106,37 @@ def test_collectives_and_largest_arrays_are_read_from_the_compiled_program():
     assert collectives == {"reduce-scatter": {"count": 1, "bytes": 64 * 256 * 2, "shapes": ["bf16[64,256]"]}}
 
 
+def test_all_reduces_are_read_by_what_they_do():
+    """Over 128 v5p chips (a 4x4x8 torus) libtpu writes an all-gather as an all-reduce of the shard
+    placed in zeros and a reduce-scatter as an all-reduce of which each chip keeps its slice;
+    `all_reduce_forms` tells them from a sum of partial products, which `unexpected_all_reduces` flags."""
+    devices = preflight.parse_target("v5p-256").devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    rows = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=split("x"))
+    weight = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=split("x"))
+    use = jax.jit(lambda x, w: x @ jax.lax.with_sharding_constraint(w, split()), out_shardings=split("x"))
+    grad = jax.jit(lambda x, y: x.T @ y, out_shardings=split("x"))
+    partial = jax.jit(lambda x, w: x @ w, out_shardings=split())
+    texts = [f.lower(*args).compile().as_text() for f, args in [
+        (use, (rows, weight)), (grad, (rows, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=split("x")))),
+        (partial, (jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=split(None, "x")), weight))]]
+    assert all(preflight.read_hlo(t)[0].keys() == {"all-reduce"} for t in texts)
+    forms = [[(r["form"], r["array"], r["group_size"]) for r in preflight.all_reduce_forms(t)] for t in texts]
+    assert forms == [[("gather", "bf16[512,256]", 128)], [("scatter", "bf16[512,256]", 128)],
+                     [("sum", "bf16[256,256]", 128)]]
+    records = [r for t in texts for r in preflight.all_reduce_forms(t)]
+    assert [r["form"] for r in preflight.unexpected_all_reduces(records, min_bytes=1 << 10)] == ["sum"]
+    assert preflight.unexpected_all_reduces(records, min_bytes=1 << 20) == []  # 128 KiB: below the bar
+    assert preflight.unexpected_all_reduces(records, min_bytes=1 << 10, expected_groups=(128,)) == []
+    report = preflight.StepReport("train", "v5p-256", 128, 1.0, 1 << 30, all_reduce_forms={
+        "gather": {"count": 1, "bytes": 1 << 18, "shapes": ["bf16[512,256]"]}}, unexpected=records[2:])
+    lines = "\n".join(preflight.format_report(report, preflight.CHIPS["v5p"]))
+    assert "all-reduced arrays by what they do: all-gathers x1 (0.2 MiB)" in lines
+    assert "UNEXPECTED under fsdp: 1 weight- or activation-sized arrays summed whole" in lines
+    assert "bf16[256,256] over 128 chips" in lines
+
+
 def _pallas_trainer(target_name, mesh_config, parallelism):
     cfg = tiny("llama", attention_impl="pallas", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16")
     train = TrainConfig(batch_size=8, mesh=mesh_config, parallelism=parallelism, num_train_steps=10)

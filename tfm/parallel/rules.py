@@ -17,7 +17,12 @@ name, e.g. `make_rules("fsdp", "tensor")`:
           ranks they sum gradients and need no whole copy of the model (MaxText shards its
           parameters over its context axis the same way). Under fsdp+context "embed" is split
           over both, so a long-context mesh holds 1/(fsdp x context) of the state per device.
-  expert  batch and the "expert" dim of MoE weights over `expert`. Inside the MoE layer
+  expert  batch and the "expert" dim of MoE weights over `expert`; with fsdp, params and optimizer
+          state over `expert` on "embed" (and "latent") too, beside `fsdp`: `expert` splits the batch,
+          so under FSDP its devices hold different rows and sum gradients like fsdp ranks; sharding
+          the params over it makes that sum a reduce-scatter (each device keeps its shard) where
+          replicated params took a whole all-reduce of every gradient shard over `expert`. Weights
+          with an "expert" dim keep `expert` on it (one axis per array). Inside the MoE layer
           (moe_impl="einsum") the dispatched activations [B, E, C, D] name their batch
           "expert_batch" (the batch axes less `expert`), so E is split over `expert` and XLA
           moves tokens all-to-all. moe_impl="ragged" sends each token to its experts' devices
@@ -66,6 +71,9 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     if "batch" not in merged:  # every style is at least data parallel over its batch axis
         merged["batch"] = {"data"}
     merged["batch"].add("data")
+    if "fsdp" in styles and "expert" in styles:  # FSDP: params sharded over every axis the batch is
+        for name in _PARAM_ONLY:
+            merged[name].add("expert")
     merged["expert_batch"] = merged["batch"] - {"expert"}
     merged["cache_batch"] = set(merged["batch"])
     merged["cache_memory_batch"] = set(merged["batch"])

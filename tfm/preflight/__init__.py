@@ -12,7 +12,8 @@ what would make a step fit by tfm's own fields (`Tip`), which that command rende
 """
 import collections
 
-from tfm.preflight.analysis import StepReport, Tip, advice, check_step, dot_flops, model_flops, read_hlo
+from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, dot_flops, model_flops,
+                                   read_hlo, unexpected_all_reduces)
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
 
@@ -48,6 +49,16 @@ def format_report(r: StepReport, chip) -> list[str]:
             f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))
     else:
         lines.append("  collectives: none")
+    if set(r.all_reduce_forms) - {"sum"}:  # XLA TPU writes a whole torus's gathers and scatters as all-reduces
+        names = {"gather": "all-gathers", "scatter": "reduce-scatters", "sum": "sums"}
+        lines.append("  all-reduced arrays by what they do: " + ", ".join(
+            f"{names[k]} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.all_reduce_forms.items()))
+            + " (an all-gather or reduce-scatter written as an all-reduce, as XLA does over a whole torus)")
+    if r.unexpected:
+        lines.append(f"  UNEXPECTED under fsdp: {len(r.unexpected)} weight- or activation-sized arrays summed whole "
+                     "(the plan gathers weights and reduce-scatters gradients): " + "; ".join(
+                         f"{u['array']} over {u['group_size']} chips ({u['op_name'][-60:] or 'no op name'})"
+                         for u in r.unexpected[:5]))
     kernels = collections.Counter((k["backend"], k["name"], k["result"], tuple(k["operands"][:2])) for k in r.kernels)
     if kernels:
         for (backend, name, result, operands), n in kernels.items():
@@ -60,5 +71,6 @@ def format_report(r: StepReport, chip) -> list[str]:
     return lines
 
 
-__all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "check_step", "dot_flops", "format_report",
-           "model_flops", "parse_target", "read_hlo", "require_plugin", "use_plugins", "valid_targets"]
+__all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "all_reduce_forms", "check_step", "dot_flops",
+           "format_report", "model_flops", "parse_target", "read_hlo", "require_plugin", "unexpected_all_reduces",
+           "use_plugins", "valid_targets"]

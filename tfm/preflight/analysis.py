@@ -4,7 +4,10 @@
 for the target's compile-only devices and reads the executable: XLA's per-device memory
 analysis, the collectives and kernel calls in its HLO, and (TPU) XLA's cost-model time. Model
 FLOPs are counted exactly from the forward pass's jaxpr (every dot_general, scans multiplied
-out, attention as the xla backend computes it) times 3 for forward + backward.
+out, attention as the xla backend computes it) times 3 for forward + backward. All-reduces are also
+read by what they do (`all_reduce_forms`): over a group that spans a whole TPU torus XLA writes
+FSDP's all-gathers and reduce-scatters as all-reduces, and under fsdp a weight- or activation-sized
+all-reduce that is neither is reported as unexpected.
 """
 from __future__ import annotations
 
@@ -54,6 +57,10 @@ class StepReport:
     estimate_note: str = ""
     mfu: Optional[float] = None     # model FLOPs / (chips x peak x estimate): an estimate
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes", "shapes"}
+    # the arrays all-reduces sum, by what they do (`all_reduce_forms`): "gather" / "scatter" (an all-gather
+    # or reduce-scatter written as an all-reduce) / "sum" -> {"count", "bytes", "shapes"}
+    all_reduce_forms: dict = dataclasses.field(default_factory=dict)
+    unexpected: list = dataclasses.field(default_factory=list)   # `unexpected_all_reduces`: "sum" records
     kernels: list = dataclasses.field(default_factory=list)      # {"backend", "name", "shapes"}
     largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
     error: str = ""
@@ -192,6 +199,153 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
     return collectives, kernels, largest
 
 
+_PASS_THROUGH = ("bitcast", "copy", "copy-start", "copy-done", "convert", "reshape", "all-reduce-done")
+
+
+def _operand_names(rest: str) -> list[str]:
+    """The %names of an instruction's operands (the text up to its operand list's closing parenthesis)."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return re.findall(r"%([\w.\-]+)", rest[:i])
+    return re.findall(r"%([\w.\-]+)", rest)
+
+
+def _computations(text: str) -> dict:
+    """{computation name: {"root", "ops": {name: (shape, opcode, rest, operands)}, "users": {name: [user]},
+    "params": {index: name}}} of HLO text."""
+    computations, current = {}, None
+    for line in text.splitlines():
+        if line.rstrip().endswith("{") and " = " not in line:  # "[ENTRY] %name (params) -> shape {"
+            name = line.split("(")[0].split()[-1].lstrip("%")
+            current = computations.setdefault(name, {"root": None, "ops": {}, "users": {}, "params": {}})
+            continue
+        parts = split_instruction(line) if current is not None else None
+        if parts is None:
+            continue
+        name, shape, opcode, rest = parts
+        operands = _operand_names(rest)
+        current["ops"][name] = (shape, opcode, rest, operands)
+        for operand in operands:
+            current["users"].setdefault(operand, []).append(name)
+        if opcode == "parameter":
+            current["params"][int(rest.split(")")[0])] = name
+        if line.lstrip().startswith("ROOT"):
+            current["root"] = name
+    return computations
+
+
+def _group_size(rest: str) -> int:
+    """Devices per replica group of a collective: iota form `[G,S]<=[N]`, mesh form
+    `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`, or an explicit `{{0,1},{2,3}}`."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    return len(explicit.group(1).split(",")) if explicit else 0
+
+
+def _called(rest: str, computations: dict) -> Optional[dict]:
+    """The computation a fusion calls."""
+    called = re.search(r"calls=%([\w.\-]+)", rest)
+    return computations.get(called.group(1)) if called else None
+
+
+def _placed_in_zeros(comp: dict, name: str, computations: dict) -> bool:
+    """`name` is a dynamic-update-slice (the result of one, or of a fusion whose root is one), through
+    copies, bitcasts and converts: the partitioner's way of laying a shard into a zeroed whole array."""
+    for _ in range(8):
+        shape, opcode, rest, operands = comp["ops"].get(name, (None, None, "", ()))
+        if opcode == "fusion" and _called(rest, computations):
+            comp = _called(rest, computations)
+            name = comp["root"]
+        elif opcode in _PASS_THROUGH and operands:
+            name = operands[0]
+        else:
+            return opcode == "dynamic-update-slice"
+    return False
+
+
+def _only_sliced(comp: dict, value: str, computations: dict, depth: int = 0) -> bool:
+    """Every use of `value` keeps a dynamic-slice of it: directly, through copies, bitcasts and
+    converts, or inside the fusions it is passed to."""
+    uses = comp["users"].get(value, [])
+    if not uses or depth > 8:
+        return False
+    for use in uses:
+        _, opcode, rest, operands = comp["ops"][use]
+        if opcode == "dynamic-slice" and operands[0] == value:
+            continue
+        if opcode in _PASS_THROUGH and _only_sliced(comp, use, computations, depth + 1):
+            continue
+        body = _called(rest, computations) if opcode == "fusion" else None
+        if body and all(_only_sliced(body, body["params"].get(i), computations, depth + 1)
+                        for i, o in enumerate(operands) if o == value):
+            continue
+        return False
+    return True
+
+
+def all_reduce_forms(text: str) -> list[dict]:
+    """What each array an all-reduce of compiled HLO sums does, one record per array (a combined
+    all-reduce sums several): {"form", "array", "bytes", "group_size", "op_name", "computation"}.
+
+    XLA's SPMD partitioner and XLA TPU write some all-gathers and reduce-scatters as all-reduces: on a
+    v5p slice whose collective group spans the whole 3-D torus (64 chips and more, e.g. FSDP over every
+    chip), libtpu 0.0.42.1 lowers an all-gather as an all-reduce of the device's shard written into
+    zeros (a dynamic-update-slice), and a reduce-scatter as an all-reduce of the whole array of which
+    each device keeps its own slice (a dynamic-slice). The forms:
+
+      "gather"   the summed array is a dynamic-update-slice (a shard placed in zeros): an all-gather;
+      "scatter"  every use of the sum slices it (dynamic-slice, also inside a fusion): a reduce-scatter;
+      "sum"      anything else: partial results summed whole (a loss, a norm's gradient, or, where
+                 the plan says all-gather or reduce-scatter, a sharding mistake).
+
+    All-reduces inside TPU's reduce-scatter fusions (`read_hlo` counts those as reduce-scatters) are
+    left out."""
+    computations = _computations(text)
+    records = []
+    for cname, comp in computations.items():
+        if cname.startswith(_REDUCE_SCATTER_FUSION):
+            continue
+        ops, users = comp["ops"], comp["users"]
+        for name, (shape, opcode, rest, operands) in ops.items():
+            if opcode not in ("all-reduce", "all-reduce-start"):
+                continue
+            arrays = shape_arrays(shape)
+            outputs = [name] if len(arrays) == 1 else [None] * len(arrays)
+            if len(arrays) > 1:  # a tuple: its elements are read by get-tuple-element
+                for use in users.get(name, []):
+                    if ops[use][1] == "get-tuple-element":
+                        outputs[int(re.search(r"index=(\d+)", ops[use][2]).group(1))] = use
+            op_name = re.search(r'op_name="([^"]*)"', rest)
+            for i, (dtype, dims) in enumerate(arrays):
+                if i < len(operands) and _placed_in_zeros(comp, operands[i], computations):
+                    form = "gather"
+                elif outputs[i] is not None and _only_sliced(comp, outputs[i], computations):
+                    form = "scatter"
+                else:
+                    form = "sum"
+                records.append({"form": form, "array": f"{dtype}[{','.join(map(str, dims))}]",
+                                "bytes": ITEMSIZE[dtype] * math.prod(dims), "group_size": _group_size(rest),
+                                "op_name": op_name.group(1) if op_name else "", "computation": cname})
+    return records
+
+
+def unexpected_all_reduces(records: list[dict], *, min_bytes: int, expected_groups=()) -> list[dict]:
+    """The "sum" records of `all_reduce_forms` that a sharded-data-parallel plan does not call for:
+    at least `min_bytes` (a weight or an activation, not a loss or a norm's scale) and over a
+    replica group whose size is not in `expected_groups` (e.g. the tensor axis, whose row-parallel
+    projections sum partial products by design)."""
+    return [r for r in records
+            if r["form"] == "sum" and r["bytes"] >= min_bytes and r["group_size"] not in expected_groups]
+
+
 # ---------------------------------------------------------------------------- compiling
 
 
@@ -224,13 +378,24 @@ def memory_bytes(memory) -> int:
             + memory.temp_size_in_bytes)
 
 
-def _fill(report: StepReport, compiled, target: Target, loop_factor: float) -> None:
+def _fill(report: StepReport, compiled, target: Target, loop_factor: float, expected_groups=None) -> None:
     mem = compiled.memory_analysis()
     report.argument_bytes, report.output_bytes = mem.argument_size_in_bytes, mem.output_size_in_bytes
     report.alias_bytes, report.temp_bytes = mem.alias_size_in_bytes, mem.temp_size_in_bytes
     report.total_bytes = memory_bytes(mem)
     report.fits = report.total_bytes <= report.hbm_bytes
-    report.collectives, report.kernels, report.largest = read_hlo(compiled.as_text())
+    text = compiled.as_text()
+    report.collectives, report.kernels, report.largest = read_hlo(text)
+    forms = all_reduce_forms(text)
+    for r in forms:
+        entry = report.all_reduce_forms.setdefault(r["form"], {"count": 0, "bytes": 0, "shapes": []})
+        entry["count"] += 1
+        entry["bytes"] += r["bytes"]
+        if r["array"] not in entry["shapes"]:
+            entry["shapes"].append(r["array"])
+    if expected_groups is not None:
+        report.unexpected = unexpected_all_reduces(forms, min_bytes=UNEXPECTED_MIN_BYTES,
+                                                   expected_groups=expected_groups)
     cost = _cost(compiled)
     report.xla_flops, report.xla_bytes = cost.get("flops"), cost.get("bytes accessed")
     seconds = cost.get("optimal_seconds")
@@ -266,6 +431,23 @@ def _oom(report: StepReport, error: Exception) -> None:
         report.total_bytes = int(float(used.group(1)) * scale[used.group(2)])
 
 
+UNEXPECTED_MIN_BYTES = 1 << 20  # a summed array this large is a weight's or an activation's, not a loss's
+
+
+def sharded_data_groups(trainer) -> Optional[tuple[int, ...]]:
+    """Replica-group sizes over which a step may sum weight- or activation-sized arrays, or None when
+    its plan sums gradients whole anyway (no fsdp: data parallelism all-reduces them). Under fsdp the
+    plan gathers weights and reduce-scatters gradients over the batch axes, so a big sum is expected
+    only over the tensor axis (row-parallel projections) and the data axis (hybrid FSDP: params are
+    replicated over `data`, whose devices sum their gradient shards). Groups are told apart by size
+    alone: a mesh whose tensor or data axis has the size of another axis can hide a wrong sum."""
+    styles = parse_parallelism(trainer.config.parallelism)
+    if "fsdp" not in styles:
+        return None
+    return tuple(trainer.mesh.shape[axis] for axis in ("tensor", "data")
+                 if trainer.mesh.shape[axis] > 1 and (axis == "data" or axis in styles))
+
+
 def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) -> list[StepReport]:
     """Compile `trainer`'s train step (and eval step) for `batch` (global ShapeDtypeStructs) on
     the target; one StepReport each. The trainer's mesh must be over target.devices()."""
@@ -288,7 +470,7 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
                 raise
             _oom(report, e)
         else:
-            _fill(report, compiled, target, loop_factor)
+            _fill(report, compiled, target, loop_factor, sharded_data_groups(trainer))
         reports.append(report)
     return reports
 
