@@ -14,11 +14,14 @@ Train:     4096 tokens, global batch 15360 sequences (the paper's batch after it
            each layer rematerialised from its input, each chip's MoE tokens dispatched in
            `execution.moe_chunks` = 4 chunks of 1024; auxiliary-loss-free balancing (the bias).
 Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits:
-           preflight (2026-11-24, libtpu 0.0.42.1) 71.82 GiB per chip of 95 (76%): state 17.26
-           GiB, temporaries 54.56 GiB; compiled in 125 s; collectives all-to-all x9 (5.31 GiB),
-           all-gather x106, all-reduce x51, collective-permute x49; no MFU (XLA's cost model
-           returned a negative time). v5p-512 (32 x 8) does not fit: 112.32 GiB (118%) with 4
-           chunks, 108.73 GiB with 8; v5p-1024 with one chunk: 78.79 GiB. Before the sharded MLA latent
+           preflight (2026-11-27, libtpu 0.0.42.1) 72.34 GiB per chip of 95 (76%): state 14.65
+           GiB, temporaries 57.67 GiB; compiled in 116 s; collectives all-to-all x10 (5.41 GiB),
+           all-reduce x83 (by what they do: 123 gathers, 60 reduce-scatters, 29 scalar sums: over
+           all 512 chips XLA writes FSDP's collectives as all-reduces), all-gather x7; no MFU (XLA's
+           cost model returned a negative time). v5p-512 (32 x 8, --config.microbatches=60) does
+           not fit: 108.83 GiB (115%; 113.59 before the params outside the experts were sharded
+           over expert too, RESULTS.md "FSDP collectives"); 2026-11-24: 108.73 GiB with 8 chunks,
+           v5p-1024 with one chunk 78.79 GiB. Before the sharded MLA latent
            no slice up to v5p-2048 fitted. Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2
            train steps").
 Runtime:   not run on hardware.

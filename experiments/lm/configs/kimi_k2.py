@@ -10,9 +10,10 @@ Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) 
            and expert parallelism over `expert` = 8; scanned MoE layers, full remat, each chip's MoE
            tokens dispatched in 4 chunks; see deepseek_v3.py.
 Hardware:  v5p-1024 (fsdp 64 x expert 8, 32 microbatches), the smallest v5p slice on which it fits,
-           with little room: preflight (2026-11-24, libtpu 0.0.42.1) 90.70 GiB per chip of 95 (95%):
-           state 24.20 GiB, temporaries 66.44 GiB (65.60 with 8 chunks; 95.45 GiB in all with one
-           chunk: does not fit); compiled in 149 s. With
+           with little room: preflight (2026-11-27, libtpu 0.0.42.1) 89.83 GiB per chip of 95 (95%):
+           state 22.40 GiB, temporaries 67.40 GiB, since the params outside the experts are sharded
+           over expert too (before: 92.49 GiB, state 24.20; RESULTS.md "FSDP collectives"); on
+           2026-11-24 65.60 GiB of temporaries with 8 chunks, 95.45 GiB in all with one chunk. With
            room: v5p-2048 (128 x 8, `--config.microbatches=16`) 64.47 GiB (68%): state 12.10,
            temporaries 52.34. Collectives (v5p-2048) all-to-all x9 (5.31 GiB), all-gather x60,
            all-reduce x36, collective-permute x114; no MFU (XLA's cost model returned a negative
