@@ -44,8 +44,8 @@ def _compile(target_name, mesh_config, parallelism, family="llama", activation_r
 
 def _weight_arrays(trainer) -> set:
     """"128,4,32"-style per-device shapes of every matrix parameter as an FSDP gather yields them for
-    one layer: whole on the axes that shard data (fsdp, context), still split on tensor and expert."""
-    kept = ("tensor", "expert")
+    one layer: whole on the axes that split the batch (fsdp, context, and expert beside fsdp), still
+    split on tensor and on an "expert" dim (the one dim that `expert` alone shards)."""
     shapes = set()
     for x in jax.tree.leaves(trainer.abstract_state.params):
         if len(x.shape) < 2:
@@ -54,7 +54,8 @@ def _weight_arrays(trainer) -> set:
         shape = []
         for dim, axes in zip(x.shape, spec):
             axes = (axes,) if isinstance(axes, str) else axes or ()
-            shape.append(dim // math.prod(trainer.mesh.shape[a] for a in axes if a in kept))
+            kept = [a for a in axes if a == "tensor" or axes == ("expert",)]
+            shape.append(dim // math.prod(trainer.mesh.shape[a] for a in kept))
         scanned = len(shape) > 2 and x.shape[0] == trainer.model.config.num_layers  # [layers, ...]
         shapes.add(",".join(map(str, shape[1:] if scanned else shape)))
     return shapes
