@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import attention as attention_bench
+from tfm.kernels import flash_hopper
 from tfm.ops import select
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 
@@ -73,6 +74,8 @@ BUDGET_S = {"correctness": 210, "attention": 300, "train": 360, "decode": 180, "
 # fp32 allows TF32 matmul units (10-bit mantissa) on the GPU.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 2e-3}
 TFM_IMPLS = ("pallas", "hopper", "cudnn", "xla")
+# The correctness section also checks the Hopper driver's other forward schedule (`flash_hopper.FORWARD_SCHEDULES`)
+CHECKED_IMPLS = TFM_IMPLS[:2] + ("hopper pingpong",) + TFM_IMPLS[2:]
 
 
 def log(text: str) -> None:
@@ -191,8 +194,8 @@ def case_inputs(case: Case) -> tuple[tuple, dict]:
 
 
 def outputs_and_grads(impl: str, arrays: tuple, masks: dict, dtype) -> dict[str, np.ndarray]:
-    """{"o", "dq", "dk", "dv"} of tfm's `impl` at `dtype`, gradients of <o, do>; as fp32 numpy."""
-    attend = lambda q, k, v: dot_product_attention(q, k, v, impl=impl, **masks)
+    """{"o", "dq", "dk", "dv"} of tfm's `impl` (CHECKED_IMPLS) at `dtype`, gradients of <o, do>; as fp32 numpy."""
+    attend = tfm_attention(impl, **masks)
 
     def run(q, k, v, do):
         o, vjp = jax.vjp(attend, q, k, v)
@@ -226,8 +229,22 @@ def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], tolerance: f
     return errors, problems
 
 
+def tfm_attention(impl: str, **masks):
+    """attend(q, k, v): tfm's entry point with `impl`, or "hopper <schedule>" (the Hopper driver traced
+    with that forward schedule)."""
+    name, _, schedule = impl.partition(" ")
+
+    def attend(q, k, v):
+        if not schedule:
+            return dot_product_attention(q, k, v, impl=name, **masks)
+        with flash_hopper.forward_schedule(schedule):
+            return dot_product_attention(q, k, v, impl=name, **masks)
+    return attend
+
+
 def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     """Why tfm's `impl` cannot run this case here, or None."""
+    impl = impl.split()[0]
     if impl == "hopper":
         if not select.hopper_present():
             return f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})"
@@ -254,7 +271,7 @@ def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
 def correctness_impls(selection: Selection) -> tuple[str, ...]:
     """tfm's implementations the correctness section checks: those named "tfm <impl>" in the
     selection's impls, or all."""
-    return TFM_IMPLS if selection.impls is None else tuple(i for i in TFM_IMPLS if f"tfm {i}" in selection.impls)
+    return CHECKED_IMPLS if selection.impls is None else tuple(i for i in CHECKED_IMPLS if f"tfm {i}" in selection.impls)
 
 
 def correctness(smoke: bool, budget: Budget, selection: Selection = Selection()) -> tuple[list[str], list[str]]:
@@ -277,7 +294,7 @@ def correctness(smoke: bool, budget: Budget, selection: Selection = Selection())
             for dtype in ("bfloat16", "float32"):
                 row, failed = correctness_row(case, impl, dtype, arrays, masks, ref)
                 errors = " ".join(f"{n} {e}" for n, e in zip(("o", "dq", "dk", "dv"), row[3:7]) if e)
-                log(f"correctness  {case.name:34} {impl:7} {dtype:9} {row[-1]}{'  ' + errors if errors else ''}")
+                log(f"correctness  {case.name:34} {impl:15} {dtype:9} {row[-1]}{'  ' + errors if errors else ''}")
                 rows.append(row)
                 if failed:
                     failures.append(f"{case.name} {impl} {dtype}: {row[-1]}")
@@ -310,7 +327,7 @@ def correctness_row(case: Case, impl: str, dtype: str, arrays, masks, ref) -> tu
 
 # ---------------------------------------------------------------- 2. attention throughput
 
-THROUGHPUT_IMPLS = ("tfm pallas", "tfm hopper", "tfm cudnn", "tfm xla", "jax pallas mha", "jax mgpu", "jax cudnn",
+THROUGHPUT_IMPLS = ("tfm pallas", "tfm hopper", "tfm hopper pingpong", "tfm cudnn", "tfm xla", "jax pallas mha", "jax mgpu", "jax cudnn",
                     "torch flash", "torch cudnn")
 
 
@@ -352,7 +369,7 @@ def jax_forward(impl: str, causal: bool):
             raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
         if name == "hopper" and not select.hopper_present():
             raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
-        return attention_bench.tfm_forward(name, causal)
+        return tfm_attention(impl.split(" ", 1)[1], causal=causal)
     if impl == "jax mgpu":
         return mgpu_forward(causal)
     if impl == "jax cudnn":
@@ -434,7 +451,7 @@ def throughput(smoke: bool, budget: Budget, selection: Selection = Selection()) 
                     row["status"] = f"skipped: materialises ~{xla_logit_gib(shape, backward):.0f} GiB of fp32 logits"
                 else:
                     row["status"] = throughput_cell(row, impl, shape, backward, iters, selection.dtype)
-                log(f"attention  {impl:15} {row['pass']:8} H {shape.H:3} L {shape.L:6} causal {shape.causal!s:5} "
+                log(f"attention  {impl:19} {row['pass']:8} H {shape.H:3} L {shape.L:6} causal {shape.causal!s:5} "
                     f"{row['status']}")
                 rows.append(row)
     keys = sorted({(r["pass"], r["causal"], r["H"], r["L"], r["B"], r["N"]) for r in rows},

@@ -30,6 +30,7 @@ models the warpgroups, barriers and TMA copies (see `_Registers` for what it lea
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple, Optional
 
@@ -47,6 +48,26 @@ ROWS = 64              # rows per compute warpgroup (one wgmma M)
 COMPUTE_WARPGROUPS = 2
 STAGES = 2             # blocks of the streamed sequence in flight
 LENGTH_MULTIPLE = 128  # T and S are padded to this: whole thread blocks in every kernel
+# The forward's schedule. "serial": each compute warpgroup runs QKᵀ, the softmax and PV in turn, every
+# tile masked (measured correct on an H200, RESULTS.md). "pingpong": the two compute warpgroups take
+# turns on the tensor cores (one's softmax overlaps the other's products), PV accumulates into the
+# wgmma accumulator in place, and the key blocks wholly visible to a warpgroup skip the mask.
+# Interpreter-tested only until benchmarks.gpu_check measures it ("tfm hopper pingpong" rows).
+FORWARD_SCHEDULES = ("serial", "pingpong")
+FORWARD_SCHEDULE = "serial"  # read when a call is traced; `forward_schedule` sets it for a block of code
+
+
+@contextlib.contextmanager
+def forward_schedule(name: str):
+    """Calls traced inside use the forward schedule `name` (one of FORWARD_SCHEDULES), e.g. to time both."""
+    global FORWARD_SCHEDULE
+    if name not in FORWARD_SCHEDULES:
+        raise ValueError(f"unknown Hopper forward schedule {name!r}; choose from {FORWARD_SCHEDULES}")
+    saved, FORWARD_SCHEDULE = FORWARD_SCHEDULE, name
+    try:
+        yield
+    finally:
+        FORWARD_SCHEDULE = saved
 
 
 BACKWARD_MAX_HEAD_DIM = 128  # beyond, the backward's tiles outgrow shared memory (wgmma's K is >= 64)
@@ -98,18 +119,34 @@ class _Registers:
         x = ref[...] if self.interpret else plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(x, shape, [1])
 
-    def product(self, a, b_ref, transpose_b: bool, shape):
-        """fp32 a @ b: a [m, k] a shared-memory ref or a register array; b [k, n], or [n, k] transposed."""
+    def product(self, a, b_ref, transpose_b: bool, shape, issued=None):
+        """fp32 a @ b: a [m, k] a shared-memory ref or a register array; b [k, n], or [n, k] transposed.
+        issued(): called once the product is issued, before waiting for it."""
         if self.interpret:
             a = a if isinstance(a, jax.Array) else a[...]
-            return lax.dot_general(a, b_ref[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+            out = lax.dot_general(a, b_ref[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+            if issued is not None:
+                issued()
+            return out
         b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
+            if issued is not None:
+                issued()
             return acc_ref[...]
         return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    def accumulate(self, acc, a, b_ref):
+        """acc + a @ b: fp32 acc [m, n] and a [m, k] in registers, b [k, n] in shared memory; the
+        product accumulates into acc's registers in place when compiled."""
+        if self.interpret:
+            return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+        return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
 def _operand(shape, dtype):
@@ -152,9 +189,11 @@ def _produce(steps, issue, done):
                 plgpu.barrier_wait(barrier.at[slot])
 
 
-def _consume(base, count, lo, hi, attend, carry, loaded, done):
+def _consume(base, count, lo, spans, carry, loaded, done, idle=None):
     """A compute warpgroup over the streamed steps base + [0, count): waits on each, calls
-    attend(step, slot, carry) for those in base + [lo, hi) (its visible blocks), releases each."""
+    attend(step, slot, carry) for those in base + [lo, hi) (its visible blocks), releases each.
+    spans: [(hi, attend)], consecutive ranges from lo, each with its own attend; idle(): called on
+    each step the warpgroup skips (what a visited step does besides computing, such as taking turns)."""
     def wait(slot):
         for barrier in loaded:
             plgpu.barrier_wait(barrier.at[slot])
@@ -166,21 +205,25 @@ def _consume(base, count, lo, hi, attend, carry, loaded, done):
     def skip(step, carry):
         slot = lax.rem(step, jnp.int32(STAGES))
         wait(slot)
+        if idle is not None:
+            idle()
         release(slot)
         return carry
 
-    def visit(step, carry):
+    def visit(attend, step, carry):
         slot = lax.rem(step, jnp.int32(STAGES))
         wait(slot)
         carry = attend(step, slot, carry)
         release(slot)
         return carry
 
-    lo = jnp.clip(lo, 0, count)
-    hi = jnp.clip(hi, lo, count)
-    carry = lax.fori_loop(base, base + lo, skip, carry)
-    carry = lax.fori_loop(base + lo, base + hi, visit, carry)
-    return lax.fori_loop(base + hi, base + count, skip, carry)
+    start = jnp.clip(lo, 0, count)
+    carry = lax.fori_loop(base, base + start, skip, carry)
+    for hi, attend in spans:
+        end = jnp.clip(hi, start, count)
+        carry = lax.fori_loop(base + start, base + end, functools.partial(visit, attend), carry)
+        start = end
+    return lax.fori_loop(base + start, base + count, skip, carry)
 
 
 def _load_own(copies, barrier, wg):
@@ -217,22 +260,24 @@ def _kernel(body, operands, out_type, grid, grid_names, interpret: bool):
 
 # ------------------------------------------------------------------------- forward and dQ
 
-def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool, backward=None):
+def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool, backward=None,
+                 schedule: str = "serial"):
     """The forward kernel (backward None): (o [B, Tp, N, H], lse [B, N, Tp]); or the dQ kernel
     (backward = (do [B, Tp, N, H], lse, delta [B, N, Tp])): dq [B, Tp, N, H]. Padded operands:
     q [B, Tp, N, H], k, v [B, Sp, K, H], q_seg [B, Tp], kv_seg [B, Sp] int32 (or None), slopes
     [N, ROWS] fp32 (each head's ALiBi slope along a row; or None), keys [B, N, ROWS] int32 (each
-    (batch row, head)'s dropout key along a row; or None)."""
+    (batch row, head)'s dropout key along a row; or None). schedule: the forward's (FORWARD_SCHEDULES)."""
     B, Tp, N, H = q.shape
     bq, bk, G = ROWS, (_Blocks.for_head_dim(H).dq if backward else _Blocks.for_head_dim(H).forward), cfg.groups
     num_kv, tile, dtype = k.shape[1] // bk, (ROWS, bk), q.dtype
     segments, regs = q_seg is not None, _Registers(interpret)
     per_row = backward is not None  # dQ reads lse and delta per query row
+    pingpong = not per_row and schedule == "pingpong"
     dropout = cfg.dropout > 0.0
     operands = (q, k, v) + ((q_seg, kv_seg) if segments else ()) + ((slopes,) if cfg.alibi else ()) + (
         (keys,) if dropout else ()) + (tuple(backward) if per_row else ())
 
-    def kernel(refs, smem, loaded, done):
+    def kernel(refs, smem, loaded, done, turns):
         ins, outs = refs[:len(operands)], refs[len(operands):]
         q_ref, k_ref, v_ref = ins[:3]
         q_seg_ref, kv_seg_ref = ins[3:5] if segments else (None, None)
@@ -283,24 +328,35 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpre
             lse_rows = regs.rows(rows_smem.at[0, wg], tile) if per_row else None
             delta_rows = regs.rows(rows_smem.at[1, wg], tile) if per_row else None
 
-            def logits(step, slot):
-                s, capped = _scores(regs.product(q_smem.at[wg], k_smem.at[slot], True, tile), cfg)
+            def take_turn():  # pingpong: both compute warpgroups arrive, then go on
+                if interpret:  # the interpreter runs a warpgroup's barrier waits on XLA:CPU's few callback
+                    return     # threads: two of them blocked on each other starve the third (a hang)
+                plgpu.barrier_arrive(turns)
+                plgpu.barrier_wait(turns)
+
+            def logits(step, slot, masks=cfg):
+                s = regs.product(q_smem.at[wg], k_smem.at[slot], True, tile, issued=take_turn if pingpong else None)
+                s, capped = _scores(s, cfg)
                 kv_pos = (first + step) * bk + regs.iota(tile, 1)
                 kv_segs = regs.columns(kv_seg_smem.at[slot], tile) if segments else None
-                s, visible = tile_mask(s, q_pos, kv_pos, q_segs, kv_segs, slope, cfg)
+                s, visible = tile_mask(s, q_pos, kv_pos, q_segs, kv_segs, slope, masks)
                 kept = dropout_lib.keep(drop_key, q_pos, kv_pos, cfg.dropout) if dropout else None
                 return s, visible, capped, kept
 
-            def forward_step(step, slot, carry):
+            def forward_step(step, slot, carry, masks=cfg):
                 m, l, acc = carry
-                s, visible, _, kept = logits(step, slot)
+                s, visible, _, kept = logits(step, slot, masks)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 p = jnp.exp(s - lax.broadcast_in_dim(m_new, tile, [0]))
                 if visible is not None:  # a row with nothing visible yet has m_new = -1e30: exp(0) there
                     p = jnp.where(visible, p, 0.0)
                 correction = jnp.exp(m - m_new)
-                pv = regs.product(_dropped(p, kept, cfg).astype(dtype), v_smem.at[slot], False, (bq, H))
-                return m_new, l * correction + p.sum(axis=1), acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+                l, acc = l * correction + p.sum(axis=1), acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+                p = _dropped(p, kept, cfg).astype(dtype)
+                if not pingpong:
+                    return m_new, l, acc + regs.product(p, v_smem.at[slot], False, (bq, H))
+                take_turn()  # the softmax done: PV once the other warpgroup has issued its product
+                return m_new, l, regs.accumulate(acc, p, v_smem.at[slot])
 
             def dq_step(step, slot, dq):
                 s, visible, capped, kept = logits(step, slot)
@@ -315,12 +371,19 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpre
 
             lo, hi = kv_block_range(block, cfg, bq, bk, num_kv)
             if per_row:
-                dq = _consume(0, steps, lo - first, hi - first, dq_step, regs.zeros((bq, H)), ring_loaded, done)
+                dq = _consume(0, steps, lo - first, [(hi - first, dq_step)], regs.zeros((bq, H)), ring_loaded, done)
                 _store((dq * cfg.scale).astype(dtype), q_smem.at[wg], outs[0].at[b, rows, n])
                 return
             vector = lambda value: regs.cast(jnp.full((bq,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            m, l, acc = _consume(0, steps, lo - first, hi - first, forward_step,
-                                 (vector(-1e30), vector(0.0), regs.zeros((bq, H))), ring_loaded, done)
+            spans = [(hi - first, forward_step)]
+            if pingpong:  # the blocks before `whole` need no mask; a skipped step takes both turns
+                spans = [(whole_blocks(q_start, lo, hi) - first, functools.partial(forward_step, masks=unmasked)),
+                         *spans]
+                pl.when(wg == 1)(take_turn)  # warpgroup 1 starts one turn behind
+            m, l, acc = _consume(0, steps, lo - first, spans, (vector(-1e30), vector(0.0), regs.zeros((bq, H))),
+                                 ring_loaded, done, idle=(lambda: (take_turn(), take_turn())) if pingpong else None)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)  # and warpgroup 0 takes the last one
             seen = l > 0.0
             inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
             rows_smem.at[0, wg][...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
@@ -328,6 +391,21 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpre
                    outs[0].at[b, rows, n])
             plgpu.copy_smem_to_gmem(rows_smem.at[0, wg], outs[1].at[b, n, rows])
             plgpu.wait_smem_to_gmem(0)
+
+    # pingpong: the key blocks every query of a warpgroup sees whole, with no mask (no segment ids,
+    # no window; causal: those wholly at or before its first query; padded keys: those before kv_len)
+    unmasked = cfg._replace(causal=False, kv_len=None)
+
+    def whole_blocks(q_start, lo, hi):
+        """The end of the key blocks from lo that a warpgroup whose first query is q_start sees unmasked."""
+        if segments or cfg.window is not None:
+            return lo
+        end = hi
+        if cfg.causal:
+            end = jnp.minimum(end, lax.div(q_start + 1, jnp.int32(bk)))
+        if cfg.kv_len is not None:
+            end = jnp.minimum(end, cfg.kv_len // bk)
+        return jnp.clip(end, lo, hi)
 
     def entry(*refs):
         W = COMPUTE_WARPGROUPS
@@ -339,7 +417,8 @@ def _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpre
         own = 1 + segments + cfg.alibi + dropout + 3 * per_row
         loaded = (plgpu.Barrier(num_barriers=own * W), _barriers(STAGES), _barriers(STAGES),
                   _barriers(STAGES, segments))
-        pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()),
+        turns = plgpu.Barrier(num_arrivals=W) if pingpong and not interpret else None
+        pl.run_scoped(lambda *scratch: kernel(refs, *scratch), smem, loaded, (_ring_done(), _ring_done()), turns,
                       collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),) if per_row else (
@@ -436,7 +515,7 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, keys, do, lse, delta, cfg: TileCo
                 return dk + regs.product(ds.astype(dtype), q_smem.at[slot], False, (bk, H)), dv
 
             lo, hi = q_block_range(block, cfg, bq, bk, num_q)
-            heads = lambda g, carry: _consume(g * per_head, per_head, lo - first, hi - first, step_fn, carry,
+            heads = lambda g, carry: _consume(g * per_head, per_head, lo - first, [(hi - first, step_fn)], carry,
                                               ring_loaded, done)
             dk, dv = lax.fori_loop(0, G, heads, (regs.zeros((bk, H)), regs.zeros((bk, H))))
             _store((dk * cfg.scale).astype(dtype), k_smem.at[wg], dk_ref.at[b, keys, kv_head])
@@ -463,17 +542,17 @@ def _key_major(q, k, v, q_seg, kv_seg, slopes, keys, do, lse, delta, cfg: TileCo
 
 # ------------------------------------------------------------------------- the differentiable call
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool):
-    return _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention(q, k, v, q_seg, kv_seg, slopes, keys, cfg: TileConfig, interpret: bool, schedule: str):
+    return _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret, schedule=schedule)
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret):
-    o, lse = _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret)
+def _attention_fwd(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret, schedule):
+    o, lse = _query_major(q, k, v, q_seg, kv_seg, slopes, keys, cfg, interpret, schedule=schedule)
     return (o, lse), (q, k, v, q_seg, kv_seg, slopes, keys, o, lse)
 
 
-def _attention_bwd(cfg, interpret, residuals, cotangents):
+def _attention_bwd(cfg, interpret, schedule, residuals, cotangents):
     q, k, v, q_seg, kv_seg, slopes, keys, o, lse = residuals
     if q.shape[-1] > BACKWARD_MAX_HEAD_DIM:
         raise ValueError(f"the Hopper flash-attention backward takes head dims up to {BACKWARD_MAX_HEAD_DIM}, got "
@@ -530,5 +609,6 @@ def flash_attention(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_seg
                        for offset, size in zip(dropout_offsets, (B, N)))
         keys = dropout_lib.head_key(jnp.asarray(dropout_seed, jnp.int32), batch[:, None], head[None, :])
         keys = jnp.broadcast_to(keys[:, :, None], (B, N, ROWS))
-    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, slopes, keys, cfg, interpret)
+    o, lse = _attention(pad(q, Tp), pad(k, Sp), pad(v, Sp), q_seg, kv_seg, slopes, keys, cfg, interpret,
+                        FORWARD_SCHEDULE)
     return o[:, :T, :, :H], lse[:, :, :T]
