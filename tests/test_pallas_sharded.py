@@ -255,7 +255,7 @@ def test_model_config_block_sizes_reach_the_kernel():
 @pytest.mark.parametrize("value,message", [
     (dict(block_q=12), "power of two"),
     (dict(block_rows=16), "unexpected keyword"),
-    ((8, 8, 8, 8, 8), "positional"),
+    ((8,) * 10, "positional"),  # BlockSizes has 9 fields
 ])
 def test_model_config_rejects_bad_block_sizes(value, message):
     with pytest.raises(ValueError, match=f"attention_block_sizes.*{message}"):
