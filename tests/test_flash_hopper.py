@@ -104,7 +104,7 @@ def test_pingpong_forward_matches_xla_in_the_interpreter():
     block is padding; PV accumulated in place; with ALiBi and dropout (o, lse, dq, dk, dv against xla)."""
     rng = jax.random.PRNGKey(8)
     with flash_hopper.forward_schedule("pingpong"):
-        _check(Case(T=300, S=300, N=2, K=1, H=16, causal=True, alibi=True),
+        _check(Case(T=300, S=300, N=1, K=1, H=16, causal=True, alibi=True),
                hopper=dict(dropout_rate=0.1, dropout_seed=dropout.seed(rng)), xla=dict(dropout_rate=0.1, dropout_rng=rng))
 
 
