@@ -242,12 +242,19 @@ def tfm_attention(impl: str, **masks):
     return attend
 
 
+def hopper_missing() -> Optional[str]:
+    """Why tfm's Hopper kernels cannot run here, or None on an H100/H200."""
+    if select.hopper_present():
+        return None
+    return f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})"
+
+
 def unsupported(impl: str, case: Case, dtype: str) -> Optional[str]:
     """Why tfm's `impl` cannot run this case here, or None."""
     impl = impl.split()[0]
     if impl == "hopper":
-        if not select.hopper_present():
-            return f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})"
+        if reason := hopper_missing():
+            return reason
         if dtype == "float32":
             return "the Hopper kernel takes bf16/fp16 only"
         return None
@@ -367,8 +374,8 @@ def jax_forward(impl: str, causal: bool):
         name = impl.split()[1]
         if name == "cudnn" and jax.default_backend() != "gpu":
             raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
-        if name == "hopper" and not select.hopper_present():
-            raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
+        if name == "hopper" and (reason := hopper_missing()):
+            raise Unavailable(reason)
         return tfm_attention(impl.split(" ", 1)[1], causal=causal)
     if impl == "jax mgpu":
         return mgpu_forward(causal)
@@ -599,8 +606,8 @@ def tfm_train_step(bench, name: str, B: int, T: int, impl: str, smoke: bool):
     """(step, where, trainer, memory_analysis() of the step) of tfm's bf16 train step with one attention impl."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise Unavailable(f"cuDNN needs a GPU (JAX backend is {jax.default_backend()})")
-    if impl == "hopper" and not select.hopper_present():
-        raise Unavailable(f"the Hopper kernel needs an H100/H200 (device: {jax.devices()[0].device_kind})")
+    if impl == "hopper" and (reason := hopper_missing()):
+        raise Unavailable(reason)
     if impl == "cudnn" and name == "bert_dropout":
         raise Unavailable("tfm's cudnn attention has no dropout (the kernels and xla have)")
     tiny = bench.TINY if smoke else {}

@@ -57,15 +57,13 @@ def attention(q, k, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None,
                 q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
                 alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, interpret=interpret,
                 dropout_rate=dropout_rate, dropout_seed=seed, dropout_offsets=offsets)[0]
-
-        return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
-
-    def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets):
-        return flash_attention.flash_attention(
-            q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            window=window, alibi_slopes=alibi_slopes, softcap=softcap, sparsity=sparsity, scale=scale,
-            block_sizes=block_sizes, backend=backend, interpret=interpret, dropout_rate=dropout_rate,
-            dropout_seed=seed, dropout_offsets=offsets)
+    else:
+        def kernel(q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets):
+            return flash_attention.flash_attention(
+                q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                window=window, alibi_slopes=alibi_slopes, softcap=softcap, sparsity=sparsity, scale=scale,
+                block_sizes=block_sizes, backend=backend, interpret=interpret, dropout_rate=dropout_rate,
+                dropout_seed=seed, dropout_offsets=offsets)
 
     return per_device(kernel, q, k, v, q_segment_ids, kv_segment_ids, alibi_slopes, offsets=True)
 
