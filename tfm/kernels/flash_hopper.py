@@ -25,8 +25,9 @@ computes only the blocks it can see.
 Attention dropout regenerates each tile's keep mask from `tfm.kernels.dropout` (the other drivers'
 hash of seed, batch row, query head and positions), never stored. The entry point calls it as
 impl="hopper" (`tfm.ops.pallas`, per device under a mesh), and `auto` picks it on an H100/H200 where
-cuDNN does not compute the layer (`tfm.ops.select`; measured in benchmarks/RESULTS.md). On a CPU it runs in Mosaic GPU's interpreter (`interpret=True`), which
-models the warpgroups, barriers and TMA copies (see `_Registers` for what it leaves out).
+cuDNN does not compute the layer (`tfm.ops.select`; measured in benchmarks/RESULTS.md). On a CPU it
+runs in Mosaic GPU's interpreter (`interpret=True`), which models the warpgroups, barriers and TMA
+copies (see `_Registers` for what it leaves out).
 """
 from __future__ import annotations
 
