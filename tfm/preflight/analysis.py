@@ -187,7 +187,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
             target = re.search(r'custom_call_target="([^"]+)"', rest)
             backend = next((v for k, v in KERNEL_TARGETS.items() if target and target.group(1).startswith(k)), None)
             if backend:
-                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+                operands = _operand_names(rest)
                 kernel = re.search(r'op_name="[^"]*?(flash_attention_\w+|pallas_call|cudnn\w*)', rest)
                 kernels.append({"backend": backend, "name": kernel.group(1) if kernel else name,
                                 "operands": [_arrays(shapes.get(o, "?")) for o in operands],
