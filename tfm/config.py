@@ -27,6 +27,7 @@ ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
+EMBEDDING_IMPLS = ("auto", "sharded", "xla")
 REMAT_POLICY_NAMES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 HEADS = ("mlm", "nsp", "classification", "pooler", "mean_pool", "regression", "span")
 # ModelConfig's regularisation: it changes training, not the function a trained model computes.
@@ -164,6 +165,11 @@ class ExecutionConfig(_FieldGroup):
       (zero rows, sliced off after), so GPU matmul kernels see whole tiles (GPT-2's 50,257 is not
       a multiple of 8); 1 = as is; None = 128 on GPU (measured: benchmarks/RESULTS.md), 1 elsewhere.
       The parameters and logits keep V.
+    embedding_impl: how the token table is read under a mesh whose rules shard it (FSDP on D,
+      `tensor` on V): "sharded" keeps it sharded (the ids gathered, the rows exchanged all-to-all,
+      a sum over V's group; tfm.layers.embeddings.sharded_lookup), "xla" leaves the layout to XLA's
+      partitioner (which may gather the whole table and sum its whole gradient), "auto" = "sharded"
+      when the table has more rows than a device has tokens.
     """
 
     dtype: str = "float32"
@@ -177,12 +183,14 @@ class ExecutionConfig(_FieldGroup):
     capacity_factor: Optional[float] = None
     moe_chunks: int = 1
     logits_block_size: Optional[int] = None
+    embedding_impl: str = "auto"
 
     FIELD = "execution"
 
     def __post_init__(self):
         choices = dict(dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES, attention_impl=capabilities.ATTENTION_IMPLS,
-                       context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE))
+                       context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE),
+                       embedding_impl=EMBEDDING_IMPLS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.execution.{name}={getattr(self, name)!r} is not one of {allowed}")

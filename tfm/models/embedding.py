@@ -18,7 +18,8 @@ from tfm.models.outputs import LMOutput, Unembedding  # noqa: F401  (Unembedding
 def token_embed(config: ModelConfig, name: str) -> Embed:
     stddev = config.d_model ** -0.5 if config.scale_embeddings else 0.02
     rows = config.vocab_size + config.multimodal.extra_tokens
-    return Embed(rows, config.d_model, dtype=compute_dtype(config), stddev=stddev, name=name)
+    return Embed(rows, config.d_model, dtype=compute_dtype(config), stddev=stddev,
+                 lookup=config.execution.embedding_impl, name=name)
 
 
 def check_inputs(config: ModelConfig, tokens, name: str = "tokens", **same_shape):

@@ -39,7 +39,9 @@ uses `fsdp`), and "length" is split over `context` in activations only.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import contextvars
+from typing import Optional, Sequence
 
 from tfm.parallel.mesh import AXES
 
@@ -80,6 +82,26 @@ def make_rules(*styles: str, activations: bool = False) -> Rules:
     for name in _PARAM_ONLY if activations else _ACTIVATION_ONLY:
         merged.pop(name, None)
     return tuple((name, tuple(a for a in AXES if a in axes)) for name, axes in merged.items())
+
+
+_PARAM_RULES: contextvars.ContextVar[Optional[Rules]] = contextvars.ContextVar("tfm_param_rules", default=None)
+
+
+@contextlib.contextmanager
+def param_rules(rules: Rules):
+    """While tracing a model (beside the activation rules of `flax.linen.logical_axis_rules`): the
+    rules its parameters are sharded by, for code that must know a weight's layout inside the step
+    (`tfm.parallel.lookup`). `Trainer.context` sets it."""
+    token = _PARAM_RULES.set(rules)
+    try:
+        yield
+    finally:
+        _PARAM_RULES.reset(token)
+
+
+def active_param_rules() -> Optional[Rules]:
+    """The rules `param_rules` made current, or None."""
+    return _PARAM_RULES.get()
 
 
 def parse_parallelism(spec: str | Sequence[str]) -> tuple[str, ...]:

@@ -70,8 +70,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def context(self):
-        """Mesh and activation rules, needed while tracing the model."""
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.activation_rules):
+        """Mesh, activation rules and parameter rules, needed while tracing the model."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.activation_rules), parallel.param_rules(self.rules):
             yield
 
     def setup(self, example_batch: dict) -> "Trainer":
