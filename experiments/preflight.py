@@ -9,8 +9,12 @@ with no dataset (batch shapes from the config, the vocabulary from its vocab_siz
 chip: memory against HBM with a verdict (and, when it does not fit, the largest arrays and what
 would help), model FLOPs, XLA's cost-model step time and the MFU it implies (TPU; named an
 estimate), the collectives by kind, the attention kernels and their per-device shapes, and the
-compile time. Targets: `tfm.preflight.valid_targets()`. Exit status 0: every step fits;
-1: bad input (one line on stderr); 3: a step does not fit.
+compile time. `--kernels_apart` compiles each step with flash kernels a second time, without the
+kernels' cost estimates, and reports the kernels' part of the estimated step and the step without it
+(`kernel_seconds`, `estimate_seconds_without_kernels` in the JSON too): the figure to set beside a peer
+whose kernels carry no cost estimate; it doubles the compile time. Targets:
+`tfm.preflight.valid_targets()`. Exit status 0: every step fits; 1: bad input (one line on stderr);
+3: a step does not fit.
 
 Needs libtpu (TPU) or jax-cuda12-pjrt (GPU) at the versions that go with the installed jax:
 `make compile-plugins` puts them in .venv/compile-only, where this command finds them.
@@ -70,8 +74,9 @@ def as_flags(tip: preflight.Tip) -> str:
 
 
 def run_preflight(config, config_path: str, target_name: str, *, num_slices: int = 1,
-                  with_eval: bool = True, say=print) -> list[dict]:
-    """Compiles every batch shape of the recipe for the target; the reports as dicts."""
+                  with_eval: bool = True, kernels_apart: bool = False, say=print) -> list[dict]:
+    """Compiles every batch shape of the recipe for the target; the reports as dicts
+    (`kernels_apart`: see `preflight.check_step`)."""
     target = preflight.parse_target(target_name, num_slices)
     module = experiment_of(config, config_path)
     devices = target.devices()
@@ -91,7 +96,8 @@ def run_preflight(config, config_path: str, target_name: str, *, num_slices: int
         rows = check_batch(trainer, next(iter(batch.values())).shape[0])
         trainer.setup(batch)
         say(f"{shape_name}: batch {next(iter(batch.values())).shape}, {trainer.num_params / 1e6:.1f}M parameters")
-        for report in preflight.check_step(trainer, batch, target, with_eval=with_eval):
+        for report in preflight.check_step(trainer, batch, target, with_eval=with_eval,
+                                           kernels_apart=kernels_apart):
             for line in preflight.format_report(report, target.chip):
                 say("  " + line)
             if not report.fits:
@@ -111,13 +117,16 @@ def main():
     flags.DEFINE_integer("num_slices", 1, "TPU slices (or GPU host groups) joined over DCN")
     flags.DEFINE_bool("eval", True, "also compile the eval step")
     flags.DEFINE_string("json", None, "write the reports to this file as JSON")
+    flags.DEFINE_bool("kernels_apart", False, "compile each step with flash kernels twice to report the kernels' "
+                      "part of the estimate apart (TPU)")
     flags.mark_flags_as_required(["config", "target"])
 
     def run(argv):
         del argv
         records = run_preflight(flags.FLAGS.config, config_flags.get_config_filename(flags.FLAGS["config"]),
                                 flags.FLAGS.target, num_slices=flags.FLAGS.num_slices,
-                                with_eval=flags.FLAGS.eval, say=lambda s: print(s, flush=True))
+                                with_eval=flags.FLAGS.eval, kernels_apart=flags.FLAGS.kernels_apart,
+                                say=lambda s: print(s, flush=True))
         if flags.FLAGS.json:
             with open(flags.FLAGS.json, "w") as f:
                 json.dump(records, f, indent=1, default=str)

@@ -46,6 +46,7 @@ The blocks of context parallelism take no dropout.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple, Optional
@@ -619,12 +620,33 @@ def cost_estimate(name: str, cfg: TileConfig, q_shape, S: int, K: int, itemsize:
                            transcendentals=scores * (2 if cfg.softcap else 1), bytes_accessed=moved)
 
 
+_carry_cost_estimates = True  # False inside `without_cost_estimates`
+
+
+@contextlib.contextmanager
+def without_cost_estimates():
+    """Inside, the kernels' pallas_calls are traced without their `cost_estimate`, so XLA's cost model
+    scores each call at 0 s: a step compiled inside and outside gives the kernels' part of XLA's own step
+    estimate (the preflight's `kernels_apart`). JAX's caches of traced functions do not key on this
+    setting, so they are cleared on entering and on leaving (a jitted step is traced again)."""
+    global _carry_cost_estimates
+    jax.clear_caches()
+    _carry_cost_estimates = False
+    try:
+        yield
+    finally:
+        _carry_cost_estimates = True
+        jax.clear_caches()
+
+
 def _call(kernel, cfg: TileConfig, backend: str, lists, *, grid, in_specs, out_specs, scratch, out_shape, name,
           num_sequential: int, cost: pl.CostEstimate, shift=None, seed=None):
     """The pallas_call of `kernel` as a function of its operands. With block lists, a shift or a dropout
     seed the grid driver takes them first, as TPU scalar prefetch (index [n, M], count [n], shift [1] and
-    seed [3] in SMEM; the index maps read the first three)."""
+    seed [3] in SMEM; the index maps read the first three). `cost` is left off inside
+    `without_cost_estimates`."""
     params = _compiler_params(backend, cfg.interpret, len(grid), num_sequential, cfg.launch)
+    cost = cost if _carry_cost_estimates else None
     kernel = functools.partial(kernel, cfg=cfg)
     if _num_prefetched(cfg) == 0 or cfg.driver == "loop":
         return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,

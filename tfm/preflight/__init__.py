@@ -21,6 +21,21 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _kernels_part(r: StepReport) -> list[str]:
+    """The line on the flash kernels' part of the estimate (`check_step(kernels_apart=True)`), if any."""
+    flash = any(k["name"].startswith("flash_attention") for k in r.kernels)
+    if r.kernel_seconds is not None and flash:
+        without = r.estimate_seconds_without_kernels
+        return [f"  flash kernels' part of the estimate: {r.kernel_seconds * 1e3:.2f} ms "
+                f"({r.kernel_seconds / r.estimate_seconds:.1%}); without them {without * 1e3:.2f} ms (XLA's cost "
+                "model of the step compiled again without the kernels' cost estimates, the same loop factor; the "
+                "compile time above counts both compiles)"]
+    if r.estimate_seconds and flash:
+        return ["  flash kernels' part of the estimate: not taken apart (kernels_apart compiles the step a second "
+                "time without their cost estimates)"]
+    return []
+
+
 def format_report(r: StepReport, chip) -> list[str]:
     """The report as lines of text for a step on `chip` (estimates named as such)."""
     lines = [f"{r.step} step on {r.target} ({r.chips} chips): compiled in {r.compile_seconds:.1f} s"]
@@ -44,6 +59,7 @@ def format_report(r: StepReport, chip) -> list[str]:
                      f"(an estimate: {r.estimate_note})")
     else:
         lines.append(f"  estimated step time: {r.estimate_note}")
+    lines.extend(_kernels_part(r))
     if r.collectives:
         lines.append("  collectives (loop bodies once): " + ", ".join(
             f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))

@@ -4,7 +4,9 @@
 for the target's compile-only devices and reads the executable: XLA's per-device memory
 analysis, the collectives and kernel calls in its HLO, and (TPU) XLA's cost-model time. Model
 FLOPs are counted exactly from the forward pass's jaxpr (every dot_general, scans multiplied
-out, attention as the xla backend computes it) times 3 for forward + backward. All-reduces are also
+out, attention as the xla backend computes it) times 3 for forward + backward. With `kernels_apart`
+the step is compiled a second time with the flash kernels' cost estimates left off, and the difference
+of XLA's two estimates is the kernels' part of the step. All-reduces are also
 read by what they do (`all_reduce_forms`): over a group that spans a whole TPU torus XLA writes
 FSDP's all-gathers and reduce-scatters as all-reduces, and under fsdp a weight- or activation-sized
 all-reduce that is neither is reported as unexpected.
@@ -20,6 +22,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from tfm.kernels import flash_attention
 from tfm.parallel.rules import parse_parallelism
 from tfm.preflight.targets import GiB, Target
 from tfm.train.step import make_eval_step
@@ -55,6 +58,10 @@ class StepReport:
     cost_model_seconds: Optional[float] = None
     estimate_seconds: Optional[float] = None
     estimate_note: str = ""
+    # `kernels_apart`: the estimate with the flash kernels scored at 0 s (compiled again without their cost
+    # estimates, the same loop factor), and estimate_seconds minus that: the kernels' part, by XLA's cost model
+    estimate_seconds_without_kernels: Optional[float] = None
+    kernel_seconds: Optional[float] = None
     mfu: Optional[float] = None     # model FLOPs / (chips x peak x estimate): an estimate
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes", "shapes"}
     # the arrays all-reduces sum, by what they do (`all_reduce_forms`): "gather" / "scatter" (an all-gather
@@ -431,6 +438,23 @@ def _oom(report: StepReport, error: Exception) -> None:
         report.total_bytes = int(float(used.group(1)) * scale[used.group(2)])
 
 
+def _kernels_apart(report: StepReport, trainer, jitted, args, factor: float) -> None:
+    """The estimate without the flash kernels' time: the step compiled again with their cost estimates
+    left off (XLA's cost model then scores each kernel at 0 s), times the same loop factor; the kernels'
+    part is the difference. Without flash kernels in the step there is nothing to take apart (part 0, no
+    second compile)."""
+    if report.estimate_seconds is None:
+        return
+    without = report.estimate_seconds
+    if any(k["name"].startswith("flash_attention") for k in report.kernels):
+        with trainer.context(), flash_attention.without_cost_estimates():
+            compiled, seconds, _ = _compile(jitted, *args)
+        report.compile_seconds += seconds
+        without = _cost(compiled)["optimal_seconds"] * factor
+    report.estimate_seconds_without_kernels = without
+    report.kernel_seconds = report.estimate_seconds - without
+
+
 UNEXPECTED_MIN_BYTES = 1 << 20  # a summed array this large is a weight's or an activation's, not a loss's
 
 
@@ -448,9 +472,12 @@ def sharded_data_groups(trainer) -> Optional[tuple[int, ...]]:
                  if trainer.mesh.shape[axis] > 1 and (axis == "data" or axis in styles))
 
 
-def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) -> list[StepReport]:
+def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True,
+               kernels_apart: bool = False) -> list[StepReport]:
     """Compile `trainer`'s train step (and eval step) for `batch` (global ShapeDtypeStructs) on
-    the target; one StepReport each. The trainer's mesh must be over target.devices()."""
+    the target; one StepReport each. The trainer's mesh must be over target.devices().
+    `kernels_apart` (TPU, where XLA has a cost model): a step with flash kernels is compiled twice to
+    report their part of the estimate (`estimate_seconds_without_kernels`, `kernel_seconds`)."""
     sharded = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()}
     flops = model_flops(trainer.model, trainer.task, trainer.abstract_state.params, batch)
     steps = [("train", trainer.jitted_train_step, (trainer.abstract_state, sharded), flops)]
@@ -471,6 +498,8 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True) 
             _oom(report, e)
         else:
             _fill(report, compiled, target, loop_factor, sharded_data_groups(trainer))
+            if kernels_apart:
+                _kernels_apart(report, trainer, jitted, args, loop_factor)
         reports.append(report)
     return reports
 
