@@ -12,8 +12,8 @@ what would make a step fit by tfm's own fields (`Tip`), which that command rende
 """
 import collections
 
-from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, dot_flops, model_flops,
-                                   read_hlo, unexpected_all_reduces)
+from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, dot_flops, loop_factor,
+                                   memory_bytes, model_flops, read_hlo, tally_forms, unexpected_all_reduces)
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
 
@@ -88,5 +88,5 @@ def format_report(r: StepReport, chip) -> list[str]:
 
 
 __all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "all_reduce_forms", "check_step", "dot_flops",
-           "format_report", "model_flops", "parse_target", "read_hlo", "require_plugin", "unexpected_all_reduces",
-           "use_plugins", "valid_targets"]
+           "format_report", "loop_factor", "memory_bytes", "model_flops", "parse_target", "read_hlo",
+           "require_plugin", "tally_forms", "unexpected_all_reduces", "use_plugins", "valid_targets"]

@@ -68,7 +68,7 @@ class StepReport:
     # or reduce-scatter written as an all-reduce) / "sum" -> {"count", "bytes", "shapes"}
     all_reduce_forms: dict = dataclasses.field(default_factory=dict)
     unexpected: list = dataclasses.field(default_factory=list)   # `unexpected_all_reduces`: "sum" records
-    kernels: list = dataclasses.field(default_factory=list)      # {"backend", "name", "shapes"}
+    kernels: list = dataclasses.field(default_factory=list)      # `read_hlo`'s kernel calls
     largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
     error: str = ""
 
@@ -158,7 +158,8 @@ def split_instruction(line: str):
 
 
 def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
-    """(collectives {kind: {count, bytes, shapes}}, kernel calls, `top` largest arrays (bytes,
+    """(collectives {kind: {count, bytes, shapes}}, kernel calls {backend, name, operands, result,
+    cost_estimate: whether the call carries one for XLA's cost model}, `top` largest arrays (bytes,
     shape, opcode)) of compiled HLO. A collective's bytes are its largest array (a tuple's
     largest element), `shapes` the distinct such arrays per device ("bf16[2,64,2,16]": the
     blocks a ring passes on); instructions in a loop body count once. TPU's reduce-scatter, a
@@ -198,7 +199,7 @@ def read_hlo(text: str, top: int = 5) -> tuple[dict, list, list]:
                 kernel = re.search(r'op_name="[^"]*?(flash_attention_\w+|pallas_call|cudnn\w*)', rest)
                 kernels.append({"backend": backend, "name": kernel.group(1) if kernel else name,
                                 "operands": [_arrays(shapes.get(o, "?")) for o in operands],
-                                "result": _arrays(shape)})
+                                "result": _arrays(shape), "cost_estimate": '"cost_estimate"' in rest})
         if nbytes and not fused and opcode not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
             key = (array, opcode)
             sizes[key] = max(sizes.get(key, 0), nbytes)
@@ -362,14 +363,19 @@ def _per_chip_bytes(abstract_tree) -> int:
                for x in jax.tree.leaves(abstract_tree))
 
 
+def loop_factor(jaxpr) -> float:
+    """A step's matmul FLOPs with every scan unrolled over those with each scan body once (1.0 without
+    scans): what XLA's cost model, which counts a loop body once, is multiplied by."""
+    once = dot_flops(jaxpr, unroll=False)
+    return dot_flops(jaxpr) / once if once else 1.0
+
+
 def _compile(jitted, *args):
-    """(compiled, seconds, loop factor): the factor is the step's matmul FLOPs with every scan
-    unrolled over those with each scan body once (1.0 without scans)."""
+    """(compiled, seconds, `loop_factor`)."""
     start = time.perf_counter()
     traced = jitted.trace(*args)
     compiled = traced.lower().compile()
-    once = dot_flops(traced.jaxpr.jaxpr, unroll=False)
-    return compiled, time.perf_counter() - start, dot_flops(traced.jaxpr.jaxpr) / once if once else 1.0
+    return compiled, time.perf_counter() - start, loop_factor(traced.jaxpr.jaxpr)
 
 
 def _cost(compiled) -> dict:
@@ -385,7 +391,19 @@ def memory_bytes(memory) -> int:
             + memory.temp_size_in_bytes)
 
 
-def _fill(report: StepReport, compiled, target: Target, loop_factor: float, expected_groups=None) -> None:
+def tally_forms(records: list[dict]) -> dict:
+    """`all_reduce_forms` records by form: {"gather" / "scatter" / "sum": {"count", "bytes", "shapes"}}."""
+    tally = {}
+    for r in records:
+        entry = tally.setdefault(r["form"], {"count": 0, "bytes": 0, "shapes": []})
+        entry["count"] += 1
+        entry["bytes"] += r["bytes"]
+        if r["array"] not in entry["shapes"]:
+            entry["shapes"].append(r["array"])
+    return tally
+
+
+def _fill(report: StepReport, compiled, target: Target, factor: float, expected_groups=None) -> None:
     mem = compiled.memory_analysis()
     report.argument_bytes, report.output_bytes = mem.argument_size_in_bytes, mem.output_size_in_bytes
     report.alias_bytes, report.temp_bytes = mem.alias_size_in_bytes, mem.temp_size_in_bytes
@@ -394,12 +412,7 @@ def _fill(report: StepReport, compiled, target: Target, loop_factor: float, expe
     text = compiled.as_text()
     report.collectives, report.kernels, report.largest = read_hlo(text)
     forms = all_reduce_forms(text)
-    for r in forms:
-        entry = report.all_reduce_forms.setdefault(r["form"], {"count": 0, "bytes": 0, "shapes": []})
-        entry["count"] += 1
-        entry["bytes"] += r["bytes"]
-        if r["array"] not in entry["shapes"]:
-            entry["shapes"].append(r["array"])
+    report.all_reduce_forms = tally_forms(forms)
     if expected_groups is not None:
         report.unexpected = unexpected_all_reduces(forms, min_bytes=UNEXPECTED_MIN_BYTES,
                                                    expected_groups=expected_groups)
@@ -415,9 +428,9 @@ def _fill(report: StepReport, compiled, target: Target, loop_factor: float, expe
         return
     report.cost_model_seconds = report.estimate_seconds = seconds
     report.estimate_note = "XLA cost model"
-    if loop_factor > 1.0:
-        report.estimate_seconds = seconds * loop_factor
-        report.estimate_note = (f"XLA cost model x {loop_factor:.1f}: it counts a scanned body once; the factor is "
+    if factor > 1.0:
+        report.estimate_seconds = seconds * factor
+        report.estimate_note = (f"XLA cost model x {factor:.1f}: it counts a scanned body once; the factor is "
                                 "the step's matmul FLOPs (remat included) unrolled / with each scan once")
     if report.kernels:
         others = sorted({k["name"] for k in report.kernels if not k["name"].startswith("flash_attention")})
@@ -490,16 +503,16 @@ def check_step(trainer, batch: dict, target: Target, *, with_eval: bool = True,
         start = time.perf_counter()
         try:
             with trainer.context():
-                compiled, report.compile_seconds, loop_factor = _compile(jitted, *args)
+                compiled, report.compile_seconds, factor = _compile(jitted, *args)
         except Exception as e:  # noqa: BLE001 - the compiler's refusal is the finding
             report.compile_seconds = time.perf_counter() - start
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
             _oom(report, e)
         else:
-            _fill(report, compiled, target, loop_factor, sharded_data_groups(trainer))
+            _fill(report, compiled, target, factor, sharded_data_groups(trainer))
             if kernels_apart:
-                _kernels_apart(report, trainer, jitted, args, loop_factor)
+                _kernels_apart(report, trainer, jitted, args, factor)
         reports.append(report)
     return reports
 
