@@ -12,18 +12,15 @@ Train:     4096 tokens, global batch 15360 sequences (the paper's batch after it
            FSDP over every chip and expert parallelism over `expert` = 8 (each chip sends its tokens
            to the experts' chips by all-to-all: `tfm.parallel.experts`); the MoE layers scanned,
            each layer rematerialised from its input, each chip's MoE tokens dispatched in
-           `execution.moe_chunks` = 4 chunks of 1024; auxiliary-loss-free balancing (the bias).
-Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits:
-           preflight (2026-11-27, libtpu 0.0.42.1) 72.34 GiB per chip of 95 (76%): state 14.65
-           GiB, temporaries 57.67 GiB; compiled in 116 s; collectives all-to-all x10 (5.41 GiB),
-           all-reduce x83 (by what they do: 123 gathers, 60 reduce-scatters, 29 scalar sums: over
-           all 512 chips XLA writes FSDP's collectives as all-reduces), all-gather x7; no MFU (XLA's
-           cost model returned a negative time). v5p-512 (32 x 8, --config.microbatches=60) does
-           not fit: 108.83 GiB (115%; 113.59 before the params outside the experts were sharded
-           over expert too, RESULTS.md "FSDP collectives"); 2026-11-24: 108.73 GiB with 8 chunks,
-           v5p-1024 with one chunk 78.79 GiB. Before the sharded MLA latent
-           no slice up to v5p-2048 fitted. Details: benchmarks/RESULTS.md ("DeepSeek-V3 and Kimi K2
-           train steps").
+           `execution.moe_chunks` = 8 chunks of 512; the token table read where it lies
+           (`execution.embedding_impl`), the loss over the vocabulary in chunks of 16384 columns
+           (`task.vocab_chunk`: no [4096, V] fp32 logits); auxiliary-loss-free balancing (the bias).
+Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits
+           (compile-only preflight). v5p-512 does not fit, for a measured reason: fp32 parameters and
+           AdamW moments take 29.3 GiB of each chip's 95, and one pass's temporaries (the MoE layers'
+           fp32 gradient accumulators first) need more than the rest, even with sequences split over
+           4 chips (context parallelism). Figures and commands: benchmarks/RESULTS.md ("Token table
+           and loss kept sharded: DeepSeek-V3 and Kimi K2 re-preflighted").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to a CPU smoke run (a tiny DeepSeek-V3: MLA, dense + routed + shared experts).
@@ -33,7 +30,8 @@ from experiments.lm.configs import gpt2_small
 CHIPS = 512          # chips the default microbatches assume (v5p-1024); elsewhere set microbatches = BATCH / chips
 BATCH = 15_360       # sequences per step
 EXPERT_SHARDS = 8    # mesh `expert` axis: the padded all-to-all buffers grow with it ([n, N*k, D])
-MOE_CHUNKS = 4       # each chip's 4096 MoE tokens dispatched 1024 at a time: buffers a quarter the size
+MOE_CHUNKS = 8       # each chip's 4096 MoE tokens dispatched 512 at a time: buffers an eighth the size
+VOCAB_CHUNK = 16_384  # the loss over the vocabulary in chunks of this many columns: no [T, V] fp32 logits
 TINY_MOE = dict(d_model=32, num_heads=4, num_layers=3, d_ff=16, head_dim=16, max_len=64, dense_layers=1,
                 dense_d_ff=64, num_experts=8, experts_per_token=2, router_groups=2, router_group_top=1,
                 shared_expert_d_ff=16, mla=dict(kv_rank=16, rope_dim=8, q_rank=16, value_dim=8),
@@ -49,6 +47,7 @@ def get_config(arg: str = "", *, preset: str = "deepseek_v3", vocab_size: int = 
                                             remat_policy="full", moe_chunks=MOE_CHUNKS))
     c.vocab_size = vocab_size
     c.seq_len = 4096
+    c.task.vocab_chunk = VOCAB_CHUNK
     c.batch_size = batch
     c.microbatches = batch // chips
     c.optimizer.update(name="adamw", learning_rate=learning_rate, warmup_steps=2000, schedule="cosine",
