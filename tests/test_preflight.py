@@ -106,6 +106,32 @@ def test_collectives_and_largest_arrays_are_read_from_the_compiled_program():
     assert collectives == {"reduce-scatter": {"count": 1, "bytes": 64 * 256 * 2, "shapes": ["bf16[64,256]"]}}
 
 
+def test_time_by_op_multiplies_loop_bodies_by_their_trip_counts():
+    """A scan of n matmuls [512, 512] @ [512, 512] (named "inside") then one more ("outside"), compiled
+    for v5p with n = 3 and n = 6: the loop's body is in each program once, with the same estimated
+    cycles, so the inside/outside ratio of the breakdown doubles with n (to 1%); shares sum to 1."""
+    devices = preflight.parse_target("v5p-8").devices()[:1]
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                               sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def f(x, ws, w):
+        def body(carry, w_):
+            with jax.named_scope("inside"):
+                return carry @ w_, None
+        y, _ = jax.lax.scan(body, x, ws)
+        with jax.named_scope("outside"):
+            return y @ w
+
+    ratios = []
+    for n in (3, 6):
+        shares = dict(preflight.time_by_op(jax.jit(f).lower(spec(512, 512), spec(n, 512, 512), spec(512, 512))
+                                           .compile().as_text(), top=20))
+        assert abs(sum(shares.values()) - 1.0) < 1e-9, shares
+        ratios.append(shares["inside/dot_general"] / shares["outside/dot_general"])
+    assert ratios[1] / ratios[0] == pytest.approx(2.0, rel=0.01), ratios
+
+
 def test_all_reduces_are_read_by_what_they_do():
     """Over 128 v5p chips (a 4x4x8 torus) libtpu writes an all-gather as an all-reduce of the shard
     placed in zeros and a reduce-scatter as an all-reduce of which each chip keeps its slice;

@@ -13,7 +13,8 @@ what would make a step fit by tfm's own fields (`Tip`), which that command rende
 import collections
 
 from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, dot_flops, loop_factor,
-                                   memory_bytes, model_flops, read_hlo, tally_forms, unexpected_all_reduces)
+                                   memory_bytes, model_flops, read_hlo, tally_forms, time_by_op,
+                                   unexpected_all_reduces)
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
 
@@ -60,6 +61,9 @@ def format_report(r: StepReport, chip) -> list[str]:
     else:
         lines.append(f"  estimated step time: {r.estimate_note}")
     lines.extend(_kernels_part(r))
+    if r.time_by_op:
+        lines.append("  estimated time by op (XLA's cycles per fusion, loop bodies x their trip counts; collectives "
+                     "apart): " + ", ".join(f"{label} {share:.1%}" for label, share in r.time_by_op))
     if r.collectives:
         lines.append("  collectives (loop bodies once): " + ", ".join(
             f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))
@@ -89,4 +93,4 @@ def format_report(r: StepReport, chip) -> list[str]:
 
 __all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "all_reduce_forms", "check_step", "dot_flops",
            "format_report", "loop_factor", "memory_bytes", "model_flops", "parse_target", "read_hlo",
-           "require_plugin", "tally_forms", "unexpected_all_reduces", "use_plugins", "valid_targets"]
+           "require_plugin", "tally_forms", "time_by_op", "unexpected_all_reduces", "use_plugins", "valid_targets"]

@@ -70,6 +70,7 @@ class StepReport:
     unexpected: list = dataclasses.field(default_factory=list)   # `unexpected_all_reduces`: "sum" records
     kernels: list = dataclasses.field(default_factory=list)      # `read_hlo`'s kernel calls
     largest: list = dataclasses.field(default_factory=list)      # (bytes, shape, op)
+    time_by_op: list = dataclasses.field(default_factory=list)   # `time_by_op`: (op, share of the cycles)
     error: str = ""
 
 
@@ -244,6 +245,72 @@ def _computations(text: str) -> dict:
     return computations
 
 
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_TRANSFORMS = re.compile(r"jit\([^)]*\)/|jvp\(|transpose\(|\)|while/body/|closed_call/|checkpoint/|"
+                         r"rematted_computation/|shard_map/")
+
+
+def _trip_count(condition: dict) -> int:
+    """Iterations of a scan's while loop from its condition computation (`i < N`: the s32 constant
+    its root compares with); 1 when the condition is not of that form."""
+    root = condition["ops"].get(condition["root"])
+    if root is None or root[1] != "compare" or "direction=LT" not in root[2]:
+        return 1
+    for operand in root[3]:
+        shape, opcode, rest, _ = condition["ops"].get(operand, ("", "", "", ()))
+        if opcode == "constant" and shape.startswith("s32[]"):
+            return int(rest.split(")")[0])
+    return 1
+
+
+def _op_label(opcode: str, rest: str) -> str:
+    """An instruction's op_name without jit/jvp/loop wrappers, its last three parts ("ffn/wo/dot_general"),
+    marked "(backward)" inside a transpose (the backward pass); its opcode when it has no op_name (XLA's
+    own, such as the zeros an all-gather written as an all-reduce fills: "broadcast (no op name)")."""
+    op = re.search(r'op_name="([^"]*)"', rest)
+    if not op:
+        return f"{opcode} (no op name)"
+    parts = [p for p in _TRANSFORMS.sub("", re.sub(r"\[.*?\]", "", op.group(1))).split("/") if p]
+    return "/".join(parts[-3:]) + (" (backward)" if "transpose(" in op.group(1) else "")
+
+
+def time_by_op(text: str, top: int = 8) -> list[tuple[str, float]]:
+    """Where XLA's TPU cost model puts a compiled step's time: the estimated cycles it writes on each
+    top-level instruction (a fusion's `backend_config`), those inside a while loop times the loop's
+    trip count (nested loops multiplied out), summed by `_op_label`; the `top` labels as
+    (label, share of all such cycles), largest first. Collectives carry no cycle estimate and are left
+    out. Empty for a program without estimates (GPU)."""
+    computations = _computations(text)
+    times = {name: 1 for name in computations}
+    pending, seen = [_entry_name(text)], set()
+    while pending:  # each computation's multiplier: its caller's x the trip count of the loop it is the body of
+        name = pending.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for shape, opcode, rest, _ in computations[name]["ops"].values():
+            if opcode != "while":
+                continue
+            body, condition = (re.search(rf"{key}=%?([\w.\-]+)", rest) for key in ("body", "condition"))
+            if body and condition and condition.group(1) in computations:
+                times[body.group(1)] = times[name] * _trip_count(computations[condition.group(1)])
+                pending.append(body.group(1))
+    cycles: dict[str, float] = {}
+    for name, computation in computations.items():
+        for shape, opcode, rest, _ in computation["ops"].values():
+            estimate = _CYCLES.search(rest)
+            if estimate:
+                label = _op_label(opcode, rest)
+                cycles[label] = cycles.get(label, 0.0) + int(estimate.group(1)) * times[name]
+    total = sum(cycles.values())
+    return [(label, c / total) for label, c in sorted(cycles.items(), key=lambda kv: -kv[1])[:top]] if total else []
+
+
+def _entry_name(text: str) -> str:
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+    return entry.group(1) if entry else ""
+
+
 def _group_size(rest: str) -> int:
     """Devices per replica group of a collective: iota form `[G,S]<=[N]`, mesh form
     `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`, or an explicit `{{0,1},{2,3}}`."""
@@ -411,6 +478,7 @@ def _fill(report: StepReport, compiled, target: Target, factor: float, expected_
     report.fits = report.total_bytes <= report.hbm_bytes
     text = compiled.as_text()
     report.collectives, report.kernels, report.largest = read_hlo(text)
+    report.time_by_op = time_by_op(text)
     forms = all_reduce_forms(text)
     report.all_reduce_forms = tally_forms(forms)
     if expected_groups is not None:
