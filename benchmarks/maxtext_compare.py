@@ -128,7 +128,7 @@ def read_compiled(text: str, memory, cost: dict, factor: float) -> dict:
             "total_bytes": preflight.memory_bytes(memory), "collectives": collectives,
             "all_reduce_forms": preflight.tally_forms(preflight.all_reduce_forms(text)),
             "kernel_calls": len(kernels), "kernels_with_cost_estimate": sum(k["cost_estimate"] for k in kernels),
-            "loop_factor": factor, "cost_model_seconds": seconds,
+            "loop_factor": factor, "cost_model_seconds": seconds, "time_by_op": preflight.time_by_op(text, top=12),
             "estimate_seconds": seconds * factor if seconds else None}
 
 
@@ -195,7 +195,7 @@ def tfm_figures(record: dict) -> dict:
     with `read_compiled`'s keys."""
     keys = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes", "collectives",
             "all_reduce_forms", "cost_model_seconds", "estimate_seconds", "estimate_seconds_without_kernels",
-            "kernel_seconds", "error")
+            "kernel_seconds", "error", "time_by_op")
     figures = {k: record[k] for k in keys}
     figures["kernel_calls"] = len(record["kernels"])
     figures["kernels_with_cost_estimate"] = sum(k["cost_estimate"] for k in record["kernels"])
@@ -268,6 +268,10 @@ def report(tfm: dict, maxtext: Optional[dict], setup: dict) -> str:
               "Estimates: XLA's TPU cost model (`optimal_seconds`, a loop body once) x the loop factor."]
     lines += [f"{name} did not compile: {side['error']}" for name, side in (("tfm", tfm), ("MaxText", maxtext))
               if side and side.get("error")]
+    lines += ["", "Where each step's estimated cycles go (`tfm.preflight.time_by_op`: XLA's cycles per fusion, "
+              "loop bodies x their trip counts; shares, not the step estimate):"]
+    lines += [f"- {name}: " + ", ".join(f"{label} {share:.1%}" for label, share in side["time_by_op"])
+              for name, side in (("tfm", tfm), ("MaxText", maxtext)) if side and side.get("time_by_op")]
     return "\n".join(lines) + "\n"
 
 

@@ -107,6 +107,7 @@ def test_maxtext_side_is_read_from_the_step_its_train_compile_compiles(stand_in,
     gathered = figures["collectives"]["all-gather"]["shapes"]  # W whole (in bf16: TPU's default matmul precision)
     assert any(s.endswith("[256,256]") for s in gathered), figures["collectives"]
     assert figures["kernel_calls"] == 0
+    assert figures["time_by_op"] and 0 < sum(share for _, share in figures["time_by_op"]) <= 1 + 1e-9
     lines = maxtext_compare.table(figures, figures)
     assert any(l.startswith("| memory: total") and l.endswith("| 1.000 |") for l in lines), lines
     assert any(l.startswith("| all-gather (loop bodies once) | x") for l in lines), lines
@@ -152,6 +153,7 @@ def test_without_maxtext_one_line_says_so_and_tfms_side_is_reported(tmp_path):
     total = next(l for l in table.splitlines() if l.startswith("| memory: total"))
     assert total.split("|")[2].strip().endswith("MiB") and total.split("|")[3].strip() == "—", total
     assert "splash kernel carries no cost estimate" in table
+    assert any(line.startswith("- tfm: ") and "dot_general" in line for line in table.splitlines()), table
     result = json.loads((out / "report.json").read_text())
     tfm = result["tfm_figures"]
     assert result["maxtext_figures"] is None and result["step_ratio_without_kernels"] is None
