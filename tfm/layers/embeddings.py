@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from tfm.config import EMBEDDING_IMPLS
 from tfm.layers.common import param_init
 from tfm.parallel.rules import active_param_rules, from_flax_rules
-from tfm.parallel.sharding import logical_to_spec
+from tfm.parallel.sharding import logical_to_spec, restrict, unmapped_axes
 
 
 def check_token_ids(tokens, vocab_size: int, name: str = "token ids"):
@@ -60,18 +60,18 @@ def _entry_axes(entry) -> tuple:
 
 
 def _lookup_plan(table_shape, ids_shape, axes, lookup: str) -> Optional[tuple]:
-    """(mesh, free axes, ids spec, table spec) when `lookup` says to keep the table sharded under
-    the current mesh and rules; None when the plain lookup serves (no mesh, no parameter rules, a
-    table whole on every device, "xla", or "auto" with fewer table rows than a device's tokens)."""
+    """(mesh, free axes, ids spec, table spec, V's mesh axes, D's mesh axes) when `lookup` says to keep
+    the table sharded under the current mesh and rules; None when the plain lookup serves (no mesh, no
+    parameter rules, a table whole on every device, "xla", or "auto" with fewer table rows than a
+    device's tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     params = active_param_rules()
     if lookup == "xla" or mesh.empty or params is None or len(ids_shape) != 2:
         return None
-    free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    keep = lambda rules: tuple((name, tuple(a for a in axes_ if a in free)) for name, axes_ in rules)
-    table_spec = tuple(logical_to_spec(axes, table_shape, mesh, keep(params))) + (None, None)
+    free = unmapped_axes(mesh)
+    table_spec = tuple(logical_to_spec(axes, table_shape, mesh, restrict(params, free))) + (None, None)
     ids_spec = tuple(logical_to_spec(("batch", "length"), ids_shape, mesh,
-                                     keep(from_flax_rules(nn.get_logical_axis_rules())))) + (None, None)
+                                     restrict(from_flax_rules(nn.get_logical_axis_rules()), free))) + (None, None)
     vocab, embed = (_entry_axes(e) for e in table_spec[:2])
     token_axes = {a for e in ids_spec[:2] for a in _entry_axes(e)}
     if not vocab and not embed or set(vocab) & token_axes or not set(embed) <= token_axes:
@@ -80,7 +80,7 @@ def _lookup_plan(table_shape, ids_shape, axes, lookup: str) -> Optional[tuple]:
     tokens = math.prod(ids_shape) // math.prod(mesh.shape[a] for a in token_axes)
     if lookup == "auto" and table_shape[0] <= tokens:
         return None  # a small table (token types, bytes): gathering it moves less than the rows
-    return mesh, free, P(*ids_spec[:2]), P(*table_spec[:2])
+    return mesh, free, P(*ids_spec[:2]), P(*table_spec[:2]), vocab, embed
 
 
 def sharded_lookup(table, ids, *, axes=("vocab", "embed"), dtype=jnp.float32, lookup: str = "auto"):
@@ -95,8 +95,7 @@ def sharded_lookup(table, ids, *, axes=("vocab", "embed"), dtype=jnp.float32, lo
     plan = _lookup_plan(table.shape, ids.shape, axes, lookup)
     if plan is None:
         return take_rows(table, ids).astype(dtype)
-    mesh, free, ids_spec, table_spec = plan
-    vocab, embed = (_entry_axes(e) for e in tuple(table_spec) + (None,) * (2 - len(table_spec)))
+    mesh, free, ids_spec, table_spec, vocab, embed = plan
 
     def body(table, ids):  # table [V/v, D/d], ids [b, t]
         for axis in reversed(embed):  # ids of the whole D group: [d1, d2, ..., b, t]

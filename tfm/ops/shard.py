@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from tfm.parallel.mesh import AXES, CONTEXT
 from tfm.parallel.rules import from_flax_rules, make_rules
-from tfm.parallel.sharding import logical_to_spec
+from tfm.parallel.sharding import logical_to_spec, restrict, unmapped_axes
 
 
 def _axes_size(mesh, axes) -> int:
@@ -54,10 +54,6 @@ def _repeat_kv(x, shards: int):
 _DEFAULT_RULES = make_rules("data", "fsdp", "expert", "context", "tensor", activations=True)
 
 
-def _free_axes(mesh):
-    return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)  # not yet mapped
-
-
 def _rules(mesh, free_axes):
     """The active rules (tfm's defaults when none are active), restricted to unmapped mesh axes."""
     active = from_flax_rules(nn.get_logical_axis_rules())
@@ -66,14 +62,14 @@ def _rules(mesh, free_axes):
                          "rules saying which split the batch and the heads: trace it inside "
                          "flax.linen.logical_axis_rules(...) giving 'batch' and 'heads' mesh axes, or name "
                          f"the mesh axes as tfm does {AXES}")
-    return tuple((name, tuple(a for a in axes if a in free_axes)) for name, axes in active or _DEFAULT_RULES)
+    return restrict(active or _DEFAULT_RULES, free_axes)
 
 
 def context_size() -> int:
     """Devices the current mesh and rules split a sequence over: the size of the `context` axis
     when it is unmapped and the rules give it "length", else 1."""
     mesh = jax.sharding.get_abstract_mesh()
-    free_axes = () if mesh.empty else _free_axes(mesh)
+    free_axes = () if mesh.empty else unmapped_axes(mesh)
     if CONTEXT not in free_axes or mesh.shape[CONTEXT] == 1:
         return 1
     return mesh.shape[CONTEXT] if CONTEXT in dict(_rules(mesh, free_axes)).get("length", ()) else 1
@@ -107,7 +103,7 @@ def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=Non
     head ((0, 0) when it is called directly).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    free_axes = () if mesh.empty else _free_axes(mesh)
+    free_axes = () if mesh.empty else unmapped_axes(mesh)
     batch = length = heads = None
     if _axes_size(mesh, free_axes) > 1:
         batch, length, heads = _axes(q.shape, mesh, free_axes, split_length)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from tfm.parallel.rules import from_flax_rules
-from tfm.parallel.sharding import logical_to_spec
+from tfm.parallel.sharding import logical_to_spec, restrict, unmapped_axes
 
 # ffn(rows [R, D] sorted by expert, group_sizes [E'] (rows per expert; rows past their sum are
 # padding), weights {name: [E', ...]}) -> [R, D]
@@ -101,8 +101,8 @@ def _expert_plan(batch_size: int, num_experts: int) -> Optional[Tuple[AbstractMe
     rules = from_flax_rules(nn.get_logical_axis_rules())
     if mesh.empty or not rules:
         return None
-    free = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    rules = tuple((name, tuple(a for a in axes if a in free)) for name, axes in rules)
+    free = unmapped_axes(mesh)
+    rules = restrict(rules, free)
     entry = lambda name, size: (tuple(logical_to_spec((name,), (size,), mesh, rules)) + (None,))[0]
     batch, expert = entry("batch", batch_size), entry("expert", num_experts)
     if batch is None and expert is None:

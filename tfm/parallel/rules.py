@@ -91,7 +91,7 @@ _PARAM_RULES: contextvars.ContextVar[Optional[Rules]] = contextvars.ContextVar("
 def param_rules(rules: Rules):
     """While tracing a model (beside the activation rules of `flax.linen.logical_axis_rules`): the
     rules its parameters are sharded by, for code that must know a weight's layout inside the step
-    (`tfm.parallel.lookup`). `Trainer.context` sets it."""
+    (`tfm.layers.embeddings.sharded_lookup`). `Trainer.context` sets it."""
     token = _PARAM_RULES.set(rules)
     try:
         yield

@@ -18,6 +18,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tfm.parallel.rules import Rules
 
 
+def unmapped_axes(mesh) -> tuple[str, ...]:
+    """The mesh's axes not yet mapped by an enclosing `shard_map` (all of them outside one)."""
+    return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+
+
+def restrict(rules: Rules, axes) -> Rules:
+    """`rules` with each name's mesh axes limited to `axes` (e.g. the unmapped ones)."""
+    return tuple((name, tuple(a for a in named if a in axes)) for name, named in rules)
+
+
 def logical_to_spec(names, shape, mesh: jax.sharding.Mesh, rules: Rules) -> P:
     """PartitionSpec for an array of `shape` whose dims are named `names` (None = unnamed)."""
     table = dict(rules)
