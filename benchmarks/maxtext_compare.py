@@ -141,9 +141,7 @@ def maxtext_figures(module, argv: list[str]) -> dict:
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
         return {"error": " ".join(str(e).split())[:400]}
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    figures = read_compiled(compiled.as_text(), compiled.memory_analysis(), dict(cost or {}), factor)
+    figures = read_compiled(compiled.as_text(), compiled.memory_analysis(), preflight.cost_analysis(compiled), factor)
     # kernels without a cost estimate are scored at 0 s: then the estimate is already one without them
     figures["estimate_seconds_without_kernels"] = (None if figures["kernels_with_cost_estimate"]
                                                    else figures["estimate_seconds"])
@@ -205,9 +203,7 @@ def tfm_figures(record: dict) -> dict:
 
 
 def _gib(n) -> str:
-    if n is None:
-        return "—"
-    return f"{n / preflight.GiB:.2f} GiB" if n >= preflight.GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+    return "—" if n is None else preflight.format_bytes(n)
 
 
 def _ms(seconds) -> str:

@@ -125,9 +125,7 @@ def test_kernels_that_carry_a_cost_estimate_are_counted_in_the_compiled_program(
             return jax.jit(lambda q: dot_product_attention(q, q, q, causal=True, impl="pallas")).lower(q).compile()
 
     def figures(step):
-        cost = step.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return maxtext_compare.read_compiled(step.as_text(), step.memory_analysis(), cost, 1.0)
+        return maxtext_compare.read_compiled(step.as_text(), step.memory_analysis(), preflight.cost_analysis(step), 1.0)
 
     carried = figures(compiled())
     with flash_attention.without_cost_estimates():

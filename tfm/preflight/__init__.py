@@ -12,19 +12,20 @@ what would make a step fit by tfm's own fields (`Tip`), which that command rende
 """
 import collections
 
-from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, dot_flops, loop_factor,
-                                   memory_bytes, model_flops, read_hlo, tally_forms, time_by_op,
-                                   unexpected_all_reduces)
+from tfm.preflight.analysis import (StepReport, Tip, advice, all_reduce_forms, check_step, cost_analysis, dot_flops,
+                                   has_flash_kernels, loop_factor, memory_bytes, model_flops, read_hlo, tally_forms,
+                                   time_by_op, unexpected_all_reduces)
 from tfm.preflight.targets import CHIPS, GiB, Target, parse_target, require_plugin, use_plugins, valid_targets
 
 
-def _gib(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Bytes as "1.23 GiB", or "45.6 MiB" below a tenth of a GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _kernels_part(r: StepReport) -> list[str]:
     """The line on the flash kernels' part of the estimate (`check_step(kernels_apart=True)`), if any."""
-    flash = any(k["name"].startswith("flash_attention") for k in r.kernels)
+    flash = has_flash_kernels(r.kernels)
     if r.kernel_seconds is not None and flash:
         without = r.estimate_seconds_without_kernels
         return [f"  flash kernels' part of the estimate: {r.kernel_seconds * 1e3:.2f} ms "
@@ -45,9 +46,10 @@ def format_report(r: StepReport, chip) -> list[str]:
         return lines
     verdict = "fits" if r.fits else "DOES NOT FIT"
     held = "params+optimizer" if r.step == "train" else "params"
-    lines.append(f"  memory per chip: {held} {_gib(r.state_bytes)}, arguments {_gib(r.argument_bytes)}, "
-                 f"outputs {_gib(r.output_bytes)} ({_gib(r.alias_bytes)} donated), temporaries {_gib(r.temp_bytes)}; "
-                 f"total {_gib(r.total_bytes)} of {_gib(r.hbm_bytes)} HBM ({r.total_bytes / r.hbm_bytes:.0%}): {verdict}")
+    b = format_bytes
+    lines.append(f"  memory per chip: {held} {b(r.state_bytes)}, arguments {b(r.argument_bytes)}, "
+                 f"outputs {b(r.output_bytes)} ({b(r.alias_bytes)} donated), temporaries {b(r.temp_bytes)}; "
+                 f"total {b(r.total_bytes)} of {b(r.hbm_bytes)} HBM ({r.total_bytes / r.hbm_bytes:.0%}): {verdict}")
     counted = "forward + backward: 3 x the forward's matmuls" if r.step == "train" else "the forward's matmuls"
     lines.append(f"  model FLOPs per step: {r.model_flops:.4g} ({counted})"
                  + (f"; XLA counts {r.xla_flops:.4g} per chip" if r.xla_flops else ""))
@@ -66,13 +68,13 @@ def format_report(r: StepReport, chip) -> list[str]:
                      "apart): " + ", ".join(f"{label} {share:.1%}" for label, share in r.time_by_op))
     if r.collectives:
         lines.append("  collectives (loop bodies once): " + ", ".join(
-            f"{k} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.collectives.items())))
+            f"{k} x{v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(r.collectives.items())))
     else:
         lines.append("  collectives: none")
     if set(r.all_reduce_forms) - {"sum"}:  # XLA TPU writes a whole torus's gathers and scatters as all-reduces
         names = {"gather": "all-gathers", "scatter": "reduce-scatters", "sum": "sums"}
         lines.append("  all-reduced arrays by what they do: " + ", ".join(
-            f"{names[k]} x{v['count']} ({_gib(v['bytes'])})" for k, v in sorted(r.all_reduce_forms.items()))
+            f"{names[k]} x{v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(r.all_reduce_forms.items()))
             + " (an all-gather or reduce-scatter written as an all-reduce, as XLA does over a whole torus)")
     if r.unexpected:
         lines.append(f"  UNEXPECTED under fsdp: {len(r.unexpected)} weight- or activation-sized arrays summed whole "
@@ -87,10 +89,11 @@ def format_report(r: StepReport, chip) -> list[str]:
     else:
         lines.append("  kernels: none (XLA's own ops: attention impl xla or chunked)")
     if not r.fits:
-        lines.append("  largest arrays: " + "; ".join(f"{_gib(b)} {s} ({op})" for b, s, op in r.largest))
+        lines.append("  largest arrays: " + "; ".join(f"{format_bytes(b)} {s} ({op})" for b, s, op in r.largest))
     return lines
 
 
-__all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "all_reduce_forms", "check_step", "dot_flops",
-           "format_report", "loop_factor", "memory_bytes", "model_flops", "parse_target", "read_hlo",
-           "require_plugin", "tally_forms", "time_by_op", "unexpected_all_reduces", "use_plugins", "valid_targets"]
+__all__ = ["CHIPS", "GiB", "StepReport", "Target", "Tip", "advice", "all_reduce_forms", "check_step", "cost_analysis",
+           "dot_flops", "format_bytes", "format_report", "has_flash_kernels", "loop_factor", "memory_bytes",
+           "model_flops", "parse_target", "read_hlo", "require_plugin", "tally_forms", "time_by_op",
+           "unexpected_all_reduces", "use_plugins", "valid_targets"]

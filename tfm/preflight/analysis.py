@@ -445,7 +445,8 @@ def _compile(jitted, *args):
     return compiled, time.perf_counter() - start, loop_factor(traced.jaxpr.jaxpr)
 
 
-def _cost(compiled) -> dict:
+def cost_analysis(compiled) -> dict:
+    """XLA's cost analysis of a compiled step as a dict (empty without one; the first of a list)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return dict(cost or {})
@@ -484,7 +485,7 @@ def _fill(report: StepReport, compiled, target: Target, factor: float, expected_
     if expected_groups is not None:
         report.unexpected = unexpected_all_reduces(forms, min_bytes=UNEXPECTED_MIN_BYTES,
                                                    expected_groups=expected_groups)
-    cost = _cost(compiled)
+    cost = cost_analysis(compiled)
     report.xla_flops, report.xla_bytes = cost.get("flops"), cost.get("bytes accessed")
     seconds = cost.get("optimal_seconds")
     if seconds is None:
@@ -519,6 +520,11 @@ def _oom(report: StepReport, error: Exception) -> None:
         report.total_bytes = int(float(used.group(1)) * scale[used.group(2)])
 
 
+def has_flash_kernels(kernels: list) -> bool:
+    """Whether `read_hlo`'s kernel calls include tfm's flash-attention kernels."""
+    return any(k["name"].startswith("flash_attention") for k in kernels)
+
+
 def _kernels_apart(report: StepReport, trainer, jitted, args, factor: float) -> None:
     """The estimate without the flash kernels' time: the step compiled again with their cost estimates
     left off (XLA's cost model then scores each kernel at 0 s), times the same loop factor; the kernels'
@@ -527,11 +533,11 @@ def _kernels_apart(report: StepReport, trainer, jitted, args, factor: float) -> 
     if report.estimate_seconds is None:
         return
     without = report.estimate_seconds
-    if any(k["name"].startswith("flash_attention") for k in report.kernels):
+    if has_flash_kernels(report.kernels):
         with trainer.context(), flash_attention.without_cost_estimates():
             compiled, seconds, _ = _compile(jitted, *args)
         report.compile_seconds += seconds
-        without = _cost(compiled)["optimal_seconds"] * factor
+        without = cost_analysis(compiled)["optimal_seconds"] * factor
     report.estimate_seconds_without_kernels = without
     report.kernel_seconds = report.estimate_seconds - without
 
