@@ -16,8 +16,12 @@ from benchmarks.embedding_gradient import zipf_ids
 from tfm import parallel
 from tfm.config import ExecutionConfig
 from tfm.layers.embeddings import sharded_lookup
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
+from tfm.parallel import MeshConfig, make_mesh
 from tfm.parallel.mesh import AXES
 from tfm.preflight.analysis import _largest_array, read_hlo
+from tfm.train import LMTask, TrainConfig, Trainer
 
 V, D, B, T = 512, 64, 8, 4
 
@@ -96,3 +100,18 @@ def test_a_bad_setting_is_one_line():
         ExecutionConfig(embedding_impl="gather")
     with pytest.raises(ValueError, match="embedding lookup 'gather' is not one of"):
         sharded_lookup(jnp.zeros((4, 2)), jnp.zeros((1, 1), jnp.int32), lookup="gather")
+
+
+@pytest.mark.parametrize("impl", ["sharded", "xla"])
+def test_the_config_value_reaches_the_train_step(impl):
+    """ModelConfig.execution.embedding_impl reaches the Trainer's step (fsdp over 8 CPU devices, a tiny
+    LM whose 64-row table has more rows than a device's 16 tokens): "sharded" traces the lookup's
+    shard_map with its all-to-all, "xla" a plain gather of the table."""
+    model = DecoderLM(tiny("decoder", num_layers=1, embedding_impl=impl))
+    cfg = TrainConfig(num_train_steps=1, batch_size=8, mesh=MeshConfig(data=1, fsdp=8), parallelism="fsdp")
+    batch = {"inputs": np.ones((8, 16), np.int32), "targets": np.ones((8, 16), np.int32),
+             "weights": np.ones((8, 16), np.float32)}
+    trainer = Trainer(model, LMTask(), cfg, make_mesh(cfg.mesh, jax.devices()[:8])).setup(batch)
+    with trainer.context():
+        jaxpr = str(trainer.jitted_train_step.trace(trainer.abstract_state, trainer.global_batch(batch)).jaxpr)
+    assert ("all_to_all" in jaxpr) == (impl == "sharded"), impl
