@@ -2,10 +2,10 @@
 each weight for its use and reduce-scatters its gradient, and sums nothing of a weight's or an
 activation's size over the batch axes (compile-only v5p chips; nothing runs on them).
 
-The check reads the program through `tfm.preflight.all_reduce_forms`: XLA TPU writes an all-gather
-over a group that spans a whole 3-D torus (v5p-128 and up) as an all-reduce of the shard placed in
-zeros, and a reduce-scatter as an all-reduce of which each chip keeps its slice; those count as the
-gathers and scatters they are. What must not appear is an all-reduce that sums partial products of
+The check reads the program through `tfm.preflight.all_reduce_forms`: XLA TPU writes some
+all-gathers as an all-reduce of the shard placed in zeros (small ones; on a slice without wraparound
+links, all over 64 chips) and a reduce-scatter over a whole v5p slice as an all-reduce of which each
+chip keeps its slice; those count as the gathers and scatters they are. What must not appear is an all-reduce that sums partial products of
 weight or activation size (a contraction over a sharded dim), e.g. from activations split on "embed".
 """
 import math
@@ -94,13 +94,21 @@ def test_fsdp_gathers_weights_and_scatters_gradients(parallelism, mesh, family):
     _check_fsdp(collectives, forms, trainer)
 
 
-def test_fsdp_over_a_whole_torus_gathers_through_all_reduce():
-    """fsdp over 128 chips (v5p-256: a 4x4x8 torus): libtpu writes every weight gather and gradient
-    reduce-scatter as an all-reduce (the program holds no all-gather at all); read by their form, they
-    are the FSDP plan, and nothing of weight size is summed."""
+def test_fsdp_over_a_whole_torus_gathers_with_all_gathers():
+    """fsdp over 128 chips (v5p-256: a 4x4x8 torus with its wraparound links, `Target.wraparound`):
+    every matrix is gathered by a real all-gather, none as an all-reduce of its shard laid in zeros
+    (libtpu's form for a whole-slice gather on an open mesh, which a preflight without the links
+    compiled, at the cost of zero-filling each gathered weight); gradients are reduce-scattered and
+    nothing of weight size is summed."""
     collectives, forms, trainer = _compile("v5p-256", MeshConfig(data=1, fsdp=-1), "fsdp")
-    assert "all-gather" not in collectives and collectives["all-reduce"]["count"] > 0, collectives
     _check_fsdp(collectives, forms, trainer)
+    zero_filled = [r["array"] for r in forms if r["form"] == "gather" and r["bytes"] >= MIN_BYTES]
+    dims = lambda array: tuple(int(d) for d in array.split("[")[1].rstrip("]").split(",") if d != "1")
+    gathered = {dims(a) for a in collectives.get("all-gather", {}).get("shapes", [])}
+    layers = trainer.model.config.num_layers
+    matrices = {x.shape[1:] for x in jax.tree.leaves(trainer.abstract_state.params)
+                if x.ndim >= 3 and x.shape[0] == layers}  # the scanned layers' weights, one layer each
+    assert len(matrices) >= 4 and not zero_filled and matrices <= gathered, (zero_filled, matrices - gathered)
 
 
 def test_activations_split_on_embed_are_caught():

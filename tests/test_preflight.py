@@ -34,6 +34,16 @@ def test_targets_by_slice_name(name, chips, topology):
     assert (target.chips, target.topology) == (chips, topology)
 
 
+@pytest.mark.parametrize("name,wrap", [
+    ("v5p-8", (False,) * 3), ("v5p-64", (False,) * 3), ("v5p-128", (True,) * 3), ("v5p:4x4x12", (True,) * 3),
+    ("v4-2048", (True,) * 3), ("v5p:2x4x8", (False,) * 3), ("v5e-64", (False,) * 3),
+    ("v5e-128", (False, True, False)), ("v6e-256", (True, True, False))])
+def test_slices_have_their_wraparound_links(name, wrap):
+    """v4/v5p slices of whole 4x4x4 cubes are tori (the compile-only topology is then told so: see
+    test_fsdp_over_a_whole_torus_gathers_with_all_gathers); v5e/v6e dims wrap at the pod's 16 chips."""
+    assert preflight.parse_target(name).wraparound() == wrap
+
+
 @pytest.mark.parametrize("name,message", [
     ("v5p-7", "unknown target 'v5p-7'; valid: TPU slices such as"), ("v5p-6", "no v5p slice of 3 chips"),
     ("tpu", "unknown target 'tpu'"), ("v5e:2x2x2", "v5e topologies have 2 dimensions"),
@@ -133,8 +143,9 @@ def test_time_by_op_multiplies_loop_bodies_by_their_trip_counts():
 
 
 def test_all_reduces_are_read_by_what_they_do():
-    """Over 128 v5p chips (a 4x4x8 torus) libtpu writes an all-gather as an all-reduce of the shard
-    placed in zeros and a reduce-scatter as an all-reduce of which each chip keeps its slice;
+    """Over 128 v5p chips (a 4x4x8 torus) libtpu writes the all-gather of a small array (256 KiB) as
+    an all-reduce of the shard placed in zeros and a reduce-scatter as an all-reduce of which each chip
+    keeps its slice;
     `all_reduce_forms` tells them from a sum of partial products, which `unexpected_all_reduces` flags."""
     devices = preflight.parse_target("v5p-256").devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -71,11 +71,11 @@ def format_report(r: StepReport, chip) -> list[str]:
             f"{k} x{v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(r.collectives.items())))
     else:
         lines.append("  collectives: none")
-    if set(r.all_reduce_forms) - {"sum"}:  # XLA TPU writes a whole torus's gathers and scatters as all-reduces
+    if set(r.all_reduce_forms) - {"sum"}:  # XLA TPU writes some gathers and scatters as all-reduces
         names = {"gather": "all-gathers", "scatter": "reduce-scatters", "sum": "sums"}
         lines.append("  all-reduced arrays by what they do: " + ", ".join(
             f"{names[k]} x{v['count']} ({format_bytes(v['bytes'])})" for k, v in sorted(r.all_reduce_forms.items()))
-            + " (an all-gather or reduce-scatter written as an all-reduce, as XLA does over a whole torus)")
+            + " (an all-gather or reduce-scatter written as an all-reduce)")
     if r.unexpected:
         lines.append(f"  UNEXPECTED under fsdp: {len(r.unexpected)} weight- or activation-sized arrays summed whole "
                      "(the plan gathers weights and reduce-scatters gradients): " + "; ".join(

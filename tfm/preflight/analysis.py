@@ -7,8 +7,8 @@ FLOPs are counted exactly from the forward pass's jaxpr (every dot_general, scan
 out, attention as the xla backend computes it) times 3 for forward + backward. With `kernels_apart`
 the step is compiled a second time with the flash kernels' cost estimates left off, and the difference
 of XLA's two estimates is the kernels' part of the step. All-reduces are also
-read by what they do (`all_reduce_forms`): over a group that spans a whole TPU torus XLA writes
-FSDP's all-gathers and reduce-scatters as all-reduces, and under fsdp a weight- or activation-sized
+read by what they do (`all_reduce_forms`): XLA TPU writes some of FSDP's all-gathers and (over a
+whole slice) its reduce-scatters as all-reduces, and under fsdp a weight- or activation-sized
 all-reduce that is neither is reported as unexpected.
 """
 from __future__ import annotations
@@ -370,11 +370,12 @@ def all_reduce_forms(text: str) -> list[dict]:
     """What each array an all-reduce of compiled HLO sums does, one record per array (a combined
     all-reduce sums several): {"form", "array", "bytes", "group_size", "op_name", "computation"}.
 
-    XLA's SPMD partitioner and XLA TPU write some all-gathers and reduce-scatters as all-reduces: on a
-    v5p slice whose collective group spans the whole 3-D torus (64 chips and more, e.g. FSDP over every
-    chip), libtpu 0.0.42.1 lowers an all-gather as an all-reduce of the device's shard written into
-    zeros (a dynamic-update-slice), and a reduce-scatter as an all-reduce of the whole array of which
-    each device keeps its own slice (a dynamic-slice). The forms:
+    XLA's SPMD partitioner and XLA TPU write some all-gathers and reduce-scatters as all-reduces:
+    libtpu 0.0.42.1 lowers a small all-gather (a norm's scale), or any all-gather over 64 chips or
+    more of a slice without wraparound links (`Target.wraparound`), as an all-reduce of the device's
+    shard written into zeros (a dynamic-update-slice), and a reduce-scatter over a whole v5p slice as
+    an all-reduce of the whole array of which each device keeps its own slice (a dynamic-slice). The
+    forms:
 
       "gather"   the summed array is a dynamic-update-slice (a shard placed in zeros): an all-gather;
       "scatter"  every use of the sum slices it (dynamic-slice, also inside a fusion): a reduce-scatter;

@@ -127,6 +127,7 @@ class Target:
             # processes own none, so several (a test run's workers) may load it at once.
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             kwargs = {"chip_config_name": "megacore"} if self.chip.name == "TPU v4" else {}
+            kwargs["wrap"] = self.wraparound()
             if self.num_slices > 1:
                 kwargs["num_slices"] = self.num_slices
             generation = self.name.split(":")[0].split("-")[0]
@@ -134,6 +135,16 @@ class Target:
                 return list(topologies.get_topology_desc(f"{generation}:{self.topology}", "tpu", **kwargs).devices)
         return list(topologies.get_topology_desc(platform="cuda", topology=self.topology,
                                                  target_config=self.chip.gpu_description).devices)
+
+    def wraparound(self) -> tuple[bool, bool, bool]:
+        """Which dimensions of a TPU slice close into a ring: v4/v5p slices built of whole 4x4x4 cubes
+        are tori in all three (smaller ones are open meshes); a v5e/v6e dimension wraps when it spans
+        the pod's 16 chips. libtpu's compile-only topology is an open mesh unless told, and on one the
+        compiler writes a whole-slice all-gather as an all-reduce of the shard laid into zeros."""
+        dims = [int(d) for d in self.topology.split("x")]
+        if self.chip.topology_dims == 3:
+            return (all(d % 4 == 0 for d in dims),) * 3
+        return tuple(d == 16 for d in dims) + (False,)
 
     def describe(self) -> str:
         slices = f", {self.num_slices} slices" if self.num_slices > 1 and self.chip.platform == "tpu" else ""
