@@ -146,16 +146,16 @@ def test_lowers_to_one_mosaic_gpu_call_for_an_h100(head_dim, schedule):
 
 
 def test_a_shard_drops_what_the_whole_call_drops_there():
-    """dropout_offsets: a call on row 1 and heads 2-3 of a batch, given their global offsets (as
-    `tfm.ops.shard.per_device` gives each device's shard), equals that block of the whole call."""
-    q, k, v = (jnp.concatenate([x] * 2) for x in _inputs(Case(T=64, S=64, N=4, K=2, H=16)))
+    """dropout_offsets: a call on row 1 and head 1 of a batch, given their global offsets (as
+    `tfm.ops.shard.per_device` gives each device's shard), equals that block of the whole call.
+    (Two heads and one kv head: the interpreter's time goes by thread blocks, batch x q heads.)"""
+    q, k, v = (jnp.concatenate([x] * 2) for x in _inputs(Case(T=64, S=64, N=2, K=1, H=16)))
     q = q + jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.float32).astype(jnp.bfloat16)  # rows differ
     options = dict(causal=True, dropout_rate=0.3, dropout_seed=jnp.int32(11), interpret=True)
     whole, _ = jax.jit(functools.partial(flash_attention, **options))(q, k, v)
-    part, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 2:], k[1:, :, 1:], v[1:, :, 1:],
-                                                                    dropout_offsets=(1, 2))
-    np.testing.assert_array_equal(np.asarray(part.astype(jnp.float32)), np.asarray(whole[1:, :, 2:].astype(jnp.float32)))
-    moved, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 2:], k[1:, :, 1:], v[1:, :, 1:])
+    part, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 1:], k[1:], v[1:], dropout_offsets=(1, 1))
+    np.testing.assert_array_equal(np.asarray(part.astype(jnp.float32)), np.asarray(whole[1:, :, 1:].astype(jnp.float32)))
+    moved, _ = jax.jit(functools.partial(flash_attention, **options))(q[1:, :, 1:], k[1:], v[1:])
     assert not np.array_equal(np.asarray(moved), np.asarray(part))  # the offsets change the mask
 
 
