@@ -6,6 +6,7 @@ H100 (every feature, H 64/128/256) into Mosaic GPU calls.
 The interpreter runs the kernel's warpgroups, barriers and TMA copies but not its register layouts
 or the wgmma instruction itself (`flash_hopper._Registers`); the lowering covers those up to the
 Mosaic GPU module (ptxas, which reports registers and spills, needs a GPU: benchmarks.gpu_check)."""
+import dataclasses
 import functools
 
 import jax
@@ -21,12 +22,13 @@ from tfm.ops import attention
 
 # Every feature the driver takes, in few interpreted calls (one batch row: the interpreter runs each
 # thread block's three warpgroups in turn): ragged lengths pad to whole tiles, row 0 of the packed
-# case has query ids its keys lack (rows that see nothing: o 0, lse +inf).
+# case has query ids its keys lack (rows that see nothing: o 0, lse +inf). The interpreter's time goes by
+# thread blocks (batch x q blocks x heads): the mask-only cases have one head, GQA and MQA have their own.
 CASES = {
     "causal_gqa_ragged_softcap_alibi": Case(T=100, S=100, N=4, K=2, H=16, causal=True, softcap=3.0, alibi=True),
     "cross_mqa_window_bidirectional_alibi": Case(T=72, S=200, N=2, K=1, H=64, window=40, alibi=True),
-    "packed_segments_causal_window": Case(T=160, S=160, N=2, K=2, H=32, causal=True, window=33, segments="packed"),
-    "kv_padding_only": Case(T=64, S=100, N=2, K=2, H=16, segments="kv"),
+    "packed_segments_causal_window": Case(T=160, S=160, N=1, K=1, H=32, causal=True, window=33, segments="packed"),
+    "kv_padding_only": Case(T=64, S=100, N=1, K=1, H=16, segments="kv"),
 }
 
 
@@ -190,8 +192,8 @@ def test_entry_point_runs_the_kernels_per_device_under_a_mesh():
 def test_entry_point_passes_every_mask_to_the_kernels():
     """impl="hopper" through `dot_product_attention` (interpreted, no mesh) equals impl="xla" given the
     same masks and dropout rng: scale, causal, soft-cap, ALiBi, packed segment ids and the rng all
-    reach the kernels (o, bf16 inputs, 2e-2)."""
-    case = CASES["packed_segments_causal_window"]
+    reach the kernels (o, bf16 inputs, 2e-2). Two heads: each its own ALiBi slope."""
+    case = dataclasses.replace(CASES["packed_segments_causal_window"], N=2, K=2)
     q, k, v = _inputs(case)
     options = dict(_options(case), softcap=4.0, alibi_slopes=attention.alibi_slopes(case.N), scale=0.3,
                    dropout_rate=0.2, dropout_rng=jax.random.PRNGKey(6))
