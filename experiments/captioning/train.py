@@ -98,12 +98,14 @@ def chance_scores() -> dict:
 
 
 def caption(model, params, tok, batch: dict) -> list[str]:
-    """Greedy captions of a caption_batch's scenes (of its images, when it has them)."""
+    """Greedy captions of a caption_batch's scenes (of its images, when it has them), as one jitted
+    program (eagerly, the cache's set-up and the prompt's step compile op by op)."""
     B = len(batch["inputs"])
     images = {k: jnp.asarray(batch[k]) for k in ("images", "aspect_ratio_ids", "aspect_ratio_mask") if k in batch}
     prompt = jnp.full((B, 1), tok.bos_id, jnp.int32)
-    out = decode.sample_lm(model, params, prompt, CAPTION_LEN, jax.random.PRNGKey(0), conditioning=images,
-                           greedy=True, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    out = jax.jit(lambda params, prompt, images: decode.sample_lm(
+        model, params, prompt, CAPTION_LEN, jax.random.PRNGKey(0), conditioning=images, greedy=True,
+        eos_id=tok.eos_id, pad_id=tok.pad_id))(params, prompt, images)
     return [tok.decode(row) for row in np.asarray(out).tolist()]
 
 
