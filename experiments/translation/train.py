@@ -89,13 +89,15 @@ def translate(model, params, tok, sentences, max_len: int, *, beam_size: int, al
               batch_size: int = 64, extra_length: int = 50) -> list[str]:
     """Translations of English sentences (beam search; greedy when beam_size is 1), each at most
     its source length + extra_length tokens (and max_len). Sentences are decoded in batches of
-    similar length, so a batch stops early, and returned in their original order."""
+    similar length, so a batch stops early, and returned in their original order. A batch holds
+    batch_size rows, or as many as there are sentences when fewer (no decoding of empty rows)."""
     step = jax.jit(lambda p, x, s, n: decode.translate(model, p, x, max_len, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                                        inputs_segment_ids=s, beam_size=beam_size, alpha=alpha,
                                                        max_lengths=n))
     encoded = [(tok.encode(sentence) + [tok.eos_id])[:max_len] for sentence in sentences]
     order = sorted(range(len(sentences)), key=lambda i: len(encoded[i]))
     out = [None] * len(sentences)
+    batch_size = max(1, min(batch_size, len(sentences)))
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         ids = np.zeros((batch_size, max_len), np.int32)
