@@ -86,8 +86,10 @@ def train_and_evaluate(config, workdir: str):
     samples = {}
     for name, kw in {"greedy": dict(greedy=True), "top_k": dict(top_k=8),
                      "top_p": dict(top_p=0.9, temperature=0.8)}.items():
-        out = decode.sample_lm(model, result.state.params, prompt, s.sample_tokens,
-                               jax.random.PRNGKey(0), eos_id=tok.eos_id, **kw)
+        # one jitted program (eagerly, the cache's set-up and the prompt's step compile op by op)
+        out = jax.jit(lambda params, prompt: decode.sample_lm(model, params, prompt, s.sample_tokens,
+                                                              jax.random.PRNGKey(0), eos_id=tok.eos_id, **kw)
+                      )(result.state.params, prompt)
         samples[name] = s.sample_prompt + " " + tok.decode(np.asarray(out[0]).tolist())
     if jax.process_index() == 0:
         last = result.eval_history[-1] if result.eval_history else {}
