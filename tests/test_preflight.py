@@ -376,3 +376,24 @@ def test_a_missing_compiler_plugin_names_the_pip_command(tmp_path):
 def test_a_fine_tuning_recipe_is_refused_in_one_line():
     proc = _preflight("--config=experiments/bert/configs/glue.py:rte", "--target=v5p-8")
     assert proc.returncode == 1 and "preflight takes the training recipes" in proc.stderr
+
+
+def test_an_estimate_above_peak_is_refused():
+    """A step time that would put MFU above 100% has left work out (e.g. kernels inside a loop that
+    the loop factor cannot see): the report refuses it instead of printing it."""
+    target = preflight.parse_target("v5p-8")
+    mesh = jax.sharding.Mesh(np.array(target.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("x")))
+    compiled = jax.jit(lambda a: a @ a.T).lower(x).compile()
+    flops = 2 * 1024 ** 3  # the matmul's
+    for model_flops, refused in ((flops, False), (1e6 * flops, True)):
+        report = preflight.StepReport("train", target.name, target.chips, 1.0, target.chip.hbm_bytes)
+        report.model_flops = model_flops
+        preflight.analysis._fill(report, compiled, target, 1.0)
+        assert (report.estimate_seconds is None) == refused, report.estimate_note
+        assert report.estimate_note.startswith("refused: ") == refused, report.estimate_note
+        assert (report.mfu is None) == refused and (refused or 0 < report.mfu <= 1.0), report.mfu
+        lines = "\n".join(preflight.format_report(report, target.chip))
+        assert ("estimated step time: refused: " in lines) == refused, lines
+        assert (", MFU " in lines) != refused, lines

@@ -507,7 +507,14 @@ def _fill(report: StepReport, compiled, target: Target, factor: float, expected_
         report.estimate_note += ("; the flash kernels' time included, from their cost estimates (visible tiles)"
                                  + (f"; not that of {others} (no cost estimate: opaque to the cost model)"
                                     if others else ""))
-    report.mfu = report.model_flops / (report.chips * target.chip.peak_flops * report.estimate_seconds)
+    mfu = report.model_flops / (report.chips * target.chip.peak_flops * report.estimate_seconds)
+    if mfu > 1.0:  # faster than the chips' peak: the estimate has left work out
+        report.estimate_note = (f"refused: {report.estimate_seconds * 1e3:.3g} ms would be MFU {mfu:.0%}, above "
+                                "peak; the loop factor (matmul FLOPs) cannot scale work XLA's cost model sees "
+                                "once and the jaxpr does not count as a matmul, such as kernels inside a loop")
+        report.estimate_seconds = None
+        return
+    report.mfu = mfu
 
 
 def _oom(report: StepReport, error: Exception) -> None:
