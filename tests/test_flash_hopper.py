@@ -98,12 +98,12 @@ def _check(case, hopper=None, xla=None):
 
 
 def test_pingpong_forward_matches_xla_in_the_interpreter():
-    """FORWARD_SCHEDULE "pingpong" (unmeasured on hardware): causal over 300 ragged keys, so some warpgroups
+    """FORWARD_SCHEDULE "pingpong" (unmeasured on hardware): causal over 200 ragged keys, so some warpgroups
     see whole key blocks unmasked before their diagonal block, others skip blocks past it, and the last
     block is padding; PV accumulated in place; with ALiBi and dropout (o, lse, dq, dk, dv against xla)."""
     rng = jax.random.PRNGKey(8)
     with flash_hopper.forward_schedule("pingpong"):
-        _check(Case(T=300, S=300, N=1, K=1, H=16, causal=True, alibi=True),
+        _check(Case(T=200, S=200, N=1, K=1, H=16, causal=True, alibi=True),
                hopper=dict(dropout_rate=0.1, dropout_seed=dropout.seed(rng)), xla=dict(dropout_rate=0.1, dropout_rng=rng))
 
 
