@@ -20,8 +20,8 @@ peak lr 6e-3 and 2,000 warmup steps (the values NVIDIA's LAMB BERT recipe uses; 
 re-warms phase 2, one schedule here), LAMB's bias-corrected moments and a linear decay from the
 end of warmup. Expected SQuAD v1.1 F1 90.58 (the paper's Table 1). Target and preflight: TPU
 v5p-512 (256 chips; the paper used 1,024 TPU v3 chips), `--config=...large.py:lamb
---target=v5p-512` (2026-11-24): fits, 47.54 GiB per chip in phase 1 and 89.74 GiB (94% of 95) in
-phase 2; cost-model MFU 57.0% / 42.8% (estimates, fp32).
+--target=v5p-512` (2026-11-27): fits, 64.97 GiB per chip in phase 1 and 89.99 GiB (95% of 95) in
+phase 2; cost-model MFU 57.4% / 58.5% (estimates, fp32; benchmarks/RESULTS.md).
 `large.py:runlocal` shrinks it as base.py's.
 """
 from experiments.bert.configs import base

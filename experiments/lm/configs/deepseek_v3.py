@@ -16,11 +16,13 @@ Train:     4096 tokens, global batch 15360 sequences (the paper's batch after it
            (`execution.embedding_impl`), the loss over the vocabulary in chunks of 16384 columns
            (`task.vocab_chunk`: no [4096, V] fp32 logits); auxiliary-loss-free balancing (the bias).
 Hardware:  v5p-1024 (fsdp 64 x expert 8, 30 microbatches), the smallest v5p slice on which it fits
-           with room (compile-only preflight). On v5p-512 fp32 parameters and AdamW moments take
-           29.3 GiB of each chip's 95 and one pass's temporaries (the MoE layers' fp32 gradient
-           accumulators first) the rest: it compiles within HBM only with sequences split over 8 chips
-           (context parallelism, 480 passes), at 98%. Figures and commands: benchmarks/RESULTS.md
-           ("Token table and loss kept sharded: DeepSeek-V3 and Kimi K2 re-preflighted").
+           with room (compile-only preflight, 66% of HBM). On v5p-512 fp32 parameters and AdamW
+           moments take 29.3 GiB of each chip's 95 and one pass's temporaries (the MoE layers' fp32
+           gradient accumulators first) the rest: with whole sequences per chip it is over by a few
+           GiB; with sequences split over 4 chips (context parallelism, 240 passes:
+           --config.parallelism=fsdp+expert+context --config.mesh.context=4 --config.microbatches=240)
+           it fits at 93%. Figures and commands: benchmarks/RESULTS.md ("Compile-only slices with
+           their wraparound links").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to a CPU smoke run (a tiny DeepSeek-V3: MLA, dense + routed + shared experts).

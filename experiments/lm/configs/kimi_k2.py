@@ -11,8 +11,7 @@ Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) 
            tokens dispatched in 8 chunks, the loss in vocabulary chunks; see deepseek_v3.py.
 Hardware:  v5p-1024 (fsdp 64 x expert 8, 32 microbatches), the smallest v5p slice on which it fits,
            with more than 10% of each chip's HBM free (compile-only preflight). Figures and commands:
-           benchmarks/RESULTS.md ("Token table and loss kept sharded: DeepSeek-V3 and Kimi K2
-           re-preflighted").
+           benchmarks/RESULTS.md ("Compile-only slices with their wraparound links").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at this scale.
 `:runlocal` shrinks it to the same CPU smoke run as deepseek_v3.py:runlocal (with K2's vocabulary key).

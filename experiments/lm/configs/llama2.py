@@ -9,8 +9,9 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
            or 32 nodes of 8 H100s (h100-256). FSDP over every chip, layers scanned and
            rematerialised (7b keeps the matmul outputs, 70b only each layer's input), bf16
            compute with fp32 parameters and Adam.
-           Preflight (libtpu 0.0.42.1, jax-cuda12-pjrt 0.10.2): 7b fits v5p-512 at 12.75 GiB per
-           chip (0.29 params + Adam) and h100-64 at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
+           Preflight (libtpu 0.0.42.1, jax-cuda12-pjrt 0.10.2): 7b fits v5p-512 at 12.83 GiB per
+           chip (0.29 params + Adam; 2026-11-27, the slice's wraparound links modelled) and h100-64
+           at 48.40 GiB; 70b fits h100-256 at 31.60 GiB;
            the estimated steps and MFU (flash kernels counted), v5p-1024 and the rest in
            benchmarks/RESULTS.md.
 `:long`:   the 7b at 32,768 tokens with RoPE base 500,000, the shape of Llama-2-Long's continued
@@ -22,19 +23,20 @@ Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU
     python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=v5p-512
     python -m experiments.preflight --config=experiments/lm/configs/llama2.py:long --target=h100-8 --config.microbatches=32
            (8 H100s: fsdp 2 x context 4, 2 rows of 32k per pass as on v5p, 32 passes per step.)
-           Preflight (2026-11-24, v5p-512): fits, 26.55 GiB per chip (0.29 GiB params + Adam,
-           26.25 GiB temporaries), attention the ring with the Pallas flash kernels (Mosaic) per
-           block (impl auto; per device [1, 32, 4096, 128] runs with their position offset), 40
-           collective-permutes (the ring's bf16[1, 8192, 32, 128] K/V blocks, the zig-zag
-           re-layout), 22 all-reduces; compiled in 392 s on 2 loaded cores. With the chunked
-           backend per block (--config.model.overrides.execution.attention_impl=chunked): 64.20 GiB.
+           Preflight (2026-11-27, v5p-512 with its wraparound links): fits, 26.61 GiB per chip
+           (0.29 GiB params + Adam, 26.32 GiB temporaries), attention the ring with the Pallas flash
+           kernels (Mosaic) per block (impl auto; per device [1, 32, 4096, 128] runs with their
+           position offset), 40 collective-permutes (the ring's K/V blocks, the zig-zag re-layout);
+           no step time (the ring's kernels sit in a loop the estimate cannot scale: refused). The
+           chunked backend per block (--config.model.overrides.execution.attention_impl=chunked)
+           took 64.20 GiB on 2026-11-24 (before the links were modelled).
            Preflight (2026-11-24, h100-8): fits, 40.27 GiB of 79.14 GiB per GPU (9.41 GiB params +
            Adam, 30.84 GiB temporaries; the Triton flash kernels per block), 39 collective-permutes,
            20 all-gathers, 6 reduce-scatters; 188 s (chunked blocks: 60.34 GiB). Without context
            parallelism (--config.mesh.context=1 --config.microbatches=8: fsdp 8, one whole 32k row
            per GPU, the flash kernels) it needs 106.99 GiB per GPU and does not fit; on v5p-512 a
            whole 32k row per chip (--config.mesh.context=1 --config.batch_size=256)
-           needs 96.69 GiB of 95 GiB. benchmarks/RESULTS.md has the rest.
+           needed 96.69 GiB of 95 GiB (2026-11-24, before the links). benchmarks/RESULTS.md has the rest.
 Runtime:   not run on hardware yet.
 Expected:  no published lm1b figure at this scale; the loss must fall below the 160M llama.py's.
 `:runlocal` shrinks either to a CPU smoke run on the generated corpus.
