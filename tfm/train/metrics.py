@@ -62,22 +62,6 @@ def last_logged_step(workdir: str) -> int:
     return max((r["step"] for r in _records_upto(os.path.join(workdir, "metrics.jsonl"), math.inf)), default=0)
 
 
-def _summary_writer():
-    """tensorboardX's SummaryWriter, imported without torch unless torch is loaded already:
-    tensorboardX imports torch only to name the tensor type in its annotations (numpy's without
-    it), and this logger writes plain floats, so the event files are the same. torch's import is
-    ~1.5 s of every run's start-up."""
-    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, as where torch is not installed
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]  # a later `import torch` loads it
-    return SummaryWriter
-
-
 class MetricLogger:
     """Writes scalars from process 0 only; other processes keep a silent progress count."""
 
@@ -95,7 +79,8 @@ class MetricLogger:
         with open(path, "w") as f:  # a resumed run repeats the steps after its checkpoint
             f.writelines(json.dumps(r) + "\n" for r in self.previous)
         self.jsonl = open(path, "a")
-        self.tb = _summary_writer()(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
         if wandb_project:
             try:
                 import wandb
