@@ -41,7 +41,9 @@ def test_targets_by_slice_name(name, chips, topology):
 def test_slices_have_their_wraparound_links(name, wrap):
     """v4/v5p slices of whole 4x4x4 cubes are tori (the compile-only topology is then told so: see
     test_fsdp_over_a_whole_torus_gathers_with_all_gathers); v5e/v6e dims wrap at the pod's 16 chips."""
-    assert preflight.parse_target(name).wraparound() == wrap
+    target = preflight.parse_target(name)
+    assert target.wraparound() == wrap
+    assert ("(a torus)" in target.describe()) == (sum(wrap) == target.chip.topology_dims), target.describe()
 
 
 @pytest.mark.parametrize("name,message", [

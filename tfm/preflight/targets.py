@@ -148,8 +148,13 @@ class Target:
 
     def describe(self) -> str:
         slices = f", {self.num_slices} slices" if self.num_slices > 1 and self.chip.platform == "tpu" else ""
+        links = ""
+        if self.chip.platform == "tpu":
+            wrapped = sum(self.wraparound())
+            links = (" (a torus)" if wrapped == self.chip.topology_dims else
+                     f" (wraparound on {wrapped} of its {self.chip.topology_dims} dims)" if wrapped else "")
         return (f"{self.name}: {self.chips} x {self.chip.name} ({self.chip.hbm_bytes / GiB:.1f} GiB HBM, "
-                f"{self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each), topology {self.topology}{slices}")
+                f"{self.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each), topology {self.topology}{links}{slices}")
 
 
 def valid_targets() -> str:
