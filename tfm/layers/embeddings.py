@@ -110,9 +110,12 @@ def sharded_lookup(table, ids, *, axes=("vocab", "embed"), dtype=jnp.float32, lo
             rows = jnp.where(((ids >= 0) & (ids < full))[..., None], rows, jnp.nan)
         else:
             rows = take_rows(table, ids).astype(dtype)
-        for i in reversed(range(len(embed))):  # D slices back to the devices whose tokens they are
-            rows = jax.lax.all_to_all(rows, embed[i], split_axis=i, concat_axis=rows.ndim - 1, tiled=True)
-        return rows.reshape(rows.shape[len(embed):])
+        for i in reversed(range(len(embed))):  # D slices back to the devices whose tokens they are:
+            # [d1..di, b, t, d(i+1).., D/d] -> [d1..d(i-1), b, t, di.., D/d], the slices' axis kept apart
+            # (not concatenated into D), so neither direction transposes a [b, t, D] array
+            rows = jax.lax.all_to_all(jnp.expand_dims(rows, i + 3), embed[i], split_axis=i, concat_axis=i + 3,
+                                      tiled=True).squeeze(i)
+        return rows.reshape(rows.shape[:2] + (-1,))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(table_spec, ids_spec), out_specs=P(*ids_spec, None),
                          axis_names=frozenset(free))(table, ids)
