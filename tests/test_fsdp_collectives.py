@@ -5,8 +5,9 @@ activation's size over the batch axes (compile-only v5p chips; nothing runs on t
 The check reads the program through `tfm.preflight.all_reduce_forms`: XLA TPU writes some
 all-gathers as an all-reduce of the shard placed in zeros (small ones; on a slice without wraparound
 links, all over 64 chips) and a reduce-scatter over a whole v5p slice as an all-reduce of which each
-chip keeps its slice; those count as the gathers and scatters they are. What must not appear is an all-reduce that sums partial products of
-weight or activation size (a contraction over a sharded dim), e.g. from activations split on "embed".
+chip keeps its slice; those count as the gathers and scatters they are. What must not appear is an
+all-reduce that sums partial products of weight or activation size (a contraction over a sharded
+dim), e.g. from activations split on "embed".
 """
 import math
 
@@ -18,7 +19,7 @@ from tfm.data import pipeline
 from tfm.models import DecoderLM
 from tfm.models.presets import tiny
 from tfm.parallel.mesh import MeshConfig
-from tfm.preflight.analysis import sharded_data_groups
+from tfm.preflight.analysis import shape_arrays, sharded_data_groups
 from tfm.train import LMTask, TrainConfig, Trainer
 
 T = 128
@@ -103,8 +104,8 @@ def test_fsdp_over_a_whole_torus_gathers_with_all_gathers():
     collectives, forms, trainer = _compile("v5p-256", MeshConfig(data=1, fsdp=-1), "fsdp")
     _check_fsdp(collectives, forms, trainer)
     zero_filled = [r["array"] for r in forms if r["form"] == "gather" and r["bytes"] >= MIN_BYTES]
-    dims = lambda array: tuple(int(d) for d in array.split("[")[1].rstrip("]").split(",") if d != "1")
-    gathered = {dims(a) for a in collectives.get("all-gather", {}).get("shapes", [])}
+    gathered = {tuple(d for d in dims if d != 1)  # the layer's unit dim dropped, wherever XLA put it
+                for a in collectives.get("all-gather", {}).get("shapes", []) for _, dims in shape_arrays(a)}
     layers = trainer.model.config.num_layers
     matrices = {x.shape[1:] for x in jax.tree.leaves(trainer.abstract_state.params)
                 if x.ndim >= 3 and x.shape[0] == layers}  # the scanned layers' weights, one layer each

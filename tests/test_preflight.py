@@ -147,8 +147,8 @@ def test_time_by_op_multiplies_loop_bodies_by_their_trip_counts():
 def test_all_reduces_are_read_by_what_they_do():
     """Over 128 v5p chips (a 4x4x8 torus) libtpu writes the all-gather of a small array (256 KiB) as
     an all-reduce of the shard placed in zeros and a reduce-scatter as an all-reduce of which each chip
-    keeps its slice;
-    `all_reduce_forms` tells them from a sum of partial products, which `unexpected_all_reduces` flags."""
+    keeps its slice; `all_reduce_forms` tells them from a sum of partial products, which
+    `unexpected_all_reduces` flags."""
     devices = preflight.parse_target("v5p-256").devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
