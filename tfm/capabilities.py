@@ -4,6 +4,8 @@
 `impl="auto"` (tfm.ops.select) all read these tables; a backend gains a feature by changing its
 entry here and nowhere else. Importing this module imports no kernel.
 
+The linear-time token mixers' forms are `MIXER` (below the attention tables).
+
 Attention features (the keyword arguments of `tfm.ops.attention.dot_product_attention`):
   dropout       attention-probability dropout
   bias          an additive [B|1, N, T, S] logit bias (T5's relative position bias)
@@ -98,6 +100,33 @@ MOE = {
     "ragged": MoeSupport(chunks=True),  # sort by expert + grouped matmuls: dropless
     "einsum": MoeSupport(capacity=True),  # one-hot dispatch into [B, E, C, D] expert slots
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerSupport:
+    """One way to run the linear-time token mixers (ModelConfig.mixer_pattern's Mamba, Mamba-2,
+    gated DeltaNet, RWKV, RG-LRU): whether it is the parallel (training) form, and where it runs."""
+
+    parallel: bool = False
+    platforms: Tuple[str, ...] = ("cpu", "gpu", "tpu")
+
+
+MIXER = {
+    # The recurrent form: one step per token in a lax.scan (decoding, and the reference).
+    "reference": MixerSupport(),
+    # The parallel form: chunked SSD, the chunked gated delta rule (WY form), chunked or associative
+    # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
+    "chunked": MixerSupport(parallel=True),
+}
+MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
+
+
+def mixer_impl(impl: str, length: int) -> str:
+    """The concrete mixer form for `impl` over `length` new tokens: "auto" runs a single token (a
+    decoding step) by the recurrent form, longer inputs by the parallel one."""
+    if impl != "auto":
+        return impl
+    return "reference" if length == 1 else "chunked"
 
 
 def call_features(*, dropout_rate: float = 0.0, bias: bool = False, positions_given: bool = False,

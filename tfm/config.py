@@ -12,6 +12,7 @@ num_decoder_layers, rope.dim) hold their value once built. Impossible combinatio
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from tfm import capabilities
@@ -23,6 +24,10 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
+# ModelConfig.mixer_pattern entries: a layer's token mixer ("none": the layer has a feed-forward only)
+MIXERS = ("attention", "mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "none")
+# ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only)
+FFN_KINDS = ("dense", "moe", "rwkv", "none")
 ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -138,6 +143,119 @@ class MlaConfig(_FieldGroup):
 
 
 @dataclasses.dataclass(frozen=True)
+class MambaConfig(_FieldGroup):
+    """Mamba's selective state-space mixer (ModelConfig.mamba, layers "mamba"; Gu & Dao 2023): x [B, T, D]
+    projected to E = expand * D channels and a gate, a causal depthwise convolution of conv_kernel taps,
+    input-dependent step sizes (through rank dt_rank), B and C of state_size, a diagonal state [E, state_size]
+    per sequence, a D skip, and the gated output projected back to D."""
+
+    state_size: int = 16
+    conv_kernel: int = 4
+    expand: int = 2
+    dt_rank: Optional[int] = None  # None = ceil(D / 16)
+    conv_bias: bool = True
+    proj_bias: bool = False  # biases on the input and output projections
+
+    FIELD = "mamba"
+
+    def __post_init__(self):
+        _positive(self, "state_size", "conv_kernel", "expand", "dt_rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config(_FieldGroup):
+    """Mamba-2's SSD mixer (ModelConfig.mamba2, layers "mamba2"; Dao & Gu 2024): E = expand * D channels in
+    heads of head_dim, each head one scalar decay per step; B and C of state_size shared by the heads of
+    each of `groups`; a causal depthwise convolution over x, B and C; a D skip; a gated RMSNorm (in
+    norm_groups groups of channels) before the output projection. The step size is softplus(dt + dt_bias)
+    clamped to dt_limit."""
+
+    state_size: int = 128
+    conv_kernel: int = 4
+    expand: int = 2
+    head_dim: int = 64
+    groups: int = 1
+    norm_groups: Optional[int] = None  # None = groups
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: Tuple[float, float] = (0.0, float("inf"))
+
+    FIELD = "mamba2"
+
+    def __post_init__(self):
+        _positive(self, "state_size", "conv_kernel", "expand", "head_dim", "groups", "norm_groups")
+        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
+        if len(self.dt_limit) != 2 or not 0 <= self.dt_limit[0] < self.dt_limit[1]:
+            raise ValueError(f"ModelConfig.mamba2.dt_limit={self.dt_limit} must be (low, high) with 0 <= low < high")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNetConfig(_FieldGroup):
+    """Gated DeltaNet (ModelConfig.deltanet, layers "gated_deltanet"; Yang et al. 2024, Qwen3-Next's linear
+    attention): key_heads query/key heads of key_head_dim (L2-normalised), value_heads value heads of
+    value_head_dim (a multiple of key_heads; each key head serves value_heads / key_heads of them), a causal
+    depthwise convolution of conv_kernel taps over q, k and v, per-head gates beta (write strength) and
+    alpha (decay), and a gated RMSNorm per value head before the output projection."""
+
+    key_heads: int = 16
+    value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4
+
+    FIELD = "deltanet"
+
+    def __post_init__(self):
+        _positive(self, "key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"ModelConfig.deltanet.value_heads={self.value_heads} must be a multiple of "
+                             f"key_heads={self.key_heads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RwkvConfig(_FieldGroup):
+    """RWKV (ModelConfig.rwkv; layers "rwkv" and ffn "rwkv", RWKV-4 as transformers' RwkvModel): the time mix
+    (token shift, receptance-gated WKV of attention_width channels) and the channel mix (token shift,
+    receptance-gated squared-ReLU feed-forward of ModelConfig.d_ff)."""
+
+    attention_width: Optional[int] = None  # None = d_model
+
+    FIELD = "rwkv"
+
+    def __post_init__(self):
+        _positive(self, "attention_width")
+
+
+@dataclasses.dataclass(frozen=True)
+class RgLruConfig(_FieldGroup):
+    """Griffin's recurrent block (ModelConfig.rglru, layers "rglru"; De et al. 2024, RecurrentGemma): two
+    branches of `width` channels, one GeLU-gated, the other through a causal depthwise convolution of
+    conv_kernel taps and the RG-LRU (input and recurrence gates block-diagonal over ModelConfig.num_heads,
+    decay a = sigmoid(Lambda)^(c * r_t))."""
+
+    width: Optional[int] = None  # None = d_model
+    conv_kernel: int = 4
+    c: float = 8.0
+
+    FIELD = "rglru"
+
+    def __post_init__(self):
+        _positive(self, "width", "conv_kernel", "c")
+
+
+MIXER_GROUPS = {"mamba": MambaConfig, "mamba2": Mamba2Config, "gated_deltanet": DeltaNetConfig, "rwkv": RwkvConfig,
+                "rglru": RgLruConfig}  # mixer_pattern kind -> the ModelConfig group that configures it
+
+
+def _positive(group, *names):
+    """Raises unless each named field of `group` is None or > 0."""
+    for name in names:
+        value = getattr(group, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"ModelConfig.{group.FIELD}.{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExecutionConfig(_FieldGroup):
     """How a run executes a model (ModelConfig.execution), never what it computes: the same
     parameters compute the same function under any ExecutionConfig (up to the compute dtype's
@@ -165,6 +283,10 @@ class ExecutionConfig(_FieldGroup):
       (zero rows, sliced off after), so GPU matmul kernels see whole tiles (GPT-2's 50,257 is not
       a multiple of 8); 1 = as is; None = 128 on GPU (measured: benchmarks/RESULTS.md), 1 elsewhere.
       The parameters and logits keep V.
+    mixer_impl: how the linear-time token mixers run (tfm.capabilities.MIXER): "reference" (the
+      recurrent form, a scan over time), "chunked" (the parallel form), "auto" (chunked over a
+      sequence, the recurrent step for a single token).
+    mixer_chunk_size: tokens per chunk of the chunked form.
     embedding_impl: how the token table is read under a mesh whose rules shard it (FSDP on D,
       `tensor` on V): "sharded" keeps it sharded (the ids gathered, the rows exchanged all-to-all,
       a sum over V's group; tfm.layers.embeddings.sharded_lookup), "xla" leaves the layout to XLA's
@@ -184,19 +306,23 @@ class ExecutionConfig(_FieldGroup):
     moe_chunks: int = 1
     logits_block_size: Optional[int] = None
     embedding_impl: str = "auto"
+    mixer_impl: str = "auto"
+    mixer_chunk_size: int = 64
 
     FIELD = "execution"
 
     def __post_init__(self):
         choices = dict(dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES, attention_impl=capabilities.ATTENTION_IMPLS,
                        context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE),
-                       embedding_impl=EMBEDDING_IMPLS)
+                       embedding_impl=EMBEDDING_IMPLS, mixer_impl=capabilities.MIXER_IMPLS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.execution.{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.logits_block_size is not None and self.logits_block_size < 1:
             raise ValueError(f"ModelConfig.execution.logits_block_size must be >= 1 or None, got "
                              f"{self.logits_block_size}")
+        if self.mixer_chunk_size < 1:
+            raise ValueError(f"ModelConfig.execution.mixer_chunk_size must be >= 1, got {self.mixer_chunk_size}")
         if self.attention_chunk_size < 1:
             raise ValueError(f"ModelConfig.execution.attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
         object.__setattr__(self, "attention_block_sizes", _block_sizes(self.attention_block_sizes))
@@ -356,6 +482,20 @@ class ModelConfig:
     # globals may be 0: no global token, the projections unused).
     global_projections: bool = False
 
+    # Token mixers: layer i's is mixer_pattern[i % len] ("attention" = the attention above; a linear-time
+    # mixer configured by its group below; "none" = no mixer). None = attention in every layer. Jamba:
+    # 7 "mamba" to 1 "attention"; Qwen3-Next: 3 "gated_deltanet" to 1; RecurrentGemma ("rglru", "rglru", "attention").
+    mixer_pattern: Optional[Tuple[str, ...]] = None
+    # Layer i's feed-forward: ffn_pattern[i % len] of FFN_KINDS. None = "moe" with num_experts (after the
+    # dense_layers), else "dense". Jamba ("dense", "moe"); Nemotron-H's mixer-only layers "none".
+    ffn_pattern: Optional[Tuple[str, ...]] = None
+    # The mixers' groups (each a dataclass or a dict of its fields; None = its defaults): MIXER_GROUPS.
+    mamba: Union[MambaConfig, dict, None] = None
+    mamba2: Union[Mamba2Config, dict, None] = None
+    deltanet: Union[DeltaNetConfig, dict, None] = None
+    rwkv: Union[RwkvConfig, dict, None] = None
+    rglru: Union[RgLruConfig, dict, None] = None
+
     # Feed-forward
     activation: str = "relu"
     ffn_bias: bool = True
@@ -451,6 +591,7 @@ class ModelConfig:
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"ModelConfig.position='sinusoidal' needs an even d_model, got {self.d_model}")
         self._check_pattern()
+        self._check_mixers()
         if self.parallel_norms not in (1, 2):
             raise ValueError(f"ModelConfig.parallel_norms must be 1 or 2, got {self.parallel_norms}")
         if self.parallel_norms == 2 and not self.parallel_block:
@@ -573,6 +714,50 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.attention_pattern of length {len(pattern)} does not divide "
                                  f"{name}={getattr(self, name)}")
 
+    def _check_mixers(self):
+        """The layer patterns' kinds, periods and groups (MIXERS, FFN_KINDS, MIXER_GROUPS)."""
+        for group in MIXER_GROUPS.values():
+            object.__setattr__(self, group.FIELD, group.coerce(getattr(self, group.FIELD)))
+        for name, kinds in (("mixer_pattern", MIXERS), ("ffn_pattern", FFN_KINDS)):
+            pattern = getattr(self, name)
+            if pattern is None:
+                continue
+            if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
+                raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of {kinds}, got {pattern!r}")
+            object.__setattr__(self, name, tuple(pattern))
+            bad = sorted(set(pattern) - set(kinds))
+            if bad:
+                raise ValueError(f"ModelConfig.{name} has unknown kinds {bad}; choose from {kinds}")
+            if self.num_layers % len(pattern):
+                raise ValueError(f"ModelConfig.{name} of length {len(pattern)} does not divide "
+                                 f"num_layers={self.num_layers}")
+        if "moe" in (self.ffn_pattern or ()) and not self.num_experts:
+            raise ValueError("ModelConfig.ffn_pattern has 'moe' layers but num_experts=0")
+        if self.num_experts and self.ffn_pattern is not None and "moe" not in self.ffn_pattern:
+            raise ValueError(f"ModelConfig.num_experts={self.num_experts} but ffn_pattern={self.ffn_pattern} "
+                             f"has no 'moe' layer")
+        mixers = set(self.mixer_pattern or ("attention",))
+        if mixers - {"attention"} and self.parallel_block:
+            raise ValueError("ModelConfig.mixer_pattern's linear-time mixers need a sequential block "
+                             "(parallel_block=False)")
+        if mixers - {"attention", "none"} and self.multimodal is not None and (
+                MultimodalConfig.coerce(self.multimodal).cross_attention_layers):
+            raise ValueError("ModelConfig.mixer_pattern's linear-time mixers and multimodal cross-attention "
+                             "layers cannot be combined")
+
+    def layer_mixer(self, layer: int) -> str:
+        """Layer `layer`'s token mixer under mixer_pattern (MIXERS)."""
+        pattern = self.mixer_pattern or ("attention",)
+        return pattern[layer % len(pattern)]
+
+    def layer_ffn(self, layer: int, dense: bool = False) -> str:
+        """Layer `layer`'s feed-forward under ffn_pattern (FFN_KINDS); dense=True: one of a MoE model's
+        first dense_layers layers."""
+        if self.ffn_pattern is not None:
+            kind = self.ffn_pattern[layer % len(self.ffn_pattern)]
+            return "dense" if dense and kind == "moe" else kind
+        return "moe" if self.num_experts and not dense else "dense"
+
     def _check_multimodal(self):
         mm = MultimodalConfig.coerce(self.multimodal)
         object.__setattr__(self, "multimodal", mm)
@@ -633,14 +818,15 @@ class ModelConfig:
 
     @property
     def pattern_period(self) -> int:
-        """Layers per repeat of attention_pattern (1 without one)."""
-        return 1 if self.attention_pattern is None else len(self.attention_pattern)
+        """Layers per repeat of attention_pattern, mixer_pattern and ffn_pattern together (1 without any)."""
+        patterns = (self.attention_pattern, self.mixer_pattern, self.ffn_pattern)
+        return math.lcm(*(len(p) for p in patterns if p is not None)) if any(patterns) else 1
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with `changes`. A derived field (num_kv_heads, head_dim, num_decoder_layers,
         rope.dim) whose value is still its derivation follows the fields it derives from unless
         `changes` sets it: tiny(d_model=32, num_heads=4) of a 768-wide preset gets head_dim 8.
-        rope, mla, execution: an instance replaces the current one; a dict changes only the fields it
+        rope, mla, execution and the mixer groups: an instance replaces the current one; a dict changes only the fields it
         names. The execution fields may also be named flat (replace(attention_impl="pallas")): they
         change `execution`."""
         changes = _nest_execution(changes)
@@ -657,6 +843,8 @@ class ModelConfig:
             rope = dataclasses.replace(rope, dim=None)
         changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
         changes["execution"] = ExecutionConfig.coerce(changes.get("execution"), self.execution)
+        for group in MIXER_GROUPS.values():
+            changes[group.FIELD] = group.coerce(changes.get(group.FIELD), getattr(self, group.FIELD))
         if self.mla is not None and changes.get("mla", self.mla) is not None:
             mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
             changes["mla"] = MlaConfig.coerce(changes.get("mla"), mla)

@@ -12,6 +12,7 @@ from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
 from tfm.layers.common import constrain, param_init
 from tfm.layers.feedforward import Mlp, MoeMlp
+from tfm.layers.mixers import FFN_LAYERS, MIXER_LAYERS
 from tfm.layers.norms import Norm
 
 
@@ -38,7 +39,9 @@ class Block(nn.Module):
     """Self-attention, optional cross-attention, feed-forward; pre- or post-norm; sequential or
     parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
-    kind under config.attention_pattern.
+    kind under config.attention_pattern, the token mixer under config.mixer_pattern (a linear-time
+    mixer, `mixer` after `mixer_norm`, takes self-attention's place; "none" leaves the slot empty) and
+    the feed-forward under config.ffn_pattern ("none": no feed-forward sublayer).
 
     gated: tanh gates (pi/4 at init) scale the attention and feed-forward outputs (`attn_gate`,
     `ffn_gate`; Mllama's global vision layers). In a causal stack the layers at
@@ -75,13 +78,24 @@ class Block(nn.Module):
                 y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
             return x + y if pre else norm(x + y)
 
-        self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
-        attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                     relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
-                                     deterministic=deterministic, decode=decode)
-        if cfg.num_experts and not self.dense_ffn:
+        mixer_kind, ffn_kind = cfg.layer_mixer(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
+        if mixer_kind == "attention":
+            self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
+            attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
+                                         relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
+                                         deterministic=deterministic, decode=decode)
+        elif mixer_kind != "none":
+            if not self.causal:
+                raise ValueError(f"ModelConfig.mixer_pattern: a {mixer_kind!r} layer is causal; it cannot sit in a "
+                                 f"bidirectional stack (an encoder)")
+            mixer = MIXER_LAYERS[mixer_kind](cfg, name="mixer")
+            attend = lambda h: mixer(h, seg, decode)
+        if ffn_kind in FFN_LAYERS:
+            channel_mix = FFN_LAYERS[ffn_kind](cfg, name="ffn")
+            ffn = lambda h, deterministic: channel_mix(h, seg, decode)
+        elif ffn_kind == "moe":
             ffn = MoeMlp(cfg, name="ffn")
-        else:
+        elif ffn_kind == "dense":
             ffn = Mlp(cfg.replace(d_ff=cfg.dense_d_ff) if cfg.dense_d_ff else cfg, name="ffn")
         if cfg.parallel_block:
             if self.gated:
@@ -90,13 +104,15 @@ class Block(nn.Module):
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
             x = x + drop(attend(h)) + drop(ffn(h_ffn, deterministic))
         else:
-            x = sublayer(x, "attn", attend)
+            if mixer_kind != "none":
+                x = sublayer(x, "attn" if mixer_kind == "attention" else "mixer", attend)
             if self.cross:
                 cross_attn = Attention(cfg, cross=True, name="cross_attn")
                 x = sublayer(x, "cross", lambda h: cross_attn(
                     h, inputs.memory, q_segment_ids=seg, kv_segment_ids=inputs.memory_segment_ids,
                     deterministic=deterministic, decode=decode))
-            x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
+            if ffn_kind != "none":
+                x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
         return constrain(x, ("batch", "length", "embed")), None
 
     def _gated_cross(self, x, inputs: BlockInputs, drop):

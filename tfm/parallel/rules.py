@@ -30,7 +30,7 @@ name, e.g. `make_rules("fsdp", "tensor")`:
 
 The KV cache of decoding is named "cache_batch" (cross-attention's: "cache_memory_batch"; both
 the batch axes, as "batch"), "cache_kv_heads"
-(as "kv_heads") and "cache_length" (no rule: every device holds the whole cache length), so
+(as "kv_heads"; a linear-time mixer's recurrent state "cache_heads", as "heads") and "cache_length" (no rule: every device holds the whole cache length), so
 a decode under a mesh keeps the cache sharded like the activations it came from.
 
 Parameter rules and activation rules differ in two places: "embed" and "latent" are
@@ -51,7 +51,8 @@ RULE_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "data": {"batch": ("data",)},
     "fsdp": {"batch": ("fsdp",), "embed": ("fsdp",), "latent": ("fsdp",)},
     "tensor": {"heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-               "vocab": ("tensor",), "cache_kv_heads": ("tensor",)},
+               "vocab": ("tensor",), "cache_kv_heads": ("tensor",),
+               "cache_heads": ("tensor",)},
     "expert": {"batch": ("expert",), "expert": ("expert",)},
     "context": {"length": ("context",), "embed": ("context",), "latent": ("context",)},
 }

@@ -1,0 +1,104 @@
+"""Mamba-2 (Mamba2ForCausalLM) -> tfm DecoderLM with every layer a "mamba2" mixer and no feed-forward.
+
+Pre-norm RMSNorm blocks, no positions, the final `norm_f`. HF fuses the mixer's input projection
+(`in_proj` rows: gate z, x, B, C, dt) and its depthwise convolution (`conv1d` channels: x, B, C); tfm
+keeps each part a projection (and a convolution) of its own, so tensor parallelism can split the
+heads. `mixer_params` also serves the hybrids that use the same mixer (Bamba, Nemotron-H).
+"""
+from __future__ import annotations
+
+from tfm.config import ModelConfig
+from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
+from tfm.models import DecoderLM
+
+
+def mixer_config(hf: HFConfig, prefix: str = "") -> dict:
+    """ModelConfig.mamba2 from HF fields named `prefix` + state_size, conv_kernel, ... (Mamba2Config's
+    names with prefix ""; the hybrids write them as mamba_d_state and so on and pass their own reader)."""
+    D = hf.require("hidden_size")
+    head_dim, heads = hf.require("head_dim"), hf.require("num_heads")
+    expand = hf.get("expand", 2)
+    if heads * head_dim != expand * D:
+        raise hf.unsupported("num_heads", heads, f"tfm needs num_heads * head_dim == expand * hidden_size "
+                                                 f"({heads} * {head_dim} != {expand} * {D})")
+    hf.expect("hidden_act", ["silu"], "silu")
+    return dict(state_size=hf.require("state_size"), conv_kernel=hf.get("conv_kernel", 4), expand=expand,
+                head_dim=head_dim, groups=hf.get("n_groups", 1), conv_bias=bool(hf.get("use_conv_bias", True)),
+                proj_bias=bool(hf.get("use_bias", False)),
+                dt_limit=tuple(map(_float, hf.get("time_step_limit", (0.0, float("inf"))))))
+
+
+def _float(value) -> float:
+    """A float of an HF config, which writes infinities to JSON as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+def config(hf: HFConfig) -> ModelConfig:
+    vocab = hf.require("vocab_size")
+    return ModelConfig(
+        vocab_size=vocab, d_model=hf.require("hidden_size"), num_heads=hf.require("num_heads"),
+        head_dim=hf.require("head_dim"), num_layers=hf.require("num_hidden_layers"), d_ff=1, norm="rmsnorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), norm_position="pre", position="none",
+        mixer_pattern=("mamba2",), ffn_pattern=("none",), mamba2=mixer_config(hf),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab), attention_bias=False)
+
+
+def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    """HF's Mamba2Mixer at prefix `p` -> tfm's Mamba2 params."""
+    m, D = cfg.mamba2, cfg.d_model
+    E = m.expand * D
+    N, P, GS = E // m.head_dim, m.head_dim, m.groups * m.state_size
+    K = m.conv_kernel
+    in_proj = w(f"{p}.in_proj.weight", (2 * E + 2 * GS + N, D))
+    bounds = {"gate": (0, E), "x": (E, 2 * E), "B": (2 * E, 2 * E + GS), "C": (2 * E + GS, 2 * E + 2 * GS),
+              "dt": (2 * E + 2 * GS, 2 * E + 2 * GS + N)}
+    shapes = {"gate": (N, P), "x": (N, P), "B": (m.groups, m.state_size), "C": (m.groups, m.state_size), "dt": (N,)}
+    in_bias = w(f"{p}.in_proj.bias") if m.proj_bias else None
+    out = {}
+    for name, (lo, hi) in bounds.items():
+        out[name] = {"kernel": in_proj[lo:hi].T.reshape((D,) + shapes[name])}
+        if in_bias is not None:
+            out[name]["bias"] = in_bias[lo:hi].reshape(shapes[name])
+    conv = w(f"{p}.conv1d.weight", (E + 2 * GS, 1, K))[:, 0].T  # [K, E + 2GS]
+    conv_bias = w(f"{p}.conv1d.bias") if m.conv_bias else None
+    for name, (lo, hi) in (("conv_x", (0, E)), ("conv_B", (E, E + GS)), ("conv_C", (E + GS, E + 2 * GS))):
+        out[name] = {"kernel": conv[:, lo:hi]}
+        if conv_bias is not None:
+            out[name]["bias"] = conv_bias[lo:hi]
+    out.update(dt_bias=w(f"{p}.dt_bias", (N,)), A_log=w(f"{p}.A_log", (N,)), D=w(f"{p}.D", (N,)),
+               norm={"weight": w(f"{p}.norm.weight", (E,))})
+    out["out"] = {"kernel": w(f"{p}.out_proj.weight", (D, E)).T.reshape(N, P, D)}
+    if m.proj_bias:
+        out["out"]["bias"] = w(f"{p}.out_proj.bias")
+    return out
+
+
+def params(w: Weights, cfg: ModelConfig) -> dict:
+    def layer(i: int) -> dict:
+        p = f"backbone.layers.{i}"
+        return {"mixer_norm": norm(w, f"{p}.norm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mixer", cfg)}
+    decoder = Stack(layer, cfg.num_layers, final_norm="backbone.norm_f")
+    return model_params(w, cfg, embedding="backbone.embeddings.weight", stacks={"decoder": decoder})
+
+
+def mixer_hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `mixer_config` (Mamba2Config's names)."""
+    m = cfg.mamba2
+    if m.norm_groups not in (None, m.groups):
+        raise ConversionError(f"Mamba-2 normalises its gated output in n_groups groups; mamba2.norm_groups="
+                              f"{m.norm_groups} differs from mamba2.groups={m.groups}")
+    return dict(state_size=m.state_size, conv_kernel=m.conv_kernel, expand=m.expand, head_dim=m.head_dim,
+                num_heads=m.expand * cfg.d_model // m.head_dim, n_groups=m.groups, use_conv_bias=m.conv_bias,
+                use_bias=m.proj_bias, time_step_limit=list(m.dt_limit), hidden_act="silu")
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The inverse of `config` (export)."""
+    if cfg.mixer_pattern != ("mamba2",) or cfg.ffn_pattern != ("none",):
+        raise ConversionError("Mamba2ForCausalLM has a mamba2 mixer and no feed-forward in every layer")
+    return dict(model_type="mamba2", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_hidden_layers=cfg.num_layers, layer_norm_epsilon=cfg.norm_eps,
+                tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, **mixer_hf_config(cfg))
+
+
+ARCHITECTURES = {"Mamba2ForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config)}

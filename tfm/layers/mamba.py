@@ -1,0 +1,77 @@
+"""The Mamba family's token mixers: Mamba-2's SSD layer (`Mamba2`)."""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfm import capabilities
+from tfm.config import ModelConfig
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.recurrent import GatedRmsNorm, ShortConv, decode_states
+from tfm.ops.ssd import ssd
+
+SSM_STATE_AXES = ("cache_batch", "cache_heads", None, None)  # [B, N, P, S]
+
+
+def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4):
+    """An initializer for a step-size bias: softplus^-1 of steps log-uniform in [dt_min, dt_max] (Mamba's)."""
+    def init(key, shape, dtype=jnp.float32):
+        dt = jnp.exp(jax.random.uniform(key, shape) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = jnp.maximum(dt, floor)
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+    return init
+
+
+class Mamba2(nn.Module):
+    """Mamba-2 (config.mamba2): x [B, T, D] -> [B, T, D].
+
+    With E = expand * D channels in N = E / P heads of P = head_dim: z (the gate) and x' [B, T, N, P],
+    B and C [B, T, G, S] and dt [B, T, N] are projections of x; x', B and C pass a short causal
+    convolution and SiLU; dt = clamp(softplus(dt + dt_bias), dt_limit); the SSD scan
+    (tfm.ops.ssd) with A = -exp(A_log) gives y, plus the skip D * x'; a gated RMSNorm with z, then
+    `out` projects back to D. segment_ids [B, T] (0 = padding) reset the state and the convolution
+    window at each sequence; in decode mode the cache holds the state `ssm_state` [B, N, P, S] and
+    each convolution's window.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, decode: bool = False):
+        cfg, m = self.config, self.config.mamba2
+        Bsz, T, D = x.shape
+        P, G, S = m.head_dim, m.groups, m.state_size
+        E = m.expand * D
+        N = E // P
+        dtype = compute_dtype(cfg)
+        proj = lambda spec, name, shape, axes: Einsum(spec, shape, axes, axes[1:], use_bias=m.proj_bias, dtype=dtype,
+                                                      name=name)(x)
+        z = proj("BTD,DNP->BTNP", "gate", (D, N, P), ("embed", "heads", "head_dim"))
+        xs = proj("BTD,DNP->BTNP", "x", (D, N, P), ("embed", "heads", "head_dim"))
+        b = proj("BTD,DGS->BTGS", "B", (D, G, S), ("embed", None, None))
+        c = proj("BTD,DGS->BTGS", "C", (D, G, S), ("embed", None, None))
+        dt = proj("BTD,DN->BTN", "dt", (D, N), ("embed", "heads"))
+        conv = lambda name, v, axis: ShortConv(cfg, m.conv_kernel, axis, m.conv_bias, name=name)(
+            v.reshape(Bsz, T, -1), segment_ids, decode).reshape(v.shape)
+        xs = constrain(conv("conv_x", xs, "heads"), ("batch", "length", "heads", "head_dim"))
+        b, c = conv("conv_B", b, None), conv("conv_C", c, None)
+        dt_bias = self.param("dt_bias", param_init(dt_bias_init(), ("heads",)), (N,), jnp.float32)
+        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias), *m.dt_limit)
+        a_log = self.param("A_log", param_init(lambda key, shape, dtype: jnp.log(jnp.arange(1, N + 1, dtype=dtype)),
+                                               ("heads",)), (N,), jnp.float32)
+        state, write = decode_states(self, decode, {"ssm_state": ((Bsz, N, P, S), SSM_STATE_AXES)})
+        y, final = ssd(xs, dt, -jnp.exp(a_log), b, c, segment_ids=segment_ids,
+                       initial_state=None if state is None else state["ssm_state"],
+                       impl=capabilities.mixer_impl(cfg.execution.mixer_impl, T),
+                       chunk_size=cfg.execution.mixer_chunk_size)
+        write({"ssm_state": final})
+        skip = self.param("D", param_init(nn.initializers.ones_init(), ("heads",)), (N,), jnp.float32)
+        y = y.astype(jnp.float32) + skip[:, None] * xs.astype(jnp.float32)  # [B, T, N, P]
+        norm = GatedRmsNorm(cfg, m.norm_groups or G, gate_first=True, axes=("heads",), name="norm")
+        y = norm(y.reshape(Bsz, T, E), z.reshape(Bsz, T, E)).reshape(Bsz, T, N, P)
+        out = Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", "head_dim", "embed"), ("embed",), use_bias=m.proj_bias,
+                     dtype=dtype, name="out")
+        return out(y)
