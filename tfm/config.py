@@ -444,6 +444,8 @@ class ModelConfig:
     final_norm: bool = True  # a norm after the last block (pre-norm stacks)
     embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
     norm_bias: bool = True  # LayerNorm with a bias; False = scale only (MPT)
+    # Norms multiply by (norm_scale_offset + scale): 1.0 for zero-centred scales (Gemma, Qwen3-Next, RecurrentGemma)
+    norm_scale_offset: float = 0.0
 
     # Positions
     position: str = "sinusoidal"

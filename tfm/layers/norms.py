@@ -9,7 +9,8 @@ from tfm.layers.common import compute_dtype, param_init
 
 
 class Norm(nn.Module):
-    """config.norm over the last axis: [..., D] -> [..., D]; its parameters carry the logical name `axis`."""
+    """config.norm over the last axis: [..., D] -> [..., D]; its parameters carry the logical name `axis`.
+    The normalised x is multiplied by config.norm_scale_offset + `scale` (scales initialised to 1 - offset)."""
 
     config: ModelConfig
     axis: str = "embed"
@@ -19,7 +20,9 @@ class Norm(nn.Module):
         cfg = self.config
         D = x.shape[-1]
         x32 = x.astype(jnp.float32)
-        scale = self.param("scale", param_init(nn.initializers.ones_init(), (self.axis,)), (D,), jnp.float32)
+        offset = cfg.norm_scale_offset
+        scale = offset + self.param("scale", param_init(nn.initializers.constant(1.0 - offset), (self.axis,)), (D,),
+                                    jnp.float32)
         if cfg.norm == "rmsnorm":
             y = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.norm_eps))
             y = y * scale
