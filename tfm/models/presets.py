@@ -99,10 +99,23 @@ def kimi_k2(vocab_size: int = 163_840, **overrides) -> ModelConfig:
                        mla=dict(softmax_scale_factor=(0.1 * math.log(factor) + 1.0) ** 2)).replace(**overrides)
 
 
+def mamba2_2_7b(vocab_size: int = 50_288, **overrides) -> ModelConfig:
+    """Mamba-2 2.7B (Dao & Gu 2024; state-spaces/mamba2-2.7b): 64 Mamba-2 layers of D 2560 without
+    feed-forward, E = 5120 channels in 80 heads of 64, state 128, one B/C group, tied embeddings
+    (vocabulary padded to 50,288). About 2.7B parameters."""
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=2560, num_heads=80, head_dim=64, num_layers=64, d_ff=1,
+                      max_len=2048, norm="rmsnorm", norm_eps=1e-5, norm_position="pre", final_norm=True,
+                      position="none", mixer_pattern=("mamba2",), ffn_pattern=("none",),
+                      mamba2=dict(state_size=128, head_dim=64, expand=2, groups=1), tie_embeddings=True,
+                      attention_bias=False)
+    return cfg.replace(**overrides)
+
+
 def tiny(family: str, **overrides) -> ModelConfig:
     """CPU-sized variants (D 32, 2 layers, V 64) for tests and local runs.
 
-    family: "decoder" (GPT-2 style), "llama", "moe" (Mixtral style), "encoder" (BERT), "encdec".
+    family: "decoder" (GPT-2 style), "llama", "moe" (Mixtral style), "encoder" (BERT), "encdec", "mamba2"
+    (Mamba-2 layers only), "hybrid" (Llama-style, layers alternating Mamba-2 and attention).
     """
     small = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=64, dropout_rate=0.0,
                  attention_dropout=0.0)
@@ -116,15 +129,21 @@ def tiny(family: str, **overrides) -> ModelConfig:
         cfg = bert_base(64, **small)
     elif family == "encdec":
         cfg = transformer_base(64, **small)
+    elif family == "mamba2":
+        cfg = mamba2_2_7b(64, **{**small, "num_heads": 8, "head_dim": 8, "mamba2": _TINY_MAMBA2, "mixer_chunk_size": 4})
+    elif family == "hybrid":
+        cfg = llama(64, num_kv_heads=2, mixer_pattern=("mamba2", "attention"), mamba2=_TINY_MAMBA2,
+                    mixer_chunk_size=4, **small)
     else:
-        raise ValueError(f"unknown family {family!r}; choose decoder, llama, moe, encoder or encdec")
+        raise ValueError(f"unknown family {family!r}; choose {', '.join(TINY_FAMILIES)}")
     return cfg.replace(**overrides)
 
 
+_TINY_MAMBA2 = dict(state_size=8, head_dim=8, expand=2, groups=2)
+TINY_FAMILIES = ("decoder", "llama", "moe", "encoder", "encdec", "mamba2", "hybrid")
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
-                                   gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2)}
-PRESETS.update({f"tiny_{family}": functools.partial(tiny, family)
-                for family in ("decoder", "llama", "moe", "encoder", "encdec")})
+                                   gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b)}
+PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
 def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> ModelConfig:
