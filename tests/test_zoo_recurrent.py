@@ -27,6 +27,10 @@ FAMILIES = {
     "mamba2": lambda: tr.Mamba2ForCausalLM(tr.Mamba2Config(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=2,
         expand=2, conv_kernel=4, chunk_size=4, use_conv_bias=True)),
+    # E = 64 channels, state 8, dt rank 4 (not the default 2), projection biases, tied output
+    "mamba": lambda: tr.MambaForCausalLM(tr.MambaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        use_bias=True, use_conv_bias=True)),
 }
 
 

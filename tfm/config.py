@@ -155,6 +155,7 @@ class MambaConfig(_FieldGroup):
     dt_rank: Optional[int] = None  # None = ceil(D / 16)
     conv_bias: bool = True
     proj_bias: bool = False  # biases on the input and output projections
+    inner_norms: bool = False  # config.norm over dt (before its up-projection), B and C (Jamba)
 
     FIELD = "mamba"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_neox, gptj, llama, longformer, mamba2,
                          marian, mistral, mixtral, mllama, mpt, openai_gpt, qwen2, qwen2_moe, qwen3, roberta, t5, vit)
+from tfm.convert import mamba
 
 # Order matters for export: with no architecture named, `to_hf` writes the first class here whose
 # config reproduces the tfm config (a Llama config may also be a Mistral one).
@@ -15,5 +16,5 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **qwen2_moe.ARCHITECTURES, **qwen3.ARCHITECTURES, **gptj.ARCHITECTURES, **gpt_neox.ARCHITECTURES,
               **bloom.ARCHITECTURES, **mpt.ARCHITECTURES, **roberta.ARCHITECTURES, **distilbert.ARCHITECTURES,
               **vit.ARCHITECTURES, **t5.ARCHITECTURES, **bart.ARCHITECTURES, **deepseek_v3.ARCHITECTURES,
-              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES}
+              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES, **mamba.ARCHITECTURES}
 SUPPORTED = tuple(sorted(CONVERTERS))

@@ -1,4 +1,4 @@
-"""The Mamba family's token mixers: Mamba-2's SSD layer (`Mamba2`)."""
+"""The Mamba family's token mixers: Mamba-1's selective scan layer (`Mamba`) and Mamba-2's SSD layer (`Mamba2`)."""
 from __future__ import annotations
 
 import math
@@ -11,9 +11,11 @@ from tfm import capabilities
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.recurrent import GatedRmsNorm, ShortConv, decode_states
-from tfm.ops.ssd import ssd
+from tfm.layers.norms import Norm
+from tfm.ops.ssd import selective_scan, ssd
 
 SSM_STATE_AXES = ("cache_batch", "cache_heads", None, None)  # [B, N, P, S]
+SELECTIVE_STATE_AXES = ("cache_batch", "cache_heads", None)  # [B, E, S]: the channels shard as "mlp" does
 
 
 def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4):
@@ -23,6 +25,55 @@ def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4)
         dt = jnp.maximum(dt, floor)
         return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
     return init
+
+
+class Mamba(nn.Module):
+    """Mamba-1 (config.mamba): x [B, T, D] -> [B, T, D].
+
+    With E = expand * D channels: x' and the gate z [B, T, E] are projections of x; x' passes a short
+    causal convolution and SiLU; from x' come dt' [B, T, R] (R = dt_rank), B and C [B, T, S]
+    (inner_norms: each through config.norm, as Jamba); dt = softplus(dt' W_dt + dt_bias) [B, T, E]; the
+    selective scan (tfm.ops.ssd.selective_scan) with A = -exp(A_log) [E, S] gives y, plus the skip
+    D * x'; y * silu(z) is projected back to D by `out`. segment_ids [B, T] (0 = padding) reset the
+    state and the convolution window at each sequence; in decode mode the cache holds the state
+    `ssm_state` [B, E, S] and the convolution's window.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, decode: bool = False):
+        cfg, m = self.config, self.config.mamba
+        Bsz, T, D = x.shape
+        E, S = m.expand * D, m.state_size
+        R = m.dt_rank or math.ceil(D / 16)
+        dtype = compute_dtype(cfg)
+        proj = lambda spec, name, v, shape, axes, bias=False: Einsum(spec, shape, axes, axes[1:], use_bias=bias,
+                                                                     dtype=dtype, name=name)(v)
+        z = proj("BTD,DE->BTE", "gate", x, (D, E), ("embed", "mlp"), m.proj_bias)
+        xs = proj("BTD,DE->BTE", "x", x, (D, E), ("embed", "mlp"), m.proj_bias)
+        xs = ShortConv(cfg, m.conv_kernel, "mlp", m.conv_bias, name="conv")(xs, segment_ids, decode)
+        xs = constrain(xs, ("batch", "length", "mlp"))
+        dt = proj("BTE,ER->BTR", "dt_in", xs, (E, R), ("mlp", None))
+        b = proj("BTE,ES->BTS", "B", xs, (E, S), ("mlp", None))
+        c = proj("BTE,ES->BTS", "C", xs, (E, S), ("mlp", None))
+        if m.inner_norms:
+            dt, b, c = (Norm(cfg, axis=None, name=f"{name}_norm")(v) for name, v in (("dt", dt), ("B", b), ("C", c)))
+        dt = Einsum("BTR,RE->BTE", (R, E), (None, "mlp"), dtype=dtype, name="dt")(dt)
+        dt_bias = self.param("dt_bias", param_init(dt_bias_init(), ("mlp",)), (E,), jnp.float32)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
+        a_log = self.param("A_log", param_init(
+            lambda key, shape, dtype: jnp.broadcast_to(jnp.log(jnp.arange(1, S + 1, dtype=dtype)), shape),
+            ("mlp", None)), (E, S), jnp.float32)
+        state, write = decode_states(self, decode, {"ssm_state": ((Bsz, E, S), SELECTIVE_STATE_AXES)})
+        y, final = selective_scan(xs, dt, -jnp.exp(a_log), b, c, segment_ids=segment_ids,
+                                  initial_state=None if state is None else state["ssm_state"],
+                                  impl=capabilities.mixer_impl(cfg.execution.mixer_impl, T),
+                                  chunk_size=cfg.execution.mixer_chunk_size)
+        write({"ssm_state": final})
+        skip = self.param("D", param_init(nn.initializers.ones_init(), ("mlp",)), (E,), jnp.float32)
+        y = (y.astype(jnp.float32) + skip * xs.astype(jnp.float32)) * jax.nn.silu(z.astype(jnp.float32))
+        return proj("BTE,ED->BTD", "out", y.astype(dtype), (E, D), ("mlp", "embed"), m.proj_bias)
 
 
 class Mamba2(nn.Module):
