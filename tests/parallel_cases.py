@@ -44,14 +44,16 @@ def _batch(family, rng):
 
 # Families that are a tiny preset with overrides: name -> (preset family, overrides)
 VARIANTS = {"latent_attention": ("llama", dict(num_kv_heads=4, head_dim=12,
-                                               mla=dict(kv_rank=16, rope_dim=4, q_rank=8, value_dim=6)))}
+                                               mla=dict(kv_rank=16, rope_dim=4, q_rank=8, value_dim=6))),
+            # a Mamba-2 layer (8 heads in 2 B/C groups, chunks of 4) and an attention layer
+            "hybrid": ("hybrid", dict(num_layers=2))}
 
 
 def setup(family):
     model = {"encoder": EncoderModel, "encdec": EncoderDecoder}.get(family, DecoderLM)
     task = {"encoder": MLMTask, "encdec": Seq2SeqTask}.get(family, LMTask)()
     preset, overrides = VARIANTS.get(family, (family, {}))
-    return model(tiny(preset, num_layers=1, **overrides)), task  # one layer: compile time dominates
+    return model(tiny(preset, **{"num_layers": 1, **overrides})), task  # one layer: compile time dominates
 
 
 @functools.lru_cache(maxsize=None)

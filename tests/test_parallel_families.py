@@ -1,5 +1,6 @@
 """Sharded training equals single-device training: BERT encoder and encoder-decoder (also with their
-sequences split over `context`: ring attention, self- and cross-), MoE, latent attention."""
+sequences split over `context`: ring attention, self- and cross-), MoE, latent attention, a Mamba-2 +
+attention hybrid (its heads and recurrent state split over `tensor`)."""
 import numpy as np
 import pytest
 
@@ -8,6 +9,7 @@ from parallel_cases import losses
 TOL = 1e-5  # fp32, absolute on the loss
 CASES = [(f, m) for f in ("encoder", "encdec") for m in ("data2_tensor4", "fsdp4_tensor2")] + \
         [("moe", "expert4_data2"), ("moe", "fsdp4_expert2"), ("latent_attention", "fsdp4_tensor2"),
+         ("hybrid", "fsdp4_tensor2"),
          ("encoder", "data2_context4"), ("encdec", "data2_context4")]
 
 
