@@ -1,0 +1,134 @@
+"""The gated delta rule (gated DeltaNet, Yang et al. 2024; Qwen3-Next's linear attention), pure JAX.
+
+Letters here follow the gated-DeltaNet convention, not DESIGN.md's attention letters: H heads,
+K the query/key head dim, V the value head dim; n chunks of C tokens.
+
+Two forms of one recurrence. `reference` scans over time (a decode step). `chunked` is the training
+form: within a chunk the delta updates form a unit lower-triangular system (the WY/UT
+representation), solved for all of the chunk's corrected values at once, and only the state is
+carried by a scan over chunks. A decay between two tokens is a sum of log decays (<= 0) over the
+span between them, summed pairwise (not a difference of running sums, which cancels and, reversed,
+overflows) and masked before exp: nothing positive is exponentiated and no inf meets a zero.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+IMPLS = ("reference", "chunked")
+
+
+def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, impl="chunked",
+                     chunk_size=64):
+    """q, k [B, T, H, K] (the caller has already L2-normalised q and k and scaled q by K**-0.5);
+    v [B, T, H, V]; g [B, T, H] log decays (<= 0); beta [B, T, H] in (0, 1).
+    Per head, state S [K, V]:  S' = exp(g_t) * S_{t-1};  S_t = S' + beta_t * outer(k_t, v_t - S'^T k_t);  o_t = S_t^T q_t
+    Returns (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32).
+
+    segment_ids [B, T] int, 0 = padding: the state is dropped at every t >= 1 whose id differs
+    from that of t - 1 (t = 0 continues from initial_state [B, H, K, V], None = zeros), and
+    padding tokens act as g = 0, beta = 0. State and decays are float32 (float64 for float64 v).
+    impl: "reference" (a scan over time) or "chunked" (a scan over chunks of chunk_size tokens)."""
+    _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
+    B, T, H, K = q.shape
+    out_dtype, V = v.dtype, v.shape[-1]
+    dtype = jnp.promote_types(v.dtype, jnp.float32)
+    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
+    state = (jnp.zeros((B, H, K, V), dtype) if initial_state is None
+             else initial_state.astype(dtype))
+    if segment_ids is None:
+        reset = jnp.zeros((B, T), bool)
+    else:
+        reset = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+        real = (segment_ids != 0)[..., None]
+        g, beta = jnp.where(real, g, 0), jnp.where(real, beta, 0)
+    if impl == "reference":
+        o, state = _recurrent(q, k, v, g, beta, reset, state)
+    else:
+        o, state = _chunked(q, k, v, g, beta, reset, state, min(chunk_size, T))
+    return o.astype(out_dtype), state
+
+
+def _recurrent(q, k, v, g, beta, reset, state):
+    """The recurrence token by token; reset [B, T] drops the state before its token."""
+    def step(s, x):  # s [B, H, K, V]
+        q_t, k_t, v_t, g_t, b_t, r_t = x  # [B, H, K], [B, H, K], [B, H, V], [B, H], [B, H], [B]
+        s = jnp.where(r_t[:, None, None, None], 0, jnp.exp(g_t)[..., None, None] * s)
+        err = v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + (b_t[..., None] * k_t)[..., :, None] * err[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    state, o = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, reset)])
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def _chunked(q, k, v, g, beta, reset, state, C):
+    """The WY/UT chunked form; T is padded to a multiple of C with identity tokens (g = 0,
+    beta = 0, no reset), which leave the state as it is."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pad = -T % C
+    n = (T + pad) // C
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, n, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((B, n, C) + x.shape[2:]), 3, 1)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)                         # [B, H, n, C, K|V]
+    g, beta = chunks(g[..., None])[..., 0], chunks(beta[..., None])[..., 0]  # [B, H, n, C]
+    count = jnp.cumsum(jnp.pad(reset, ((0, 0), (0, pad))).reshape(B, 1, n, C), -1)  # resets so far
+
+    causal = jnp.tril(jnp.ones((C, C), bool))                         # [i, j]: j <= i
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)                     # j < i
+    # span[i, j] = g_{j+1} + ... + g_i (j <= i): the log decay from token j's update to token i.
+    span = jnp.cumsum(jnp.where(strict, g[..., :, None], 0), axis=-2)
+    live = causal & (count[..., :, None] == count[..., None, :])      # no reset in (j, i]
+    decay = jnp.exp(jnp.where(live, span, -jnp.inf))                  # [B, H, n, C, C]
+    # From the state entering the chunk to token i (g_0 + ... + g_i), dropped after a reset.
+    d_in = jnp.exp(jnp.where(count == 0, jnp.cumsum(g, -1), -jnp.inf))  # [B, H, n, C]
+
+    # Corrected values W (one row per token) solve (I + A) W = beta v - (beta d_in k) S_in,
+    # A[i, j] = beta_i decay[i, j] k_i.k_j for j < i; so W = U - Wk S_in, both independent of S_in.
+    a = jnp.where(strict, beta[..., None] * decay * jnp.einsum("...ik,...jk->...ij", k, k), 0)
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * d_in)[..., None] * k], -1)
+    sol = solve_triangular(a, rhs, lower=True, unit_diagonal=True)    # reads a's strict lower part
+    u, wk = sol[..., :V], sol[..., V:]
+    attn = decay * jnp.einsum("...ik,...jk->...ij", q, k)             # [B, H, n, C, C]
+    q_in = d_in[..., None] * q                                        # reads the entering state
+    k_out = decay[..., -1, :, None] * k                               # writes the leaving state
+    through = d_in[..., -1]                                           # [B, H, n]
+
+    def step(s, x):  # s [B, H, K, V]
+        u, wk, attn, q_in, k_out, through = x
+        w = u - jnp.einsum("bhck,bhkv->bhcv", wk, s)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_in, s) + jnp.einsum("bhij,bhjv->bhiv", attn, w)
+        s = through[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", k_out, w)
+        return s, o
+
+    xs = [jnp.moveaxis(x, 2, 0) for x in (u, wk, attn, q_in, k_out, through)]
+    state, o = jax.lax.scan(step, state, xs)                          # o [n, B, H, C, V]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, n * C, V)[:, :, :T]
+    return jnp.moveaxis(o, 1, 2), state
+
+
+def _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size):
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}; pick one of them")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    if q.ndim != 4 or q.shape[1] < 1:
+        raise ValueError(f"q has shape {q.shape}; expected [B, T, H, K] with T >= 1")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {k.shape}; expected q's shape {q.shape} (repeat heads)")
+    if v.ndim != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v has shape {v.shape}; expected [B, T, H, V] = [{B}, {T}, {H}, V]")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, H):
+            raise ValueError(f"{name} has shape {x.shape}; expected [B, T, H] = {(B, T, H)}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids has shape {segment_ids.shape}; expected [B, T] = {(B, T)}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state has shape {initial_state.shape}; expected [B, H, K, V] = "
+                         f"{(B, H, K, v.shape[-1])}")
