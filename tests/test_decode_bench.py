@@ -1,4 +1,4 @@
-"""benchmarks/decode.py: the inputs both frameworks get, and the --smoke run that `make bench` does."""
+"""benchmarks/decode.py: the inputs both frameworks get, and the --smoke run that `make bench` does; benchmarks/decode_context.py --smoke."""
 import re
 
 import numpy as np
@@ -27,3 +27,13 @@ def test_smoke_run_prints_both_impls_and_ratios(capsys):
         assert re.search(rf"^tfm +4 +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
         assert re.search(rf"^hf +4 +{beam} +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
         assert re.search(rf"^ratio tfm/hf, batch 4, beam {beam}: [\d.]+x", out, re.M)
+
+
+def test_decode_context_smoke_prints_every_model_at_every_context(capsys, tmp_path):
+    """benchmarks/decode_context.py --smoke: one row per model with a time per context, and the plot."""
+    from benchmarks import decode_context
+    decode_context.main(["--smoke", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    for name in decode_context.MIXERS:
+        assert re.search(rf"^\| {re.escape(name)} \| [\d.]+M \| [\d.]+ ms \| [\d.]+ ms \| [\d.]+ MiB \|$", out, re.M), out
+    assert (tmp_path / "p.png").stat().st_size > 0
