@@ -1,0 +1,63 @@
+"""A diagonal linear recurrence h_t = a_t * h_{t-1} + b_t (Griffin's RG-LRU, De et al. 2024), pure JAX.
+
+Two forms of one recurrence: `reference` scans over time (a decode step); `associative` is the
+training form, `jax.lax.associative_scan` over time in float32 (O(log T) depth, no chunks).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("reference", "associative")
+
+
+def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="associative"):
+    """h_t = a_t * h_{t-1} + b_t elementwise. a, b [B, T, ...] (a in [0, 1], e.g. RG-LRU's decay);
+    initial_state [B, ...] (None = zeros) is h_{-1}.
+    segment_ids [B, T] int, 0 = padding: h_{t-1} is dropped (taken as 0) at every t >= 1 whose id
+    differs from that of t - 1 (t = 0 continues from initial_state; a row ending in padding ends
+    with zeros); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
+    float32 whatever the input dtype.
+    impl: "reference" (lax.scan over time) or "associative" (lax.associative_scan).
+    Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
+    _check(a, b, segment_ids, initial_state, impl)
+    dtype = b.dtype
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    if segment_ids is not None:
+        real = (segment_ids != 0).reshape(segment_ids.shape + (1,) * (b.ndim - 2))
+        reset = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0))).reshape(real.shape)
+        a = jnp.where(reset, 0.0, jnp.where(real, a, 1.0))
+        b = jnp.where(real, b, 0.0)
+    h0 = (jnp.zeros((b.shape[0],) + b.shape[2:], jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    if impl == "reference":
+        def step(h, x):
+            h = x[0] * h + x[1]
+            return h, h
+
+        final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
+        h = jnp.moveaxis(h, 0, 1)
+    else:
+        b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
+
+        def combine(earlier, later):  # composes two affine maps h -> a h + b, `earlier` applied first
+            return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+
+        _, h = jax.lax.associative_scan(combine, (a, b), axis=1)
+        final = h[:, -1]
+    return h.astype(dtype), final
+
+
+def _check(a, b, segment_ids, initial_state, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"linear_scan: impl={impl!r}; expected one of {IMPLS}")
+    if b.ndim < 2 or b.shape[1] < 1:
+        raise ValueError(f"linear_scan: b has shape {b.shape}; expected [B, T, ...] with T >= 1")
+    if a.shape != b.shape:
+        raise ValueError(f"linear_scan: a has shape {a.shape}; expected b's {b.shape}")
+    if segment_ids is not None and segment_ids.shape != b.shape[:2]:
+        raise ValueError(f"linear_scan: segment_ids has shape {segment_ids.shape}; expected [B, T] = {b.shape[:2]}")
+    state_shape = (b.shape[0],) + b.shape[2:]
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"linear_scan: initial_state has shape {initial_state.shape}; "
+                         f"expected [B, ...] = {state_shape}")
