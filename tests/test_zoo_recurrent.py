@@ -31,6 +31,11 @@ FAMILIES = {
     "mamba": lambda: tr.MambaForCausalLM(tr.MambaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
         use_bias=True, use_conv_bias=True)),
+    # Griffin: rglru, rglru, local attention (a window of 4 over 11 tokens; 4 heads, 1 kv head, RoPE on half of
+    # each head), RG-LRU width 32 in 4 blocks, GeGLU of 48, logits soft-capped at 30, tied output
+    "recurrent_gemma": lambda: tr.RecurrentGemmaForCausalLM(tr.RecurrentGemmaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=32, attention_window_size=4, conv1d_width=4)),
 }
 
 

@@ -529,9 +529,12 @@ class ModelConfig:
     # Embeddings and output
     type_vocab_size: int = 0  # BERT token types; 0 = none
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(D)
+    # scale_embeddings' sqrt(D) rounded to this float type first (RecurrentGemma's bfloat16 constant); None = exact
+    embedding_scale_rounding: Optional[str] = None
     tie_embeddings: bool = True  # output projection = token embedding transposed
     share_source_target_embeddings: bool = True  # encoder-decoder: one matrix for both sides
     output_bias: bool = False  # bias on output logits (BERT MLM, Marian final_logits_bias)
+    final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap) (RecurrentGemma, Gemma 2)
     rescale_tied_output: bool = False  # T5 v1.0: hidden * D**-0.5 before the tied output projection
     pad_id: int = 0
 
@@ -603,6 +606,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.final_logit_softcap is not None and self.final_logit_softcap <= 0:
+            raise ValueError(f"ModelConfig.final_logit_softcap must be > 0 or None, got {self.final_logit_softcap}")
+        rounding = self.embedding_scale_rounding
+        if rounding is not None and (rounding not in DTYPE_NAMES or not self.scale_embeddings):
+            raise ValueError(f"ModelConfig.embedding_scale_rounding={rounding!r} must be one of {DTYPE_NAMES} "
+                             f"with scale_embeddings=True, or None")
         for name in ("attention_dropout", "dropout_rate"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
@@ -747,6 +756,10 @@ class ModelConfig:
                 MultimodalConfig.coerce(self.multimodal).cross_attention_layers):
             raise ValueError("ModelConfig.mixer_pattern's linear-time mixers and multimodal cross-attention "
                              "layers cannot be combined")
+        width = self.rglru.width or self.d_model
+        if "rglru" in mixers and width % self.num_heads:
+            raise ValueError(f"ModelConfig.rglru.width={width} must be a multiple of num_heads={self.num_heads} "
+                             f"(the RG-LRU's gates are block-diagonal over the heads)")
 
     def layer_mixer(self, layer: int) -> str:
         """Layer `layer`'s token mixer under mixer_pattern (MIXERS)."""

@@ -23,22 +23,24 @@ def config(hf: HFConfig) -> ModelConfig:
 
 
 def moe_ffn(w: Weights, p: str, cfg: ModelConfig, hub_block: str = "block_sparse_moe",
-            hub_names: tuple = ("w1", "w3", "w2")) -> dict:
+            hub_names: tuple = ("w1", "w3", "w2"), block: str = "mlp", router: str = "gate") -> dict:
     """Router and experts of layer `p`; the Hub layout names them `{p}.{hub_block}.experts.{e}.{name}`
-    with hub_names = (gate, up, down) (Qwen2-MoE: "mlp", ("gate_proj", "up_proj", "down_proj"))."""
+    with hub_names = (gate, up, down) (Qwen2-MoE: "mlp", ("gate_proj", "up_proj", "down_proj")), the
+    fused layout `{p}.{block}.experts.gate_up_proj`; the router is `{router}` in either block (Jamba:
+    "feed_forward" and "router" for both)."""
     E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
-    if w.has(f"{p}.mlp.experts.gate_up_proj"):  # transformers 5 in-memory layout
-        router = w(f"{p}.mlp.gate.weight", (E, D))
-        gate_up = w(f"{p}.mlp.experts.gate_up_proj", (E, 2 * F, D))
+    if w.has(f"{p}.{block}.experts.gate_up_proj"):  # transformers 5 in-memory layout
+        scores = w(f"{p}.{block}.{router}.weight", (E, D))
+        gate_up = w(f"{p}.{block}.experts.gate_up_proj", (E, 2 * F, D))
         gate, up = gate_up[:, :F], gate_up[:, F:]  # [E, F, D] each
-        down = w(f"{p}.mlp.experts.down_proj", (E, D, F))
+        down = w(f"{p}.{block}.experts.down_proj", (E, D, F))
     else:  # Hub / save_pretrained layout
         q = f"{p}.{hub_block}"
-        router = w(f"{q}.gate.weight", (E, D))
+        scores = w(f"{q}.{router}.weight", (E, D))
         expert = lambda name, shape: np.stack([w(f"{q}.experts.{e}.{name}.weight", shape) for e in range(E)])
         names = dict(zip(("gate", "up", "down"), hub_names))
         gate, up, down = expert(names["gate"], (F, D)), expert(names["up"], (F, D)), expert(names["down"], (D, F))
-    return {"router": {"kernel": router.T},  # [D, E]
+    return {"router": {"kernel": scores.T},  # [D, E]
             "wi_gate": gate.transpose(0, 2, 1), "wi_up": up.transpose(0, 2, 1),  # [E, D, F]
             "wo": down.transpose(0, 2, 1)}  # [E, F, D]
 

@@ -65,7 +65,7 @@ class InputEmbedding(nn.Module):
         cfg = self.config
         x = self.embed(tokens)
         if cfg.scale_embeddings:
-            x = x * jnp.asarray(cfg.d_model ** 0.5, x.dtype)
+            x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.embedding_scale_rounding or jnp.float32).astype(x.dtype)
         if cfg.position in ("learned", "sinusoidal"):
             x = x + PositionEmbedding(cfg, name="position")(positions)
         if cfg.type_vocab_size:
@@ -100,7 +100,7 @@ def logits_block_size(cfg: ModelConfig) -> int:
 
 class OutputLogits(nn.Module):
     """[B, T, D] -> `LMOutput` with fp32 logits [B, T, V]: tied to `embed` or its own
-    projection, optional bias.
+    projection, optional bias, soft-capped by config.final_logit_softcap.
 
     With logits=False the output holds the `Unembedding` (hidden states and projection) instead
     of the logits.
@@ -120,9 +120,14 @@ class OutputLogits(nn.Module):
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
                               (cfg.vocab_size,), jnp.float32)
         head = Unembedding(x, kernel, bias, compute_dtype(cfg), logits_block_size(cfg))
+        cap = cfg.final_logit_softcap
         if not logits:
+            if cap is not None:
+                raise ValueError(f"ModelConfig.final_logit_softcap={cap}: the fused loss reads the unembedding's "
+                                 f"uncapped logits; train with the task's vocab_chunk=None")
             return LMOutput(unembedding=head)
-        return LMOutput(logits=constrain(head.logits(), ("batch", "length", "vocab")))
+        out = head.logits() if cap is None else cap * jnp.tanh(head.logits() / cap)
+        return LMOutput(logits=constrain(out, ("batch", "length", "vocab")))
 
 
 def default_positions(tokens, positions, decode_start=None):
