@@ -9,6 +9,7 @@ from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_n
                          marian, mistral, mixtral, mllama, mpt, openai_gpt, qwen2, qwen2_moe, qwen3, roberta, t5, vit)
 from tfm.convert import mamba
 from tfm.convert import recurrent_gemma
+from tfm.convert import rwkv
 
 # Order matters for export: with no architecture named, `to_hf` writes the first class here whose
 # config reproduces the tfm config (a Llama config may also be a Mistral one).
@@ -17,6 +18,7 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **qwen2_moe.ARCHITECTURES, **qwen3.ARCHITECTURES, **gptj.ARCHITECTURES, **gpt_neox.ARCHITECTURES,
               **bloom.ARCHITECTURES, **mpt.ARCHITECTURES, **roberta.ARCHITECTURES, **distilbert.ARCHITECTURES,
               **vit.ARCHITECTURES, **t5.ARCHITECTURES, **bart.ARCHITECTURES, **deepseek_v3.ARCHITECTURES,
-              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES, **mamba.ARCHITECTURES}
+              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES, **mamba.ARCHITECTURES,
+              **rwkv.ARCHITECTURES}
 CONVERTERS = {**recurrent_gemma.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails on geglu
 SUPPORTED = tuple(sorted(CONVERTERS))
