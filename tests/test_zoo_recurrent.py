@@ -31,6 +31,13 @@ FAMILIES = {
     "mamba": lambda: tr.MambaForCausalLM(tr.MambaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
         use_bias=True, use_conv_bias=True)),
+    # layers attention/moe, mamba/dense, mamba/moe, attention/dense (attention every 3 from 0, experts every 2
+    # from 0: each mixer with each feed-forward); 4 heads, 2 kv heads, no positions; 4 experts top-2 of 48
+    "jamba": lambda: tr.JambaForCausalLM(tr.JambaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=0, expert_layer_period=2, expert_layer_offset=0,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        use_mamba_kernels=False)),
     # Griffin: rglru, rglru, local attention (a window of 4 over 11 tokens; 4 heads, 1 kv head, RoPE on half of
     # each head), RG-LRU width 32 in 4 blocks, GeGLU of 48, logits soft-capped at 30, tied output
     "recurrent_gemma": lambda: tr.RecurrentGemmaForCausalLM(tr.RecurrentGemmaConfig(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_neox, gptj, llama, longformer, mamba2,
                          marian, mistral, mixtral, mllama, mpt, openai_gpt, qwen2, qwen2_moe, qwen3, roberta, t5, vit)
-from tfm.convert import mamba
+from tfm.convert import jamba, mamba
 from tfm.convert import recurrent_gemma
 from tfm.convert import rwkv
 
@@ -21,4 +21,5 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES, **mamba.ARCHITECTURES,
               **rwkv.ARCHITECTURES}
 CONVERTERS = {**recurrent_gemma.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails on geglu
+CONVERTERS = {**jamba.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
 SUPPORTED = tuple(sorted(CONVERTERS))
