@@ -31,6 +31,13 @@ FAMILIES = {
     "mamba": lambda: tr.MambaForCausalLM(tr.MambaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
         use_bias=True, use_conv_bias=True)),
+    # full_attention_interval 2: DeltaNet (2 key heads, 4 value heads of 8) and gated attention (4 heads, 2 kv,
+    # a rotary half of each head of 8) alternate; 4 experts top-2 of 16 plus a shared expert of 24
+    "qwen3_next": lambda: tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
     # layers attention/moe, mamba/dense, mamba/moe, attention/dense (attention every 3 from 0, experts every 2
     # from 0: each mixer with each feed-forward); 4 heads, 2 kv heads, no positions; 4 experts top-2 of 48
     "jamba": lambda: tr.JambaForCausalLM(tr.JambaConfig(

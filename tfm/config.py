@@ -471,6 +471,9 @@ class ModelConfig:
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
     qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3)
+    # Each head's attention output times sigmoid of a `gate` projection [D, N, H] of the queries' input,
+    # before the output projection (Qwen3-Next).
+    attention_output_gate: bool = False
     # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
     mla: Union[MlaConfig, dict, None] = None
     value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]

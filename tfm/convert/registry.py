@@ -10,6 +10,7 @@ from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_n
 from tfm.convert import jamba, mamba
 from tfm.convert import recurrent_gemma
 from tfm.convert import rwkv
+from tfm.convert import qwen3_next
 
 # Order matters for export: with no architecture named, `to_hf` writes the first class here whose
 # config reproduces the tfm config (a Llama config may also be a Mistral one).
@@ -22,4 +23,5 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
               **rwkv.ARCHITECTURES}
 CONVERTERS = {**recurrent_gemma.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails on geglu
 CONVERTERS = {**jamba.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
+CONVERTERS = {**qwen3_next.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
 SUPPORTED = tuple(sorted(CONVERTERS))

@@ -112,7 +112,11 @@ class Attention(nn.Module):
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
         out = Einsum("BTNH,NHD->BTD", (N, Hv, cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
                      use_bias=out_bias, dtype=compute_dtype(cfg))
-        return out(o[..., :Hv])  # [B, T, D]
+        o = o[..., :Hv]
+        if cfg.attention_output_gate:  # Qwen3-Next: each head's output times sigmoid(gate(x)) [B, T, N, Hv]
+            gate = self._projection("BTD,DNH->BTNH", (cfg.d_model, N, Hv), ("embed", "heads", "head_dim"), "gate")(x)
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        return out(o)  # [B, T, D]
 
     def _global_rows(self, x, o, q_segment_ids, kv_segment_ids, scale, dropout):
         """Longformer's global rows (HF LongformerSelfAttention): o [B, T, N, H] with the rows of the first

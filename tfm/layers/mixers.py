@@ -3,11 +3,12 @@ dense or MoE feed-forward. Each is called as `module(config, name=...)(x [B, T, 
 -> [B, T, D]; the `Block` puts it in its slot."""
 from __future__ import annotations
 
+from tfm.layers.deltanet import GatedDeltaNet
 from tfm.layers.mamba import Mamba, Mamba2
 from tfm.layers.rwkv import RwkvChannelMix, RwkvTimeMix
 from tfm.layers.rglru import RecurrentBlock
 
 # mixer_pattern kind -> the token mixer's module (named "mixer" in its Block)
-MIXER_LAYERS = {"rglru": RecurrentBlock, "mamba": Mamba, "mamba2": Mamba2, "rwkv": RwkvTimeMix}
+MIXER_LAYERS = {"gated_deltanet": GatedDeltaNet, "rglru": RecurrentBlock, "mamba": Mamba, "mamba2": Mamba2, "rwkv": RwkvTimeMix}
 # ffn_pattern kind -> a feed-forward that reads more than its own token (named "ffn" in its Block)
 FFN_LAYERS = {"rwkv": RwkvChannelMix}
