@@ -31,7 +31,7 @@ def loop(a, b, segment_ids=None, h0=None):
     for r in range(a.shape[0]):
         for t in range(a.shape[1]):
             if segment_ids is not None:
-                if t >= 1 and segment_ids[r, t] != segment_ids[r, t - 1]:
+                if t >= 1 and segment_ids[r, t] not in (0, segment_ids[r, t - 1]):
                     h[r] = 0.0
                 if segment_ids[r, t] == 0:
                     out[r, t] = h[r]

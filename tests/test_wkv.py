@@ -59,7 +59,7 @@ def loop(w, u, k, v, segment_ids=None, state=None, log_space=False):
     for r in range(k.shape[0]):
         seen, carried = [], True  # the sequence's real tokens so far; whether the initial state counts
         for t in range(k.shape[1]):
-            if segment_ids is not None and t >= 1 and segment_ids[r, t] != segment_ids[r, t - 1]:
+            if segment_ids is not None and t >= 1 and segment_ids[r, t] not in (0, segment_ids[r, t - 1]):
                 seen, carried = [], False
             if segment_ids is not None and segment_ids[r, t] == 0:
                 continue

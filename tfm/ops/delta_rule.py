@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from jax.scipy.linalg import solve_triangular
+
+from tfm.ops.segments import sequence_starts
 
 IMPLS = ("reference", "chunked")
 
@@ -26,8 +29,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     Per head, state S [K, V]:  S' = exp(g_t) * S_{t-1};  S_t = S' + beta_t * outer(k_t, v_t - S'^T k_t);  o_t = S_t^T q_t
     Returns (o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32).
 
-    segment_ids [B, T] int, 0 = padding: the state is dropped at every t >= 1 whose id differs
-    from that of t - 1 (t = 0 continues from initial_state [B, H, K, V], None = zeros), and
+    segment_ids [B, T] int, 0 = padding: the state is dropped where a sequence starts
+    (tfm.ops.segments; t = 0 continues from initial_state [B, H, K, V], None = zeros), and
     padding tokens act as g = 0, beta = 0. State and decays are float32 (float64 for float64 v).
     impl: "reference" (a scan over time) or "chunked" (a scan over chunks of chunk_size tokens)."""
     _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
@@ -40,8 +43,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     if segment_ids is None:
         reset = jnp.zeros((B, T), bool)
     else:
-        reset = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
-        real = (segment_ids != 0)[..., None]
+        real, reset = sequence_starts(segment_ids)
+        real = real[..., None]
         g, beta = jnp.where(real, g, 0), jnp.where(real, beta, 0)
     if impl == "reference":
         o, state = _recurrent(q, k, v, g, beta, reset, state)

@@ -8,15 +8,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tfm.ops.segments import sequence_starts
+
 IMPLS = ("reference", "associative")
 
 
 def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="associative"):
     """h_t = a_t * h_{t-1} + b_t elementwise. a, b [B, T, ...] (a in [0, 1], e.g. RG-LRU's decay);
     initial_state [B, ...] (None = zeros) is h_{-1}.
-    segment_ids [B, T] int, 0 = padding: h_{t-1} is dropped (taken as 0) at every t >= 1 whose id
-    differs from that of t - 1 (t = 0 continues from initial_state; a row ending in padding ends
-    with zeros); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
+    segment_ids [B, T] int, 0 = padding: h_{t-1} is dropped (taken as 0) where a sequence starts
+    (tfm.ops.segments); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
     float32 whatever the input dtype.
     impl: "reference" (lax.scan over time) or "associative" (lax.associative_scan).
     Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
@@ -24,8 +25,8 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="associative
     dtype = b.dtype
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if segment_ids is not None:
-        real = (segment_ids != 0).reshape(segment_ids.shape + (1,) * (b.ndim - 2))
-        reset = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0))).reshape(real.shape)
+        shape = segment_ids.shape + (1,) * (b.ndim - 2)
+        real, reset = (x.reshape(shape) for x in sequence_starts(segment_ids))
         a = jnp.where(reset, 0.0, jnp.where(real, a, 1.0))
         b = jnp.where(real, b, 0.0)
     h0 = (jnp.zeros((b.shape[0],) + b.shape[2:], jnp.float32) if initial_state is None

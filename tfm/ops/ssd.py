@@ -26,6 +26,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from tfm.ops.segments import sequence_starts
+
 __all__ = ["selective_scan", "ssd"]
 
 _IMPLS = ("reference", "chunked")
@@ -119,10 +121,9 @@ def _steps(dt, segment_ids):
     """dt [B, T, ...] -> (dt, 0 at padding; reset [B, T] bool, True where a sequence starts after t = 0)."""
     if segment_ids is None:
         return dt, jnp.zeros(dt.shape[:2], bool)
-    real = segment_ids != 0
-    changed = jnp.concatenate([jnp.zeros_like(real[:, :1]), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    real, starts = sequence_starts(segment_ids)
     dt = jnp.where(real.reshape(real.shape + (1,) * (dt.ndim - 2)), dt, 0)
-    return dt, changed & real
+    return dt, starts
 
 
 def _pad_time(chunk, *arrays):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tfm.ops.segments import sequence_starts
+
 IMPLS = ("reference", "chunked")
 EMPTY_MAX = -1e38  # the max exponent of the empty state, as in transformers
 
@@ -28,9 +30,8 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
     and den * e^max, and max follows max_t = max(max_{t-1} - w, k_t), so the tuple is comparable entry
     by entry with transformers' state of one layer (`state[2:5]`, each `[:, :, layer]`). The empty
     state (initial_state None) is (0, 0, -1e38).
-    segment_ids [B, T] int, 0 = padding: the state is emptied at every t >= 1 whose id differs from
-    that of t - 1 (t = 0 continues from initial_state; a row ending in padding ends empty); padding
-    tokens leave it as it is, count as no step of decay, and output 0.
+    segment_ids [B, T] int, 0 = padding: the state is emptied where a sequence starts
+    (tfm.ops.segments); padding tokens leave it as it is, count as no step of decay, and output 0.
     impl: "reference" (a scan over time, for decoding) or "chunked" (for training: a scan over chunks
     of chunk_size tokens, O(B chunk_size^2 C) memory). Computed in float32 whatever the input dtype.
     Returns (out [B, T, C] in v.dtype, final_state)."""
@@ -45,8 +46,7 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
     if segment_ids is None:
         real, reset = jnp.ones((B, T), bool), jnp.zeros((B, T), bool)
     else:
-        real = segment_ids != 0
-        reset = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+        real, reset = sequence_starts(segment_ids)
     if impl == "reference":
         out, state = _recurrent(w, u, k, vf, real, reset, state)
     else:
