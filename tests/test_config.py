@@ -216,7 +216,8 @@ WHAT_FIELDS = (
     'router_scale', 'dense_layers', 'dense_d_ff', 'parallel_block', 'parallel_norms', 'dropout_rate',
     'type_vocab_size', 'scale_embeddings', 'tie_embeddings', 'share_source_target_embeddings', 'output_bias',
     'rescale_tied_output', 'pad_id', 'heads', 'num_labels', 'head_activation', 'image_size', 'patch_size',
-    'num_channels', 'multimodal')
+    'num_channels', 'multimodal', 'norm_scale_offset', 'attention_output_gate', 'mixer_pattern', 'ffn_pattern',
+    'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap')
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

@@ -16,8 +16,8 @@ import dataclasses
 
 from tfm.config import ModelConfig
 from tfm.convert import llama
-from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, linear, linear_pair,
-                                model_params, norm, stack_layers)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, hf_activation, linear,
+                                linear_pair, model_params, norm, stack_layers)
 from tfm.models import DecoderLM, VisionLanguageModel
 from tfm.models.vision import TiledVisionEncoder, num_patches
 
@@ -143,6 +143,8 @@ def vl_params(w: Weights, cfg: ModelConfig) -> dict:
 
 def vl_hf_config(cfg: ModelConfig) -> dict:
     """image_token_index: the first id past the vocabulary, as Llama 3.2 Vision numbers its <|image|>."""
+    if cfg.multimodal.vision is None:
+        raise ConversionError("MllamaForConditionalGeneration needs a vision encoder (multimodal.vision)")
     return dict(model_type="mllama", text_config=hf_config(cfg), vision_config=vision_hf_config(cfg.multimodal.vision),
                 image_token_index=cfg.vocab_size)
 
