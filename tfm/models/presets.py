@@ -111,6 +111,48 @@ def mamba2_2_7b(vocab_size: int = 50_288, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def jamba_1_5_mini(vocab_size: int = 65_536, **overrides) -> ModelConfig:
+    """Jamba-1.5-Mini (AI21 2024; the Jamba architecture of Lieber et al. 2024): 32 layers of D 4096 in
+    blocks of 8, one attention layer (GQA 32/8, no positions) to seven Mamba layers (state 16, expand 2,
+    RMSNorms on dt, B and C), and a 16-expert top-2 SwiGLU MoE (F 14336) on every other layer.
+    About 52B parameters, 12B active per token."""
+    cfg = llama(vocab_size, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, d_ff=14_336, max_len=262_144,
+                norm_eps=1e-6, position="none",
+                mixer_pattern=("mamba",) * 4 + ("attention",) + ("mamba",) * 3, ffn_pattern=("dense", "moe"),
+                mamba=dict(state_size=16, conv_kernel=4, expand=2, inner_norms=True), num_experts=16,
+                experts_per_token=2, router_norm_topk=False, router_aux_loss_coef=0.001)
+    return cfg.replace(**overrides)
+
+
+def qwen3_next_80b_a3b(vocab_size: int = 151_936, **overrides) -> ModelConfig:
+    """Qwen3-Next-80B-A3B (Qwen team 2025): 48 layers of D 2048, three gated DeltaNet layers (16 query/key
+    heads and 32 value heads of 128) to one gated attention layer (16 heads of 256, GQA 2, q/k norms,
+    RoPE on a quarter of each head), zero-centred RMSNorms, and on every layer a 512-expert top-10 MoE
+    (F 512) with a gated shared expert (F 512). About 80B parameters, 3B active per token."""
+    cfg = llama(vocab_size, d_model=2048, num_layers=48, num_heads=16, num_kv_heads=2, head_dim=256, d_ff=512,
+                max_len=262_144, norm_eps=1e-6, norm_scale_offset=1.0, rope=dict(theta=1e7, dim=64), qk_norm=True,
+                attention_output_gate=True, mixer_pattern=("gated_deltanet",) * 3 + ("attention",),
+                deltanet=dict(key_heads=16, value_heads=32, key_head_dim=128, value_head_dim=128, conv_kernel=4),
+                num_experts=512, experts_per_token=10, shared_expert_d_ff=512, router_aux_loss_coef=0.001)
+    return cfg.replace(**overrides)
+
+
+def recurrentgemma_2b(vocab_size: int = 256_000, **overrides) -> ModelConfig:
+    """RecurrentGemma-2B (Botev et al. 2024; Griffin, De et al. 2024): 26 layers of D 2560 repeating
+    (RG-LRU, RG-LRU, local attention over 2,048 tokens; MQA with 10 heads of 256, RoPE on half of each
+    head), gated GeLU feed-forward (F 3840: HF's intermediate_size 7680 split into gate and up), zero-centred RMSNorms, embeddings scaled by sqrt(D), tied,
+    logits soft-capped at 30. About 1.9B parameters (0.66B of them the embedding)."""
+    pattern = ("rglru", "rglru", "attention")
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=2560, num_heads=10, num_kv_heads=1, head_dim=256,
+                      num_layers=26, d_ff=3840, max_len=8192, norm="rmsnorm", norm_eps=1e-6,
+                      norm_scale_offset=1.0, norm_position="pre", position="rope", rope=dict(dim=128),
+                      attention_bias=False, attention_out_bias=True, sliding_window=2048,
+                      mixer_pattern=(pattern * 9)[:26], rglru=dict(conv_kernel=4), activation="geglu",
+                      ffn_bias=True, scale_embeddings=True, embedding_scale_rounding="bfloat16",
+                      final_logit_softcap=30.0, tie_embeddings=True)
+    return cfg.replace(**overrides)
+
+
 def tiny(family: str, **overrides) -> ModelConfig:
     """CPU-sized variants (D 32, 2 layers, V 64) for tests and local runs.
 
@@ -142,7 +184,8 @@ def tiny(family: str, **overrides) -> ModelConfig:
 _TINY_MAMBA2 = dict(state_size=8, head_dim=8, expand=2, groups=2)
 TINY_FAMILIES = ("decoder", "llama", "moe", "encoder", "encdec", "mamba2", "hybrid")
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
-                                   gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b)}
+                                   gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
+                                   jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
