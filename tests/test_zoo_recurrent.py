@@ -53,7 +53,32 @@ FAMILIES = {
     # RWKV-4: attention width 32, channel mix 64; 2 layers, so rescale_every (6) never rescales
     "rwkv": lambda: tr.RwkvForCausalLM(tr.RwkvConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)),
+    # Bamba: mamba2 (4 heads of 16, 2 groups, state 8) and attention (4 heads, 2 kv, RoPE on half of each head of
+    # 8) alternate (mixer_pattern of period 2), a SwiGLU of 48 after each
+    "bamba": lambda: tr.BambaForCausalLM(tr.BambaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)),
+    # Nemotron-H "M*-E" (no period): one sublayer a layer, mamba2 (as Bamba's), attention without positions, a
+    # squared-ReLU MLP of 48, MoE: 4 ungated experts of 16, top-2 from the better of 2 groups by sigmoid scores
+    # with a non-zero balancing bias, a shared expert of 24
+    "nemotron_h": lambda: _router_bias(tr.NemotronHForCausalLM(tr.NemotronHConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, hybrid_override_pattern="M*-E", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+        conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1))),
 }
+
+
+def _router_bias(model):
+    """The MoE routers' balancing biases (buffers, which `randomize` leaves at zero) set to random values."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    return model
+
 
 # transformers 5.24's RwkvForCausalLM given one token and a state mixes its [B, D] token shift into [B, B, D]
 # for B > 1, so its batched generate is wrong from the second new token: compared one prompt at a time.

@@ -28,7 +28,7 @@ ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 MIXERS = ("attention", "mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "none")
 # ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only)
 FFN_KINDS = ("dense", "moe", "rwkv", "none")
-ACTIVATION_NAMES = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")  # relu2: relu(x)**2
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score

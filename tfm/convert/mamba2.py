@@ -7,25 +7,37 @@ heads. `mixer_params` also serves the hybrids that use the same mixer (Bamba, Ne
 """
 from __future__ import annotations
 
+from typing import Mapping, Optional
+
 from tfm.config import ModelConfig
 from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
 from tfm.models import DecoderLM
 
 
-def mixer_config(hf: HFConfig, prefix: str = "") -> dict:
-    """ModelConfig.mamba2 from HF fields named `prefix` + state_size, conv_kernel, ... (Mamba2Config's
-    names with prefix ""; the hybrids write them as mamba_d_state and so on and pass their own reader)."""
+# ModelConfig.mamba2 field -> the HF config field holding it (Mamba2Config's names). `expand` None: HF sizes
+# the mixer by num_heads * head_dim alone (expand = that / hidden_size); `dt_limit` None: the family sets it.
+MIXER_FIELDS = dict(state_size="state_size", conv_kernel="conv_kernel", expand="expand", head_dim="head_dim",
+                    num_heads="num_heads", groups="n_groups", conv_bias="use_conv_bias", proj_bias="use_bias",
+                    dt_limit="time_step_limit", activation="hidden_act")
+
+
+def mixer_config(hf: HFConfig, fields: Mapping[str, Optional[str]] = MIXER_FIELDS) -> dict:
+    """ModelConfig.mamba2 from the HF fields `fields` names (MIXER_FIELDS: Mamba2Config's; the hybrids
+    pass their own, e.g. Bamba's mamba_d_state)."""
     D = hf.require("hidden_size")
-    head_dim, heads = hf.require("head_dim"), hf.require("num_heads")
-    expand = hf.get("expand", 2)
+    head_dim, heads = hf.require(fields["head_dim"]), hf.require(fields["num_heads"])
+    expand = hf.get(fields["expand"], 2) if fields["expand"] else heads * head_dim // D
     if heads * head_dim != expand * D:
-        raise hf.unsupported("num_heads", heads, f"tfm needs num_heads * head_dim == expand * hidden_size "
-                                                 f"({heads} * {head_dim} != {expand} * {D})")
-    hf.expect("hidden_act", ["silu"], "silu")
-    return dict(state_size=hf.require("state_size"), conv_kernel=hf.get("conv_kernel", 4), expand=expand,
-                head_dim=head_dim, groups=hf.get("n_groups", 1), conv_bias=bool(hf.get("use_conv_bias", True)),
-                proj_bias=bool(hf.get("use_bias", False)),
-                dt_limit=tuple(map(_float, hf.get("time_step_limit", (0.0, float("inf"))))))
+        raise hf.unsupported(fields["num_heads"], heads, f"tfm needs {fields['num_heads']} * {fields['head_dim']} "
+                                                         f"== expand * hidden_size ({heads} * {head_dim}, "
+                                                         f"hidden_size {D})")
+    hf.expect(fields["activation"], ["silu"], "silu")
+    out = dict(state_size=hf.require(fields["state_size"]), conv_kernel=hf.get(fields["conv_kernel"], 4),
+               expand=expand, head_dim=head_dim, groups=hf.get(fields["groups"], 1),
+               conv_bias=bool(hf.get(fields["conv_bias"], True)), proj_bias=bool(hf.get(fields["proj_bias"], False)))
+    if fields["dt_limit"]:
+        out["dt_limit"] = tuple(map(_float, hf.get(fields["dt_limit"], (0.0, float("inf")))))
+    return out
 
 
 def _float(value) -> float:
@@ -81,15 +93,16 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return model_params(w, cfg, embedding="backbone.embeddings.weight", stacks={"decoder": decoder})
 
 
-def mixer_hf_config(cfg: ModelConfig) -> dict:
-    """The inverse of `mixer_config` (Mamba2Config's names)."""
+def mixer_hf_config(cfg: ModelConfig, fields: Mapping[str, Optional[str]] = MIXER_FIELDS) -> dict:
+    """The inverse of `mixer_config` (the HF names `fields` gives; those mapped to None are not written)."""
     m = cfg.mamba2
     if m.norm_groups not in (None, m.groups):
         raise ConversionError(f"Mamba-2 normalises its gated output in n_groups groups; mamba2.norm_groups="
                               f"{m.norm_groups} differs from mamba2.groups={m.groups}")
-    return dict(state_size=m.state_size, conv_kernel=m.conv_kernel, expand=m.expand, head_dim=m.head_dim,
-                num_heads=m.expand * cfg.d_model // m.head_dim, n_groups=m.groups, use_conv_bias=m.conv_bias,
-                use_bias=m.proj_bias, time_step_limit=list(m.dt_limit), hidden_act="silu")
+    values = dict(state_size=m.state_size, conv_kernel=m.conv_kernel, expand=m.expand, head_dim=m.head_dim,
+                  num_heads=m.expand * cfg.d_model // m.head_dim, groups=m.groups, conv_bias=m.conv_bias,
+                  proj_bias=m.proj_bias, dt_limit=list(m.dt_limit), activation="silu")
+    return {fields[name]: value for name, value in values.items() if fields[name]}
 
 
 def hf_config(cfg: ModelConfig) -> dict:

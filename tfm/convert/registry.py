@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_neox, gptj, llama, longformer, mamba2,
                          marian, mistral, mixtral, mllama, mpt, openai_gpt, qwen2, qwen2_moe, qwen3, roberta, t5, vit)
+from tfm.convert import bamba, nemotron_h
 from tfm.convert import jamba, mamba
 from tfm.convert import recurrent_gemma
 from tfm.convert import rwkv
@@ -24,4 +25,6 @@ CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES,
 CONVERTERS = {**recurrent_gemma.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails on geglu
 CONVERTERS = {**jamba.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
 CONVERTERS = {**qwen3_next.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
+# after Mamba-2, whose configs Nemotron-H could also express (every layer "M")
+CONVERTERS = {**CONVERTERS, **bamba.ARCHITECTURES, **nemotron_h.ARCHITECTURES}
 SUPPORTED = tuple(sorted(CONVERTERS))

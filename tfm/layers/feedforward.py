@@ -13,6 +13,7 @@ from tfm.parallel.experts import grouped_experts
 
 _ACTIVATIONS = {
     "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # squared ReLU (Primer; Nemotron-H)
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "silu": jax.nn.silu,
