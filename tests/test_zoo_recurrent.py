@@ -31,13 +31,6 @@ FAMILIES = {
     "mamba": lambda: tr.MambaForCausalLM(tr.MambaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
         use_bias=True, use_conv_bias=True)),
-    # full_attention_interval 2: DeltaNet (2 key heads, 4 value heads of 8) and gated attention (4 heads, 2 kv,
-    # a rotary half of each head of 8) alternate; 4 experts top-2 of 16 plus a shared expert of 24
-    "qwen3_next": lambda: tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, full_attention_interval=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
     # layers attention/moe, mamba/dense, mamba/moe, attention/dense (attention every 3 from 0, experts every 2
     # from 0: each mixer with each feed-forward); 4 heads, 2 kv heads, no positions; 4 experts top-2 of 48
     "jamba": lambda: tr.JambaForCausalLM(tr.JambaConfig(
@@ -45,14 +38,21 @@ FAMILIES = {
         num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=0, expert_layer_period=2, expert_layer_offset=0,
         num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
         use_mamba_kernels=False)),
+    # full_attention_interval 2: DeltaNet (2 key heads, 4 value heads of 8) and gated attention (4 heads, 2 kv,
+    # a rotary half of each head of 8) alternate; 4 experts top-2 of 16 plus a shared expert of 24
+    "qwen3_next": lambda: tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    # RWKV-4: attention width 32, channel mix 64; 2 layers, so rescale_every (6) never rescales
+    "rwkv": lambda: tr.RwkvForCausalLM(tr.RwkvConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)),
     # Griffin: rglru, rglru, local attention (a window of 4 over 11 tokens; 4 heads, 1 kv head, RoPE on half of
     # each head), RG-LRU width 32 in 4 blocks, GeGLU of 48, logits soft-capped at 30, tied output
     "recurrent_gemma": lambda: tr.RecurrentGemmaForCausalLM(tr.RecurrentGemmaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, lru_width=32, attention_window_size=4, conv1d_width=4)),
-    # RWKV-4: attention width 32, channel mix 64; 2 layers, so rescale_every (6) never rescales
-    "rwkv": lambda: tr.RwkvForCausalLM(tr.RwkvConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)),
     # Bamba: mamba2 (4 heads of 16, 2 groups, state 8) and attention (4 heads, 2 kv, RoPE on half of each head of
     # 8) alternate (mixer_pattern of period 2), a SwiGLU of 48 after each
     "bamba": lambda: tr.BambaForCausalLM(tr.BambaConfig(
@@ -175,3 +175,28 @@ def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
     for key, tensor in hf.state_dict().items():
         if tensor.is_floating_point():
             assert torch.equal(state[key], tensor), key
+
+
+# Published sizes: tfm's preset against the same model built by transformers on the meta device.
+PUBLISHED = {
+    "mamba2_2_7b": lambda: tr.Mamba2ForCausalLM(tr.Mamba2Config(
+        hidden_size=2560, num_hidden_layers=64, vocab_size=50288, state_size=128, head_dim=64, num_heads=80,
+        n_groups=1, expand=2, tie_word_embeddings=True)),
+    "jamba_1_5_mini": lambda: tr.JambaForCausalLM(tr.JambaConfig()),
+    "qwen3_next_80b_a3b": lambda: tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig()),
+    "recurrentgemma_2b": lambda: tr.RecurrentGemmaForCausalLM(tr.RecurrentGemmaConfig(num_key_value_heads=1)),
+    "nemotron_h_8b": lambda: tr.NemotronHForCausalLM(tr.NemotronHConfig(
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_size_counts_the_parameters_transformers_does(name):
+    """The preset's parameters (jax.eval_shape, nothing allocated) number exactly what transformers
+    builds for the published config (on torch's meta device)."""
+    from tfm.models import DecoderLM, presets
+    with torch.device("meta"):
+        hf = sum(p.numel() for p in PUBLISHED[name]().parameters())
+    cfg = presets.PRESETS[name]()
+    shapes = jax.eval_shape(lambda: DecoderLM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    assert sum(x.size for x in jax.tree.leaves(shapes["params"])) == hf

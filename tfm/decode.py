@@ -34,11 +34,14 @@ def init_cache(model: nn.Module, params, batch_size: int, cache_len: int, encode
     if isinstance(model, EncoderDecoder):
         if encoded is None:
             raise ValueError("init_cache for an EncoderDecoder needs the encoder output `encoded`")
-        _, state = model.apply({"params": params}, dummy, encoded, inputs_segment_ids, decode=True,
-                               mutable=["cache"], method=EncoderDecoder.decode)
-    else:
-        _, state = model.apply({"params": params}, dummy, decode=True, mutable=["cache"], **conditioning)
-    return state["cache"]
+        make = lambda params, encoded, segment_ids: model.apply(
+            {"params": params}, dummy, encoded, segment_ids, decode=True, mutable=["cache"],
+            method=EncoderDecoder.decode)[1]["cache"]
+        return jax.jit(make)(params, encoded, inputs_segment_ids)
+    # one compiled program: run op by op, a many-layer model's cache set-up took seconds
+    make = lambda params, conditioning: model.apply({"params": params}, dummy, decode=True, mutable=["cache"],
+                                                    **conditioning)[1]["cache"]
+    return jax.jit(make)(params, conditioning)
 
 
 def step_fn(model: nn.Module, params) -> StepFn:

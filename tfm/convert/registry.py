@@ -5,26 +5,19 @@ know nothing of it, so imports run one way: common <- families <- registry <- im
 """
 from __future__ import annotations
 
-from tfm.convert import (bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_neox, gptj, llama, longformer, mamba2,
-                         marian, mistral, mixtral, mllama, mpt, openai_gpt, qwen2, qwen2_moe, qwen3, roberta, t5, vit)
-from tfm.convert import bamba, nemotron_h
-from tfm.convert import jamba, mamba
-from tfm.convert import recurrent_gemma
-from tfm.convert import rwkv
-from tfm.convert import qwen3_next
+from tfm.convert import (bamba, bart, bert, bloom, deepseek_v3, distilbert, gpt2, gpt_neox, gptj, jamba, llama,
+                         longformer, mamba, mamba2, marian, mistral, mixtral, mllama, mpt, nemotron_h, openai_gpt, qwen2,
+                         qwen2_moe, qwen3, qwen3_next, recurrent_gemma, roberta, rwkv, t5, vit)
 
 # Order matters for export: with no architecture named, `to_hf` writes the first class here whose
-# config reproduces the tfm config (a Llama config may also be a Mistral one).
+# config reproduces the tfm config (a Llama config may also be a Mistral one; a Mamba-2 model is also a
+# Nemotron-H whose every layer is "M").
 CONVERTERS = {**bert.ARCHITECTURES, **gpt2.ARCHITECTURES, **llama.ARCHITECTURES, **mixtral.ARCHITECTURES,
               **marian.ARCHITECTURES, **openai_gpt.ARCHITECTURES, **mistral.ARCHITECTURES, **qwen2.ARCHITECTURES,
               **qwen2_moe.ARCHITECTURES, **qwen3.ARCHITECTURES, **gptj.ARCHITECTURES, **gpt_neox.ARCHITECTURES,
               **bloom.ARCHITECTURES, **mpt.ARCHITECTURES, **roberta.ARCHITECTURES, **distilbert.ARCHITECTURES,
               **vit.ARCHITECTURES, **t5.ARCHITECTURES, **bart.ARCHITECTURES, **deepseek_v3.ARCHITECTURES,
-              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba2.ARCHITECTURES, **mamba.ARCHITECTURES,
-              **rwkv.ARCHITECTURES}
-CONVERTERS = {**recurrent_gemma.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails on geglu
-CONVERTERS = {**jamba.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
-CONVERTERS = {**qwen3_next.ARCHITECTURES, **CONVERTERS}  # before mllama, whose writer fails without vision
-# after Mamba-2, whose configs Nemotron-H could also express (every layer "M")
-CONVERTERS = {**CONVERTERS, **bamba.ARCHITECTURES, **nemotron_h.ARCHITECTURES}
+              **mllama.ARCHITECTURES, **longformer.ARCHITECTURES, **mamba.ARCHITECTURES, **mamba2.ARCHITECTURES,
+              **rwkv.ARCHITECTURES, **jamba.ARCHITECTURES, **qwen3_next.ARCHITECTURES, **recurrent_gemma.ARCHITECTURES,
+              **bamba.ARCHITECTURES, **nemotron_h.ARCHITECTURES}
 SUPPORTED = tuple(sorted(CONVERTERS))

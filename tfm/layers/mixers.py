@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from tfm.layers.deltanet import GatedDeltaNet
 from tfm.layers.mamba import Mamba, Mamba2
-from tfm.layers.rwkv import RwkvChannelMix, RwkvTimeMix
 from tfm.layers.rglru import RecurrentBlock
+from tfm.layers.rwkv import RwkvChannelMix, RwkvTimeMix
 
 # mixer_pattern kind -> the token mixer's module (named "mixer" in its Block)
-MIXER_LAYERS = {"gated_deltanet": GatedDeltaNet, "rglru": RecurrentBlock, "mamba": Mamba, "mamba2": Mamba2, "rwkv": RwkvTimeMix}
+MIXER_LAYERS = {"mamba": Mamba, "mamba2": Mamba2, "gated_deltanet": GatedDeltaNet, "rwkv": RwkvTimeMix,
+                "rglru": RecurrentBlock}
 # ffn_pattern kind -> a feed-forward that reads more than its own token (named "ffn" in its Block)
 FFN_LAYERS = {"rwkv": RwkvChannelMix}

@@ -153,6 +153,31 @@ def recurrentgemma_2b(vocab_size: int = 256_000, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+# Nemotron-H's pattern letters: one sublayer a layer, (token mixer, feed-forward)
+HYBRID_LETTERS = {"M": ("mamba2", "none"), "*": ("attention", "none"), "-": ("none", "dense"), "E": ("none", "moe")}
+
+
+def hybrid_layers(pattern: str) -> dict:
+    """ModelConfig's mixer_pattern and ffn_pattern from a Nemotron-H pattern string ("M-M*-": M a Mamba-2
+    layer, * attention, - a dense feed-forward, E a MoE feed-forward), one letter a layer."""
+    bad = sorted(set(pattern) - set(HYBRID_LETTERS))
+    if bad or not pattern:
+        raise ValueError(f"hybrid pattern {pattern!r}: letters {bad} are not among {list(HYBRID_LETTERS)}")
+    mixers, ffns = zip(*(HYBRID_LETTERS[c] for c in pattern))
+    return dict(mixer_pattern=mixers, ffn_pattern=ffns)
+
+
+def nemotron_h_8b(vocab_size: int = 131_072, **overrides) -> ModelConfig:
+    """Nemotron-H-8B (NVIDIA 2025): 52 layers of D 4096, each one sublayer: 24 Mamba-2 (128 heads of 64,
+    8 B/C groups, state 128), 4 attention (GQA 32/8, no positions) and 24 squared-ReLU feed-forwards
+    (F 21504), in the published pattern M-M-M-M*-M-M-M-M-M*-...; untied. About 8.1B parameters."""
+    cfg = llama(vocab_size, d_model=4096, num_layers=52, num_heads=32, num_kv_heads=8, d_ff=21_504, max_len=8192,
+                position="none", activation="relu2",
+                mamba2=dict(state_size=128, head_dim=64, expand=2, groups=8, dt_limit=(0.001, float("inf"))),
+                **hybrid_layers("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"))
+    return cfg.replace(**overrides)
+
+
 def tiny(family: str, **overrides) -> ModelConfig:
     """CPU-sized variants (D 32, 2 layers, V 64) for tests and local runs.
 
@@ -185,7 +210,7 @@ _TINY_MAMBA2 = dict(state_size=8, head_dim=8, expand=2, groups=2)
 TINY_FAMILIES = ("decoder", "llama", "moe", "encoder", "encdec", "mamba2", "hybrid")
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
                                    gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
-                                   jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b)}
+                                   jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
