@@ -16,6 +16,20 @@ from tfm.models import DecoderLM
 from tfm.models.presets import tiny
 
 V = 64
+# a tiny model per mixer: the mixer, then an attention layer (mamba2 alone, and hybrid, are tiny() presets)
+MIXER_MODELS = {
+    "mamba": dict(mixer_pattern=("mamba", "attention"), mamba=dict(state_size=8)),
+    "gated_deltanet": dict(mixer_pattern=("gated_deltanet", "attention"),
+                           deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8)),
+    "rwkv": dict(mixer_pattern=("rwkv", "attention"), ffn_pattern=("rwkv", "dense")),
+    "rglru": dict(mixer_pattern=("rglru", "attention")),
+}
+
+
+def family_config(family):
+    if family in MIXER_MODELS:
+        return tiny("llama", mixer_chunk_size=4, **MIXER_MODELS[family])
+    return tiny(family)
 
 
 def init(cfg, T=12, seed=0):
@@ -28,11 +42,12 @@ def ids(seed, shape):
     return jnp.asarray(np.random.default_rng(seed).integers(1, V, shape), jnp.int32)
 
 
-@pytest.mark.parametrize("family", ["mamba2", "hybrid"])
+@pytest.mark.parametrize("family", ["mamba2", "hybrid"] + sorted(MIXER_MODELS))
 def test_packed_row_equals_its_sequences_alone(family):
     """Two sequences (5 and 4 tokens) and 3 padding tokens in one row give each sequence's logits run
-    alone: the state and convolution window reset at the boundary, padding adds to nothing."""
-    model, params = init(tiny(family))
+    alone: the state, the convolution window and the token shift reset at the boundary, padding adds to
+    nothing (every mixer, chunks of 4)."""
+    model, params = init(family_config(family))
     a, b = ids(1, (1, 5)), ids(2, (1, 4))
     row = jnp.concatenate([a, b, jnp.zeros((1, 3), jnp.int32)], 1)
     seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3])
