@@ -31,6 +31,7 @@ MODELS = {  # one layer where layers are looped: compile time dominates
     "decoder": lambda: DecoderLM(tiny("decoder", num_layers=1)),                     # MHA, K = 4
     "llama": lambda: DecoderLM(tiny("llama", scan_layers=True)),                     # GQA, K = 2, stacked
     "encdec": lambda: EncoderDecoder(tiny("encdec", num_layers=1, num_kv_heads=2)),  # GQA self + cross
+    "hybrid": lambda: DecoderLM(tiny("hybrid")),  # a Mamba-2 layer (8 heads) and a GQA attention layer
 }
 SCORE_TOL = 1e-5  # fp32, absolute on the beam scores
 
@@ -87,10 +88,11 @@ _reference = functools.lru_cache(maxsize=None)(_run)
 
 def _expected_spec(mesh_name, names, shape):
     """The rule sets restated: cache batch (self- and cross-attention's) over the batch axis, kv
-    heads over tensor when it divides them, everything else (layers, length, head dim) whole."""
+    heads (and a mixer's state heads) over tensor when it divides them, everything else (layers,
+    length, head dim, state, convolution window) whole."""
     _, _, batch_axis, tensor = MESHES[mesh_name]
     spec = [batch_axis if n in ("cache_batch", "cache_memory_batch") else
-            "tensor" if n == "cache_kv_heads" and tensor > 1 and dim % tensor == 0 else None
+            "tensor" if n in ("cache_kv_heads", "cache_heads") and tensor > 1 and dim % tensor == 0 else None
             for n, dim in zip(names, shape)]
     while spec and spec[-1] is None:
         spec.pop()
@@ -116,6 +118,16 @@ def test_lm_decoding_under_a_mesh_equals_single_device(family, mesh):
     np.testing.assert_array_equal(got["sampled"], ref["sampled"])
     assert not np.array_equal(ref["greedy"], ref["sampled"]), "sampling should differ from greedy here"
     assert _check_cache_shardings(cache, mesh) == 3  # k, v, segment ids (looped: 1 layer, or stacked)
+
+
+def test_hybrid_decoding_under_a_mesh_equals_single_device():
+    """A Mamba-2 + attention hybrid: tokens equal, the recurrent state's heads split over tensor."""
+    ref, _ = _reference("hybrid")
+    got, cache = _run("hybrid", "data2_tensor4")
+    np.testing.assert_array_equal(got["greedy"], ref["greedy"])
+    np.testing.assert_array_equal(got["sampled"], ref["sampled"])
+    # attention: k, v, segment ids; Mamba-2: its state and 3 convolutions' windows and their segment ids
+    assert _check_cache_shardings(cache, "data2_tensor4") == 10
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

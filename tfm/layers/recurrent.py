@@ -30,21 +30,23 @@ def state_cache(module: nn.Module, name: str, initial, axes: Tuple[Optional[str]
 
 
 def decode_states(module: nn.Module, decode: bool, entries: dict):
-    """The recurrent states a mixer starts from: {name: (shape without batch, logical axes)} -> (a dict of
-    the cached values, or None outside decode mode or on the creating call; a function that writes a dict
-    of new values back, doing nothing when there is nothing to write)."""
+    """The recurrent states a mixer starts from: {name: (shape, logical axes[, fill])} -> (a dict of the
+    cached values, or None outside decode mode or on the creating call, which makes them float32 filled
+    with `fill` (default 0); a function that writes a dict of new values back, doing nothing when there is
+    nothing to write)."""
     if not decode:
         return None, lambda new: None
     variables, created = {}, False
-    for name, (shape, axes) in entries.items():
-        variables[name], creating = state_cache(module, name, lambda s=shape: jnp.zeros(s, jnp.float32), axes)
+    for name, (shape, axes, *fill) in entries.items():
+        make = lambda s=shape, f=(fill or [0.0])[0]: jnp.full(s, f, jnp.float32)
+        variables[name], creating = state_cache(module, name, make, axes)
         created |= creating
     if created:
         return None, lambda new: None
 
     def write(new):
         for name, value in new.items():
-            variables[name].value = value.astype(variables[name].value.dtype)
+            variables[name].value = constrain(value.astype(variables[name].value.dtype), entries[name][1])
     return {name: var.value for name, var in variables.items()}, write
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from tfm import capabilities
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, param_init
-from tfm.layers.recurrent import decode_states, state_cache
+from tfm.layers.recurrent import decode_states
 from tfm.ops.wkv import EMPTY_MAX, wkv
 
 SHIFT_AXES = ("cache_batch", None)  # [B, D]: the last token's input
@@ -103,20 +103,11 @@ class RwkvTimeMix(nn.Module):
     def _wkv_state(self, decode: bool, B: int, C: int):
         """The cached WKV state (num, den, max) [B, C] each, or None outside decode mode or on the creating
         call (where it is made empty: zeros, max EMPTY_MAX); and a function that writes a new one back."""
-        if not decode:
-            return None, lambda state: None
-        variables, created = [], False
-        for name, fill in (("num", 0.0), ("den", 0.0), ("max", EMPTY_MAX)):
-            var, creating = state_cache(self, name, lambda f=fill: jnp.full((B, C), f, jnp.float32), WKV_STATE_AXES)
-            variables.append(var)
-            created |= creating
-        if created:
-            return None, lambda state: None
-
-        def write(state):
-            for var, value in zip(variables, state):
-                var.value = value.astype(jnp.float32)
-        return tuple(var.value for var in variables), write
+        names = ("num", "den", "max")
+        state, write = decode_states(self, decode, {name: ((B, C), WKV_STATE_AXES, fill)
+                                                    for name, fill in zip(names, (0.0, 0.0, EMPTY_MAX))})
+        return (None if state is None else tuple(state[name] for name in names),
+                lambda new: write(dict(zip(names, new))))
 
 
 class RwkvChannelMix(nn.Module):
