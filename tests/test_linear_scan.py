@@ -1,4 +1,4 @@
-"""linear_scan: both impls against a float64 NumPy loop (fp32 and bf16), associative gradients
+"""linear_scan: both impls against a float64 NumPy loop (fp32 and bf16), the parallel ("chunked") form's gradients
 against the reference scan's, segment semantics (packed, padded, continued) and input errors."""
 import functools
 
@@ -82,7 +82,7 @@ def test_gradients():
 
     grads = {impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2)))(a, b, h0)
              for impl in IMPLS}
-    for got, want in zip(grads["associative"], grads["reference"]):
+    for got, want in zip(grads["chunked"], grads["reference"]):
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -116,7 +116,7 @@ def test_segments(impl):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(impl="chunked"), "impl='chunked'"),
+    (dict(impl="pallas"), "impl='pallas'"),
     (dict(a=np.zeros((B, T, N))), "a has shape"),
     (dict(b=np.zeros((B,))), "b has shape"),
     (dict(segment_ids=np.zeros((B, T + 1), np.int32)), "segment_ids has shape"),

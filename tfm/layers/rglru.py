@@ -14,7 +14,6 @@ from tfm.ops.linear_scan import linear_scan
 
 RNN_STATE_AXES = ("cache_batch", "cache_heads", None)  # [B, N, P]: the RG-LRU's state
 LAST_SEGMENT_AXES = ("cache_batch",)  # [B]: the segment id of the last token seen (0 = none yet)
-SCAN_IMPLS = {"reference": "reference", "chunked": "associative"}  # capabilities.MIXER form -> linear_scan impl
 SQRT_MAX_GRADIENT = 1000.0  # Griffin clips d sqrt(x) / dx here (the normaliser near a = 1)
 
 
@@ -99,7 +98,7 @@ class RecurrentBlock(nn.Module):
         norm = jnp.where(first, 1.0, _sqrt_clipped_grad(-jnp.expm1(2.0 * log_a)))
         h0 = None if state is None else jnp.where(first[:, 0], 0.0, state["rnn_state"])
         h, final = linear_scan(jnp.exp(log_a), xs * input_gate * norm, segment_ids=segment_ids, initial_state=h0,
-                               impl=SCAN_IMPLS[capabilities.mixer_impl(cfg.execution.mixer_impl, T)])
+                               impl=capabilities.mixer_impl(cfg.execution.mixer_impl, T))
         write({"rnn_state": final, "last_segment_id": seg[:, -1]})
         y = constrain(h.astype(dtype) * gate, ("batch", "length", "heads", None))
         return Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", None, "embed"), ("embed",), use_bias=True, dtype=dtype,

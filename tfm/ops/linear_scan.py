@@ -1,7 +1,8 @@
 """A diagonal linear recurrence h_t = a_t * h_{t-1} + b_t (Griffin's RG-LRU, De et al. 2024), pure JAX.
 
-Two forms of one recurrence: `reference` scans over time (a decode step); `associative` is the
-training form, `jax.lax.associative_scan` over time in float32 (O(log T) depth, no chunks).
+Two forms of one recurrence: `reference` scans over time (a decode step); `chunked`, the parallel
+training form (tfm.capabilities.MIXER's name for it), is `jax.lax.associative_scan` over time in float32
+(O(log T) depth; a diagonal recurrence needs no chunks).
 """
 from __future__ import annotations
 
@@ -10,20 +11,20 @@ import jax.numpy as jnp
 
 from tfm.ops.segments import sequence_starts
 
-IMPLS = ("reference", "associative")
+IMPLS = ("reference", "chunked")
 
 
-def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="associative"):
+def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked"):
     """h_t = a_t * h_{t-1} + b_t elementwise. a, b [B, T, ...] (a in [0, 1], e.g. RG-LRU's decay);
     initial_state [B, ...] (None = zeros) is h_{-1}.
     segment_ids [B, T] int, 0 = padding: h_{t-1} is dropped (taken as 0) where a sequence starts
     (tfm.ops.segments); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
     float32 whatever the input dtype.
-    impl: "reference" (lax.scan over time) or "associative" (lax.associative_scan).
+    impl: "reference" (lax.scan over time) or "chunked" (lax.associative_scan).
     Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
     _check(a, b, segment_ids, initial_state, impl)
     dtype = b.dtype
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     if segment_ids is not None:
         shape = segment_ids.shape + (1,) * (b.ndim - 2)
         real, reset = (x.reshape(shape) for x in sequence_starts(segment_ids))
