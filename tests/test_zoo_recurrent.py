@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 
+from test_zoo_decoders import max_abs, randomize  # noqa: E402
 from tfm import decode  # noqa: E402
 from tfm.convert import from_hf, to_hf  # noqa: E402
 
@@ -85,22 +86,8 @@ def _router_bias(model):
 ONE_ROW_GENERATE = ("rwkv",)
 
 
-def randomize(model):
-    """Perturb every float parameter so that zero biases and unit scales hide nothing."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
 def tokens(seed, shape=(B, T)):
     return np.random.default_rng(seed).integers(1, V - 1, shape)
-
-
-def max_abs(a, b, mask=None):
-    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-    return float(diff[np.asarray(mask, bool)].max() if mask is not None else diff.max())
 
 
 MASK = (np.arange(T)[None] < np.array([[T], [7]])).astype(np.int64)  # right padding on row 1

@@ -13,8 +13,8 @@ from typing import Mapping, Optional, Sequence
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mamba2
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, linear_pair,
-                                model_params, norm, rope)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hybrid_mixer, model_params,
+                                norm, rope)
 from tfm.models import DecoderLM
 
 MIXER_FIELDS = dict(state_size="mamba_d_state", conv_kernel="mamba_d_conv", expand="mamba_expand",
@@ -82,15 +82,7 @@ def _rope(hf: HFConfig):
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig, i: int) -> dict:
-    if cfg.layer_mixer(i) == "attention":
-        b = cfg.attention_bias
-        qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v", "o")]
-        out = {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-               "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
-    else:
-        out = {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-               "mixer": mamba2.mixer_params(w, f"{p}.mamba", cfg)}
-    return {**out, "ffn_norm": norm(w, f"{p}.pre_ff_layernorm", "rmsnorm"),
+    return {**hybrid_mixer(w, p, cfg, i, mamba2.mixer_params), "ffn_norm": norm(w, f"{p}.pre_ff_layernorm", "rmsnorm"),
             "ffn": llama.swiglu(w, f"{p}.feed_forward", cfg.ffn_bias)}
 
 

@@ -239,6 +239,17 @@ def linear_pair(w: Weights, prefix: str, bias: bool):
     return w(f"{prefix}.weight"), (w(f"{prefix}.bias") if bias else None)
 
 
+def hybrid_mixer(w: Weights, p: str, cfg, layer: int, mixer_params: Callable) -> dict:
+    """Layer `layer`'s token mixer in the layout Jamba and Bamba share: `input_layernorm` (RMSNorm), then
+    `self_attn.{q,k,v,o}_proj` (biases as cfg.attention_bias) where cfg.mixer_pattern says attention, else
+    the linear-time mixer at `mamba` (`mixer_params(w, prefix, cfg)`)."""
+    if cfg.layer_mixer(layer) == "attention":
+        qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", cfg.attention_bias) for n in ("q", "k", "v", "o")]
+        return {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
+                "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
+    return {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mamba", cfg)}
+
+
 def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1, unscanned: int = 0) -> dict:
     """Per-layer param dicts -> `layer_0..` or, for scanned stacks, the first `unscanned` as `layer_i`
     and the rest as `layers` stacked on axis 0 (with an attention pattern of period P > 1:

@@ -14,8 +14,8 @@ from typing import Sequence
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mamba, mixtral
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, linear_pair,
-                                model_params, norm)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hybrid_mixer, model_params,
+                                norm)
 from tfm.models import DecoderLM
 
 JAMBA_NAMES = dict(state_size="mamba_d_state", conv_kernel="mamba_d_conv", expand="mamba_expand",
@@ -61,13 +61,7 @@ def config(hf: HFConfig) -> ModelConfig:
 def params(w: Weights, cfg: ModelConfig) -> dict:
     def layer(i: int) -> dict:
         p = f"model.layers.{i}"
-        if cfg.layer_mixer(i) == "attention":
-            qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", False) for n in ("q", "k", "v", "o")]
-            out = {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-                   "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
-        else:
-            out = {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-                   "mixer": mamba.mixer_params(w, f"{p}.mamba", cfg)}
+        out = hybrid_mixer(w, p, cfg, i, mamba.mixer_params)
         if cfg.layer_ffn(i) == "moe":
             ffn = mixtral.moe_ffn(w, p, cfg, hub_block="feed_forward", hub_names=("gate_proj", "up_proj", "down_proj"),
                                   block="feed_forward", router="router")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from tfm.config import ModelConfig
-from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
+from tfm.convert import mamba2
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights, norm
 from tfm.models import DecoderLM
 
 
@@ -81,11 +82,7 @@ def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
-    def layer(i: int) -> dict:
-        p = f"backbone.layers.{i}"
-        return {"mixer_norm": norm(w, f"{p}.norm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mixer", cfg)}
-    decoder = Stack(layer, cfg.num_layers, final_norm="backbone.norm_f")
-    return model_params(w, cfg, embedding="backbone.embeddings.weight", stacks={"decoder": decoder})
+    return mamba2.params(w, cfg, mixer_params)
 
 
 def hf_config(cfg: ModelConfig) -> dict:

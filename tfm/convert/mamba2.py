@@ -7,7 +7,7 @@ heads. `mixer_params` also serves the hybrids that use the same mixer (Bamba, Ne
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from tfm.config import ModelConfig
 from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
@@ -85,10 +85,12 @@ def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return out
 
 
-def params(w: Weights, cfg: ModelConfig) -> dict:
+def params(w: Weights, cfg: ModelConfig, mixer: Callable = mixer_params) -> dict:
+    """The `backbone` of Mamba2ForCausalLM (and MambaForCausalLM, with its `mixer`): layers of `norm` and
+    `mixer`, the final `norm_f`."""
     def layer(i: int) -> dict:
         p = f"backbone.layers.{i}"
-        return {"mixer_norm": norm(w, f"{p}.norm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mixer", cfg)}
+        return {"mixer_norm": norm(w, f"{p}.norm", "rmsnorm"), "mixer": mixer(w, f"{p}.mixer", cfg)}
     decoder = Stack(layer, cfg.num_layers, final_norm="backbone.norm_f")
     return model_params(w, cfg, embedding="backbone.embeddings.weight", stacks={"decoder": decoder})
 
