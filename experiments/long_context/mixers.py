@@ -15,7 +15,7 @@ tokens only (LMTask's weights). Memory is `.lower(...).compile().memory_analysis
 of the Trainer's step (forward, backward, AdamW) at batch 1 for each length, compile only, with
 attention_impl "xla" (the [N, L, L] scores) and, for variants with attention layers, "chunked" at the
 longest length; the recurrent mixers run their chunked forms (mixer_impl "auto"). Step time: the
-fastest of interleaved calls of each variant's compiled train step at the training shape
+fastest of interleaved calls of each variant's compiled train step at each task's training shape
 (`benchmarks.train_step.interleaved`), as a ratio to full attention's.
 """
 from __future__ import annotations
@@ -56,19 +56,21 @@ VARIANTS = {
 class TaskSize:
     length: int  # tokens per row
     steps: int   # training steps
+    batch: int   # rows per step
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The comparison's sizes. MQAR rows are short and many steps (the key-value binding is learned
-    late); needle rows are long enough to put needles beyond the window's reach."""
-    mqar: TaskSize = TaskSize(length=64, steps=1000)
-    needle: TaskSize = TaskSize(length=256, steps=300)
+    """The comparison's sizes, for about 15 minutes on 2 CPU cores. MQAR rows are short, so it gets
+    more steps (the key-value binding is learned late); needle rows are long enough to put needles
+    beyond the window's reach (n (w - 1) = 124)."""
+    mqar: TaskSize = TaskSize(length=64, steps=600, batch=32)
+    needle: TaskSize = TaskSize(length=192, steps=200, batch=16)
     pairs: tuple = (2, 4, 8, 16)       # MQAR: trained on rows cycling through these, scored per value
-    batch_size: int = 32
+    num_layers: int = BASE["num_layers"]
     eval_rows: int = 128               # held-out rows per number of pairs and per needle distance bucket
     learning_rate: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 30             # at most a tenth of a task's steps
     weight_decay: float = 0.01
     memory_lengths: tuple = (1024, 4096, 16384)
     rounds: int = 10                   # interleaved timing rounds
@@ -76,32 +78,34 @@ class Settings:
     seed: int = 0
 
 
-# --smoke: batch 1, both tasks and the memory at one length and step count, so that their compiles are
-# one program (hits in JAX's persistent compilation cache where one is set, as in the tests)
-SMOKE = Settings(mqar=TaskSize(32, 3), needle=TaskSize(32, 3), pairs=(2, 4, 8), batch_size=1, eval_rows=2,
-                 warmup_steps=1, memory_lengths=(32,), rounds=2, log_every=1)
+# --smoke: 2 layers (the hybrid's are two Mamba-2 layers then); batch 1, both tasks and the memory at one
+# size, so that they share one compiled step (a hit in JAX's persistent compilation cache where one is
+# set, as in the tests)
+SMOKE = Settings(mqar=TaskSize(32, 3, 1), needle=TaskSize(32, 3, 1), pairs=(2, 4, 8), num_layers=2, eval_rows=2,
+                 memory_lengths=(32,), rounds=2, log_every=1)
 
 
-def model_config(variant: str, max_len: int):
+def model_config(variant: str, max_len: int, num_layers: int = BASE["num_layers"]):
     """The Llama-style base with `variant`'s overrides."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} unknown; choose from {sorted(VARIANTS)}")
-    return presets.llama(recall.VOCAB_SIZE, **BASE, max_len=max_len).replace(**VARIANTS[variant])
+    return presets.llama(recall.VOCAB_SIZE, **{**BASE, "num_layers": num_layers}, max_len=max_len).replace(
+        **VARIANTS[variant])
 
 
 def has_attention(cfg) -> bool:
     return "attention" in (cfg.mixer_pattern or ("attention",))
 
 
-def make_trainer(cfg, s: Settings, batch_size: int, size: TaskSize) -> Trainer:
-    """tfm's Trainer for DecoderLM(cfg) on one CPU device, set up for [batch_size, size.length] batches
+def make_trainer(cfg, s: Settings, size: TaskSize) -> Trainer:
+    """tfm's Trainer for DecoderLM(cfg) on one CPU device, set up for [size.batch, size.length] batches
     and a schedule of size.steps."""
-    optimizer = OptimizerConfig(name="adamw", learning_rate=s.learning_rate, warmup_steps=min(s.warmup_steps, size.steps),
-                                schedule="cosine", weight_decay=s.weight_decay)
+    optimizer = OptimizerConfig(name="adamw", learning_rate=s.learning_rate, schedule="cosine",
+                                warmup_steps=min(s.warmup_steps, size.steps // 10), weight_decay=s.weight_decay)
     mesh = MeshConfig(data=1)
-    config = TrainConfig(num_train_steps=size.steps, batch_size=batch_size, seed=s.seed, mesh=mesh,
+    config = TrainConfig(num_train_steps=size.steps, batch_size=size.batch, seed=s.seed, mesh=mesh,
                          optimizer=optimizer)
-    shape = (batch_size, size.length)
+    shape = (size.batch, size.length)
     example = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
                "weights": np.zeros(shape, np.float32)}
     return Trainer(DecoderLM(cfg), LMTask(), config, make_mesh(mesh, jax.devices()[:1])).setup(example)
@@ -109,7 +113,8 @@ def make_trainer(cfg, s: Settings, batch_size: int, size: TaskSize) -> Trainer:
 
 def train_rows(task: str, s: Settings, step: int) -> list:
     """Training step `step`'s rows: MQAR cycling through s.pairs, needles at any distance."""
-    indices, length = range(step * s.batch_size, (step + 1) * s.batch_size), getattr(s, task).length
+    size = getattr(s, task)
+    indices, length = range(step * size.batch, (step + 1) * size.batch), size.length
     if task == "mqar":
         return [recall.mqar(s.seed, "train", i, length, s.pairs[i % len(s.pairs)]) for i in indices]
     return [recall.needle(s.seed, "train", i, length, range(1, length - 1)) for i in indices]
@@ -120,7 +125,7 @@ def held_out(task: str, s: Settings) -> dict:
     length = getattr(s, task).length
     if task == "mqar":
         return {n: [recall.mqar(s.seed, "test", i, length, n) for i in range(s.eval_rows)] for n in s.pairs}
-    buckets = recall.distance_buckets(length, BASE["num_layers"], WINDOW)
+    buckets = recall.distance_buckets(length, s.num_layers, WINDOW)
     return {label: [recall.needle(s.seed, "test", i, length, r) for i in range(s.eval_rows)]
             for label, r in buckets.items()}
 
@@ -137,7 +142,7 @@ def train_and_score(trainer: Trainer, task: str, s: Settings, log) -> tuple:
                 f"answer accuracy {float(metrics['accuracy']):.1%} ({time.perf_counter() - start:.0f} s)")
     scores = {}
     for group, rows in held_out(task, s).items():
-        batches = [recall.batch(rows[i:i + s.batch_size]) for i in range(0, len(rows), s.batch_size)]
+        batches = [recall.batch(rows[i:i + size.batch]) for i in range(0, len(rows), size.batch)]
         scores[group] = trainer.evaluate(state.params, batches)["accuracy"]
     log(f"  {task} held-out: " + ", ".join(f"{g}: {a:.1%}" for g, a in scores.items()))
     return state, scores
@@ -145,8 +150,8 @@ def train_and_score(trainer: Trainer, task: str, s: Settings, log) -> tuple:
 
 def temp_mib(cfg, s: Settings, length: int) -> float:
     """XLA's compiled temporaries (MiB) of the Trainer's step on one row of `length` tokens."""
-    size = TaskSize(length, s.needle.steps)
-    trainer = make_trainer(cfg.replace(max_len=max(cfg.max_len, length)), s, 1, size)
+    size = TaskSize(length, s.needle.steps, 1)
+    trainer = make_trainer(cfg.replace(max_len=max(cfg.max_len, length)), s, size)
     spec = lambda dtype: jax.ShapeDtypeStruct((1, length), dtype, sharding=trainer.batch_sharding)
     batch = {"inputs": spec(np.int32), "targets": spec(np.int32), "weights": spec(np.float32)}
     with trainer.context():
@@ -165,13 +170,15 @@ def run(variants, s: Settings, log=_print) -> dict:
         raise ValueError(f"variants {list(variants)} must include 'full' (the reference of the time ratios)")
     rows, steppers = {}, {task: {} for task in recall.TASKS}
     for name in variants:
-        cfg = model_config(name, max(getattr(s, task).length for task in recall.TASKS))
-        trainers = {task: make_trainer(cfg, s, s.batch_size, getattr(s, task)) for task in recall.TASKS}
-        row = rows[name] = {"params": trainers["mqar"].num_params}
+        cfg = model_config(name, max(getattr(s, task).length for task in recall.TASKS), s.num_layers)
+        sizes = {task: getattr(s, task) for task in recall.TASKS}
+        # one Trainer per distinct size: the tasks share one where their sizes agree (--smoke)
+        trainers = {size: make_trainer(cfg, s, size) for size in dict.fromkeys(sizes.values())}
+        row = rows[name] = {"params": next(iter(trainers.values())).num_params}
         log(f"== {name}: {row['params']:,} parameters")
-        for task, trainer in trainers.items():
-            state, row[task] = train_and_score(trainer, task, s, log)
-            steppers[task][name] = _stepper(trainer, state, recall.batch(train_rows(task, s, 0)))
+        for task, size in sizes.items():
+            state, row[task] = train_and_score(trainers[size], task, s, log)
+            steppers[task][name] = _stepper(trainers[size], state, recall.batch(train_rows(task, s, 0)))
         row["memory"] = {L: temp_mib(cfg, s, L) for L in s.memory_lengths}
         long = s.memory_lengths[-1]
         row["chunked"] = temp_mib(cfg.replace(attention_impl="chunked"), s, long) if has_attention(cfg) else None
@@ -181,7 +188,8 @@ def run(variants, s: Settings, log=_print) -> dict:
         seconds = dict(zip(calls, interleaved(list(calls.values()), s.rounds)))
         for name in rows:
             rows[name].setdefault("time_ratio", {})[task] = seconds[name] / seconds["full"]
-        log(f"{task} step time, {s.batch_size} x {getattr(s, task).length} (fastest of {s.rounds} interleaved "
+        size = getattr(s, task)
+        log(f"{task} step time, {size.batch} x {size.length} (fastest of {s.rounds} interleaved "
             "rounds): " + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in seconds.items()))
     return rows
 
@@ -236,7 +244,7 @@ def plot(path: str, rows: dict, s: Settings) -> None:
     ax_needle.axhline(1 / len(recall.VALUES), color="grey", ls="--", lw=1, label="chance")
     ax_needle.set(xlabel="needle's distance from the question (tokens)", ylabel="held-out answer accuracy",
                   ylim=(0, 1.02), title=f"needle asked at the end, L={s.needle.length} (window reach "
-                                        f"{documents.reach(BASE['num_layers'], WINDOW)})")
+                                        f"{documents.reach(s.num_layers, WINDOW)})")
     ax_needle.set_xticks(range(len(buckets)), buckets)
     ax_mem.set(xscale="log", yscale="log", xlabel="length L", ylabel="compiled temp memory (MiB)",
                title="train step, batch 1 (attention 'xla')")
@@ -250,25 +258,29 @@ def plot(path: str, rows: dict, s: Settings) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for mixers.md, mixers.json and (default) mixers.png")
-    parser.add_argument("--steps", type=int, default=None, help="training steps of every variant on each task "
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every variant on both tasks "
                         f"(default {Settings.mqar.steps} on MQAR, {Settings.needle.steps} on the needles)")
+    for task in recall.TASKS:
+        parser.add_argument(f"--{task}-steps", type=int, default=None, help=f"training steps on {task} alone")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--plot", default=None, help="PNG path (default <out>/mixers.png)")
     parser.add_argument("--smoke", action="store_true", help="a few steps at tiny lengths: a check that it runs")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else Settings()
-    if args.steps is not None:
-        if args.steps < 1:
-            parser.error(f"--steps={args.steps} must be >= 1")
-        s = dataclasses.replace(s, mqar=TaskSize(s.mqar.length, args.steps), needle=TaskSize(s.needle.length, args.steps),
-                                warmup_steps=min(s.warmup_steps, args.steps // 10))
+    for task in recall.TASKS:
+        steps = next((n for n in (getattr(args, f"{task}_steps"), args.steps) if n is not None), None)
+        if steps is not None:
+            if steps < 1:
+                parser.error(f"--steps / --{task}-steps = {steps} must be >= 1")
+            s = dataclasses.replace(s, **{task: dataclasses.replace(getattr(s, task), steps=steps)})
     names = args.variants.split(",")
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or "full" not in names:
         parser.error(f"--variants {args.variants!r}: choose from {sorted(VARIANTS)}, 'full' included")
     os.makedirs(args.out, exist_ok=True)
-    print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; batch {s.batch_size}, AdamW {s.learning_rate:g}; "
-          f"MQAR {s.mqar.steps} steps at L={s.mqar.length}, needles {s.needle.steps} steps at L={s.needle.length}")
+    print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; AdamW {s.learning_rate:g}; " + "; ".join(
+        f"{task} {size.steps} steps of {size.batch} x {size.length}" for task, size in
+        ((task, getattr(s, task)) for task in recall.TASKS)))
     rows = run(names, s)
     text = table(rows, s)
     print("\n" + text)
