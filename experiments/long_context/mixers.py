@@ -182,7 +182,7 @@ def run(variants, s: Settings, log=_print) -> dict:
         row["memory"] = {L: temp_mib(cfg, s, L) for L in s.memory_lengths}
         long = s.memory_lengths[-1]
         row["chunked"] = temp_mib(cfg.replace(attention_impl="chunked"), s, long) if has_attention(cfg) else None
-        log(f"  temp MiB: " + ", ".join(f"L={L}: {m:,.1f}" for L, m in row["memory"].items())
+        log("  temp MiB: " + ", ".join(f"L={L}: {m:,.1f}" for L, m in row["memory"].items())
             + ("" if row["chunked"] is None else f", L={long} chunked: {row['chunked']:,.1f}"))
     for task, calls in steppers.items():
         seconds = dict(zip(calls, interleaved(list(calls.values()), s.rounds)))
