@@ -16,7 +16,7 @@ Command:   python -m experiments.lm.train --config=experiments/lm/configs/hybrid
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/hybrid.py:qwen3_next --target=v5p-128 --noeval
            python -m experiments.preflight --config=experiments/lm/configs/hybrid.py:nemotron_h --target=h100-8 --noeval
 Hardware:  qwen3_next: v5p-128 (64 chips; fp32 parameters and AdamW alone are 0.96 TB, more than one
-           8-GPU node holds; not yet preflighted); nemotron_h: one node of 8 H100s: the preflight
+           8-GPU node holds): the preflight (2026-11-28) fits at 52.18 GiB of 95 GiB per chip; nemotron_h: one node of 8 H100s: the preflight
            (2026-11-28) fits at 47.94 GiB of 79.14 GiB per GPU (11.33 GiB parameters + AdamW, 36.61 GiB
            temporaries). benchmarks/RESULTS.md ("Linear-time mixers").
 Runtime:   not run on hardware.
