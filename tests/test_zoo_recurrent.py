@@ -95,36 +95,40 @@ MASK = (np.arange(T)[None] < np.array([[T], [7]])).astype(np.int64)  # right pad
 
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
+    """One family's HF model, its save_pretrained directory, and one conversion (chunks of 4) whose forward
+    is compiled once for every test of the family."""
     torch.manual_seed(0)
     hf = randomize(FAMILIES[request.param]())
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    return request.param, hf, str(path)
+    cfg, params, model = from_hf(hf, mixer_chunk_size=4)
+    forward = jax.jit(lambda ids, segment_ids: model.apply({"params": params}, ids, segment_ids=segment_ids).logits)
+    return request.param, hf, str(path), (cfg, params, model, forward)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_logits_match_hf(family):
-    name, hf, path = family
+    """Logits from the live model's conversion match transformers' (1e-4); the saved directory's
+    conversion gives the same config and bit-identical parameters."""
+    name, hf, path, (cfg, params, _, forward) = family
     ids = tokens(1)
     with torch.no_grad():
         ref = hf(torch.tensor(ids), attention_mask=torch.tensor(MASK)).logits.numpy()
-    for source in (hf, path):
-        cfg, params, model = from_hf(source, mixer_chunk_size=4)
-        out = jax.jit(functools.partial(model.apply, segment_ids=jnp.asarray(MASK)))({"params": params},
-                                                                                     jnp.asarray(ids))
-        diff = max_abs(out.logits, ref, MASK)
-        print(f"{name} [{'model' if source is hf else 'dir'}] max-abs {diff:.2e}")
-        assert diff < TOL, (name, diff)
+    diff = max_abs(forward(jnp.asarray(ids), jnp.asarray(MASK)), ref, MASK)
+    print(f"{name} max-abs {diff:.2e}")
+    assert diff < TOL, (name, diff)
+    cfg_dir, params_dir, _ = from_hf(path, mixer_chunk_size=4)
+    assert cfg_dir == cfg
+    jax.tree.map(np.testing.assert_array_equal, params_dir, params)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_prompt_continued_from_the_cache_equals_the_whole(family):
     """The first 6 tokens through the cache in one call (chunked), then one token a step (the recurrent
     form): every logit equals the full forward's (1e-5)."""
-    name, hf, _ = family
-    cfg, params, model = from_hf(hf, mixer_chunk_size=4)
+    name, _, _, (cfg, params, model, forward) = family
     ids = jnp.asarray(tokens(2))
-    full = jax.jit(model.apply)({"params": params}, ids).logits
+    full = forward(ids, jnp.ones_like(ids))
     step = jax.jit(decode.step_fn(model, params))
     cache = decode.init_cache(model, params, B, T)
     logits, cache = step(cache, ids[:, :6])
@@ -138,8 +142,7 @@ def test_prompt_continued_from_the_cache_equals_the_whole(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_greedy_decoding_equals_transformers_generate(family):
-    name, hf, _ = family
-    cfg, params, model = from_hf(hf)
+    name, hf, _, (cfg, params, model, _) = family
     prompt = tokens(3, (B, 5))
     rows = [prompt[i:i + 1] for i in range(B)] if name in ONE_ROW_GENERATE else [prompt]
     with torch.no_grad():
@@ -153,8 +156,7 @@ def test_greedy_decoding_equals_transformers_generate(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
-    name, hf, _ = family
-    cfg, params, _ = from_hf(hf)
+    name, hf, _, (cfg, params, _, _) = family
     directory = to_hf(cfg, params, tmp_path / name)
     reloaded, info = type(hf).from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
