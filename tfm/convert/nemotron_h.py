@@ -24,6 +24,7 @@ from tfm.convert.bamba import period, with_defaults
 from tfm.convert.common import (HF_ACTIVATIONS, ConversionError, Converter, HFConfig, Stack, Weights, attention,
                                 hf_activation, linear, linear_pair, model_params, norm)
 from tfm.models import DecoderLM
+from tfm.models.presets import HYBRID_LETTERS
 
 MIXER_FIELDS = dict(state_size="ssm_state_size", conv_kernel="conv_kernel", expand=None, head_dim="mamba_head_dim",
                     num_heads="mamba_num_heads", groups="n_groups", conv_bias="use_conv_bias", proj_bias="use_bias",
@@ -39,9 +40,7 @@ DEFAULTS = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, int
 RENAMED = dict(mamba_n_groups="n_groups", mamba_d_conv="conv_kernel", mamba_conv_bias="use_conv_bias",
                mamba_dt_min="time_step_min")
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern
-# layers_block_type -> (mixer_pattern, ffn_pattern) kinds
-KINDS = {"linear_attention": ("mamba2", "none"), "full_attention": ("attention", "none"), "mlp": ("none", "dense"),
-         "moe": ("none", "moe")}
+KINDS = {kind: HYBRID_LETTERS[c] for c, kind in PATTERN.items()}  # layers_block_type -> (mixer, feed-forward)
 ACTIVATIONS = {"relu2": "relu2", **HF_ACTIVATIONS}  # mlp_hidden_act -> tfm activation (ungated)
 
 
