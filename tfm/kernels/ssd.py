@@ -1,0 +1,397 @@
+"""Pallas kernels for Mamba-2's chunked SSD, forward and backward (tested against `tfm.ops.ssd`'s chunked form).
+
+Per batch row and head, the sequence is cut into chunks of L tokens. With X = x * dt [L, P] (P head dim),
+B, C [L, S] (S state size, the head's group), cs the running sum of the log decays dt * A (<= 0) within the
+chunk, and the state H [P, S] entering the chunk:
+
+  y      = ((C B^T) o D) X + e o (C H^T)        D[i, j] = exp(cs_i - cs_j), j <= i in one sequence, else 0
+  H_next = tau H + (w o X)^T B                  e_i = exp(cs_i) while no sequence has started in the chunk
+                                                w_j = exp(cs_{L-1} - cs_j) in the chunk's last sequence
+                                                tau = e_{L-1}
+
+The two products by (C B^T) o D and the state products run on the matrix units (fp32 accumulation, the
+operands in the input dtype); states and decays are fp32. Exponents are differences of non-increasing
+running sums taken in the order that makes them <= 0, and masked entries are chosen before `exp`.
+Segments enter as `starts`, the number of sequence starts so far within the chunk (0 = the chunk's first
+sequence, the one continuing the entering state).
+
+The chunks of a row run in order, carrying the state. Two drivers share the per-chunk math:
+  grid  (TPU Mosaic)  grid (B, N, chunks), the chunk axis sequential ("arbitrary"), the state in VMEM scratch.
+  loop  (GPU Triton, CPU interpret)  grid (B, N), a `fori_loop` over chunks carrying the state.
+The forward also writes the state entering every chunk [B, N, chunks * P, S] fp32, which the backward reads.
+
+Backward (`jax.custom_vjp`): a Pallas kernel running the chunks in reverse, carrying G = dLoss/dH_next
+(initially the final state's cotangent). Per chunk, with M = (C B^T) o D and dM = dy X^T:
+  dX = M^T dy + w o (B G^T)          dC = (dM o D) B + e o (dy H)       dB = (dM o D)^T C + w o (X G)
+  dcs_i += sum_j Q_ij - sum_j Q_ji (Q = dM o M) + e_i <dy_i, (C H^T)_i> - w_i <X_i, (B G^T)_i>,
+  dcs_{L-1} += sum_j w_j <X_j, (B G^T)_j> + tau <G, H>;      G <- tau G + dy^T (e o C).
+The row and column sums of Q leave the kernel as two arrays ([., L, 1] and [., 1, L]) and are added
+outside; dB and dC leave per head and are summed over the heads of a group outside. Everything before
+the kernel (x * dt, the log decays, their running sums) is differentiated by JAX.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tfm.kernels.tiles import Launch
+
+_BACKENDS = ("tpu", "gpu", "cpu")
+_FLOORS = {"tpu": 128, "gpu": 16, "cpu": 8}  # the smallest chunk per backend (`check_chunk`)
+_NEG = -1e30  # finite: exp() of it is 0, and nothing masked can make inf - inf
+
+
+def check_chunk(chunk: int, backend: str) -> None:
+    """Raises a one-line ValueError unless `chunk` is a tile the SSD kernel lowers on `backend`: a power
+    of two >= 8 (cpu, interpreted), >= 16 (gpu: Triton's dot), a multiple of 128 (tpu: a lane dimension)."""
+    floor = _FLOORS[backend]
+    ok = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= floor and not chunk & (chunk - 1)
+    if not ok or (backend == "tpu" and chunk % 128):
+        need = "a multiple of 128 (and a power of two)" if backend == "tpu" else f"a power of two >= {floor}"
+        raise ValueError(f"mixer_chunk_size={chunk!r}: the Pallas SSD kernel on {backend} needs {need}; "
+                         f"set ModelConfig.execution.mixer_chunk_size to one")
+
+
+class _Config(NamedTuple):
+    """Static settings of one call (hashable: a nondiff argument)."""
+    chunk: int
+    heads_per_group: int
+    driver: str  # "grid" | "loop"
+    backend: str
+    interpret: bool
+
+
+# --------------------------------------------------------------------------------------
+# Per-chunk math, shared by both drivers. Columns [L, 1] index the token as a row of X, rows [1, L]
+# as a column of the [L, L] tiles; starts are int32.
+# --------------------------------------------------------------------------------------
+
+def _dot(a, b, contract=(1, 0)):
+    """a @ b contracting a's dim contract[0] with b's dim contract[1]; fp32 result."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _last(col):
+    """col [L, 1] -> its last entry [1, 1] (a masked sum: a reduction lowers everywhere)."""
+    rows = lax.broadcasted_iota(jnp.int32, col.shape, 0)
+    return jnp.sum(jnp.where(rows == col.shape[0] - 1, col, jnp.zeros_like(col)), axis=0, keepdims=True)
+
+
+def _decays(cs_col, cs_row, st_col, st_row):
+    """D [L, L], e [L, 1], w [L, 1], tau [1, 1] (module docstring), fp32."""
+    L = cs_col.shape[0]
+    i = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    j = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    within = (i >= j) & (st_col == st_row)
+    D = jnp.exp(jnp.where(within, cs_col - cs_row, _NEG))
+    cs_last, st_last = _last(cs_col), _last(st_col)
+    e = jnp.exp(jnp.where(st_col == 0, cs_col, _NEG))
+    w = jnp.exp(jnp.where(st_col == st_last, cs_last - cs_col, _NEG))
+    tau = jnp.exp(jnp.where(st_last == 0, cs_last, _NEG))
+    return D, e, w, tau
+
+
+def _chunk_forward(X, B, C, cs_col, cs_row, st_col, st_row, H):
+    """X [L, P], B, C [L, S] (input dtype), H [P, S] fp32 -> y [L, P] fp32, H_next [P, S] fp32."""
+    dtype = X.dtype
+    D, e, w, tau = _decays(cs_col, cs_row, st_col, st_row)
+    M = _dot(C, B, (1, 1)) * D
+    y = _dot(M.astype(dtype), X) + e * _dot(C, H.astype(dtype), (1, 1))
+    H_next = tau * H + _dot((w * X).astype(dtype), B, (0, 0))
+    return y, H_next
+
+
+def _chunk_backward(X, B, C, cs_col, cs_row, st_col, st_row, H, G, dy):
+    """The chunk's gradients given H (entering) and G = dLoss/dH_next: dX, dB, dC, dcs_col [L, 1],
+    dcs_row [1, L] and the gradient of H, all fp32."""
+    dtype = X.dtype
+    L = X.shape[0]
+    D, e, w, tau = _decays(cs_col, cs_row, st_col, st_row)
+    scores = _dot(C, B, (1, 1))
+    M = scores * D
+    dM = _dot(dy, X, (1, 1))
+    dS = dM * D  # d scores
+    Q = dS * scores  # d (cs_i - cs_j)
+    H = H.astype(dtype)  # as the matrix units take it (and fewer registers)
+    G_in = G.astype(dtype)
+    BG = _dot(B, G_in, (1, 1))  # [L, P]
+    CH = _dot(C, H, (1, 1))  # [L, P]
+    Xf = X.astype(jnp.float32)
+    dX = _dot(M.astype(dtype), dy, (0, 0)) + w * BG
+    dC = _dot(dS.astype(dtype), B) + e * _dot(dy, H)
+    dB = _dot(dS.astype(dtype), C, (0, 0)) + w * _dot(X, G_in)
+    to_state = w * jnp.sum(Xf * BG, axis=1, keepdims=True)  # [L, 1]: dw o w
+    through = jnp.sum(jnp.sum(G * H.astype(jnp.float32), axis=1, keepdims=True), axis=0, keepdims=True) * tau
+    last = lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
+    dcs_col = (jnp.sum(Q, axis=1, keepdims=True) + e * jnp.sum(dy.astype(jnp.float32) * CH, axis=1, keepdims=True)
+               - to_state + jnp.where(last, jnp.sum(to_state, axis=0, keepdims=True) + through, 0.0))
+    dcs_row = -jnp.sum(Q, axis=0, keepdims=True)
+    dH = tau * G + _dot(dy, (e * C).astype(dtype), (0, 0))
+    return dX, dB, dC, dcs_col, dcs_row, dH
+
+
+# --------------------------------------------------------------------------------------
+# Kernels. Refs: xdt, B, C, cs_col, cs_row, st_col, st_row, then the forward's h0 or the backward's
+# states, dy, dh; outputs; scratch (grid driver).
+# --------------------------------------------------------------------------------------
+
+def _fwd_grid_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, h0_ref,
+                     y_ref, states_ref, h_ref, h_acc):
+    """Grid (B, N, chunks), chunks sequential; blocks are one chunk's."""
+    c = pl.program_id(2)
+
+    @pl.when(c == 0)
+    def _init():
+        h_acc[...] = h0_ref[...].astype(jnp.float32)
+
+    H = h_acc[...]
+    states_ref[...] = H
+    y, H = _chunk_forward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], csr_ref[...], stc_ref[...],
+                          str_ref[...], H)
+    y_ref[...] = y.astype(y_ref.dtype)
+    h_acc[...] = H
+
+    @pl.when(c == pl.num_programs(2) - 1)
+    def _finish():
+        h_ref[...] = H.astype(h_ref.dtype)
+
+
+def _chunk_refs(refs, c, L: int):
+    """The chunk-c views of the loop driver's whole-row refs (xdt, B, C, cs_col, cs_row, st_col, st_row)."""
+    rows = pl.ds(pl.multiple_of(c * L, L), L)
+    x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref = refs
+    return (x_ref[rows, :], b_ref[rows, :], c_ref[rows, :], csc_ref[rows, :], csr_ref[:, rows], stc_ref[rows, :],
+            str_ref[:, rows])
+
+
+def _fwd_loop_kernel(*refs, cfg: _Config):
+    """Grid (B, N); whole-row blocks, a loop over chunks."""
+    inputs, h0_ref, (y_ref, states_ref, h_ref) = refs[:7], refs[7], refs[8:]
+    L, P = cfg.chunk, h0_ref.shape[0]
+
+    def body(c, H):
+        states_ref[pl.ds(pl.multiple_of(c * P, P), P), :] = H
+        y, H = _chunk_forward(*_chunk_refs(inputs, c, L), H)
+        y_ref[pl.ds(pl.multiple_of(c * L, L), L), :] = y.astype(y_ref.dtype)
+        return H
+
+    H = lax.fori_loop(0, y_ref.shape[0] // L, body, h0_ref[...].astype(jnp.float32))
+    h_ref[...] = H.astype(h_ref.dtype)
+
+
+def _bwd_grid_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, states_ref, dy_ref, dh_ref,
+                     dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref, dh0_ref, g_acc):
+    """Grid (B, N, chunks), chunks sequential from the last (the index maps reverse them)."""
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _init():
+        g_acc[...] = dh_ref[...].astype(jnp.float32)
+
+    grads = _chunk_backward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], csr_ref[...], stc_ref[...],
+                            str_ref[...], states_ref[...], g_acc[...], dy_ref[...])
+    for ref, value in zip((dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref), grads):
+        ref[...] = value.astype(ref.dtype)
+    g_acc[...] = grads[-1]
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _finish():
+        dh0_ref[...] = grads[-1].astype(dh0_ref.dtype)
+
+
+def _bwd_loop_kernel(*refs, cfg: _Config):
+    """Grid (B, N); whole-row blocks, a loop over chunks from the last."""
+    inputs, (states_ref, dy_ref, dh_ref), outputs = refs[:7], refs[7:10], refs[10:]
+    dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref, dh0_ref = outputs
+    L, P = cfg.chunk, dh_ref.shape[0]
+    n = dy_ref.shape[0] // L
+
+    def body(k, G):
+        c = n - 1 - k
+        rows = pl.ds(pl.multiple_of(c * L, L), L)
+        H = states_ref[pl.ds(pl.multiple_of(c * P, P), P), :]
+        dX, dB, dC, dcs_col, dcs_row, G = _chunk_backward(*_chunk_refs(inputs, c, L), H, G, dy_ref[rows, :])
+        dx_ref[rows, :], db_ref[rows, :], dc_ref[rows, :] = dX, dB, dC
+        dcsc_ref[rows, :], dcsr_ref[:, rows] = dcs_col, dcs_row
+        return G
+
+    dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------------------
+# pallas_call builders. Kernel layout: xdt, y [B, N, Tp, P]; B, C [B, G, Tp, S]; cs [B, N, Tp] as
+# columns [B, N, Tp, 1] and rows [B, N, 1, Tp]; starts [B, Tp] as [B, Tp, 1] and [B, 1, Tp];
+# states [B, N, chunks * P, S] fp32; h [B, N, P, S] fp32.
+# --------------------------------------------------------------------------------------
+
+def _div(x, d: int):
+    return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
+
+
+def _specs(cfg: _Config, Tp: int, P: int, S: int, n: int, reverse: bool = False) -> dict:
+    """Block specs by operand kind for the driver's grid ((B, N) or (B, N, chunks)); reverse: the grid's
+    chunk k reads chunk n - 1 - k (the backward)."""
+    L, R = cfg.chunk, cfg.heads_per_group
+    if cfg.driver == "loop":
+        whole = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, h: (b, h) + (0,) * len(shape))
+        batch = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, h: (b,) + (0,) * len(shape))
+        return dict(x=whole(Tp, P), bc=pl.BlockSpec((None, None, Tp, S), lambda b, h: (b, _div(h, R), 0, 0)),
+                    head_s=whole(Tp, S), cs_col=whole(Tp, 1), cs_row=whole(1, Tp), st_col=batch(Tp, 1),
+                    st_row=batch(1, Tp), state=whole(P, S), states=whole(n * P, S))
+    chunk = (lambda k: n - 1 - k) if reverse else (lambda k: k)
+    at = lambda shape, where: pl.BlockSpec((None, None) + shape, lambda b, h, k: where(b, h, chunk(k)))
+    return dict(x=at((L, P), lambda b, h, c: (b, h, c, 0)), bc=at((L, S), lambda b, h, c: (b, _div(h, R), c, 0)),
+                head_s=at((L, S), lambda b, h, c: (b, h, c, 0)),
+                cs_col=at((L, 1), lambda b, h, c: (b, h, c, 0)), cs_row=at((1, L), lambda b, h, c: (b, h, 0, c)),
+                st_col=pl.BlockSpec((None, L, 1), lambda b, h, k: (b, chunk(k), 0)),
+                st_row=pl.BlockSpec((None, 1, L), lambda b, h, k: (b, 0, chunk(k))),
+                state=at((P, S), lambda b, h, c: (b, h, 0, 0)), states=at((P, S), lambda b, h, c: (b, h, c, 0)))
+
+
+def _params(cfg: _Config, num_axes: int):
+    if cfg.interpret:
+        return None
+    if cfg.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * (num_axes - 1) + ("arbitrary",))
+    from jax.experimental.pallas import triton as pltriton
+    launch = Launch()
+    return pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
+def _scratch(cfg: _Config, P: int, S: int):
+    if cfg.driver == "loop":
+        return ()
+    from jax.experimental.pallas import tpu as pltpu
+    return (pltpu.VMEM((P, S), jnp.float32),)
+
+
+def _views(cs, starts):
+    """cs [B, N, Tp], starts [B, Tp] -> their column and row views (free reshapes)."""
+    return cs[..., None], cs[..., None, :], starts[..., None], starts[:, None, :]
+
+
+def _inputs(specs):
+    return [specs[name] for name in ("x", "bc", "bc", "cs_col", "cs_row", "st_col", "st_row")]
+
+
+def _forward(xdt, B, C, cs, starts, h0, cfg: _Config):
+    """-> y [B, N, Tp, P] (xdt.dtype), states [B, N, chunks * P, S], h [B, N, P, S] (h0.dtype)."""
+    Bsz, N, Tp, P = xdt.shape
+    S, n = B.shape[-1], Tp // cfg.chunk
+    specs = _specs(cfg, Tp, P, S, n)
+    grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
+    kernel = (functools.partial(_fwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _fwd_grid_kernel)
+    out_shape = (jax.ShapeDtypeStruct(xdt.shape, xdt.dtype), jax.ShapeDtypeStruct((Bsz, N, n * P, S), h0.dtype),
+                 jax.ShapeDtypeStruct(h0.shape, h0.dtype))
+    L = cfg.chunk
+    flops = 2 * Bsz * N * Tp * (L * (S + P) + 3 * P * S)
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=_inputs(specs) + [specs["state"]],
+        out_specs=(specs["x"], specs["states"], specs["state"]), out_shape=out_shape,
+        scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)), interpret=cfg.interpret,
+        name="ssd_fwd", cost_estimate=pl.CostEstimate(
+            flops=flops, transcendentals=Bsz * N * Tp * (L + 2),
+            bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (2 * N * P + 2 * B.shape[1] * S) + 4 * Bsz * N * n * P * S),
+    )(xdt, B, C, *_views(cs, starts), h0)
+
+
+def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
+    """-> dxdt [B, N, Tp, P], dB, dC per head [B, N, Tp, S], dcs_col [B, N, Tp, 1], dcs_row [B, N, 1, Tp],
+    dh0 [B, N, P, S], all fp32."""
+    Bsz, N, Tp, P = xdt.shape
+    S, n = B.shape[-1], Tp // cfg.chunk
+    specs = _specs(cfg, Tp, P, S, n, reverse=True)
+    grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
+    kernel = (functools.partial(_bwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _bwd_grid_kernel)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    out_shape = (f32(Bsz, N, Tp, P), f32(Bsz, N, Tp, S), f32(Bsz, N, Tp, S), f32(Bsz, N, Tp, 1), f32(Bsz, N, 1, Tp),
+                 f32(Bsz, N, P, S))
+    L = cfg.chunk
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=_inputs(specs) + [specs["states"], specs["x"], specs["state"]],
+        out_specs=(specs["x"], specs["head_s"], specs["head_s"], specs["cs_col"], specs["cs_row"], specs["state"]),
+        out_shape=out_shape, scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)),
+        interpret=cfg.interpret, name="ssd_bwd", cost_estimate=pl.CostEstimate(
+            flops=2 * Bsz * N * Tp * (3 * L * (S + P) + 6 * P * S), transcendentals=Bsz * N * Tp * (L + 2),
+            bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (3 * N * P + 2 * B.shape[1] * S)
+            + 4 * Bsz * N * (n * P * S + Tp * (P + 2 * S + 2))),
+    )(xdt, B, C, *_views(cs, starts), states, dy, dh)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ssd(xdt, B, C, cs, starts, h0, cfg: _Config):
+    y, _, h = _forward(xdt, B, C, cs, starts, h0, cfg)
+    return y, h
+
+
+def _ssd_fwd(xdt, B, C, cs, starts, h0, cfg):
+    y, states, h = _forward(xdt, B, C, cs, starts, h0, cfg)
+    return (y, h), (xdt, B, C, cs, starts, states)
+
+
+def _ssd_bwd(cfg, residuals, cotangents):
+    xdt, B, C, cs, starts, states = residuals
+    dy, dh = cotangents
+    dx, dB, dC, dcs_col, dcs_row, dh0 = _backward(xdt, B, C, cs, starts, states, dy.astype(xdt.dtype),
+                                                  dh.astype(jnp.float32), cfg)
+    Bsz, G, Tp, S = B.shape
+    per_group = lambda d: d.reshape(Bsz, G, cfg.heads_per_group, Tp, S).sum(2).astype(B.dtype)
+    return (dx.astype(xdt.dtype), per_group(dB), per_group(dC), (dcs_col[..., 0] + dcs_row[..., 0, :]).astype(cs.dtype),
+            None, dh0.astype(states.dtype))
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+def _backend_name(backend: Optional[str]) -> str:
+    name = backend or jax.default_backend()
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+    if name not in _BACKENDS:
+        raise ValueError(f"SSD kernel backend must be one of {_BACKENDS}, got {name!r}")
+    return name
+
+
+def _padded(size: int, backend: str) -> int:
+    """Head dim P and state size S as the kernel takes them: as they are when interpreted, else a power of
+    two >= 16 (Triton's dot; zero padding changes nothing)."""
+    return size if backend == "cpu" else max(16, pl.next_power_of_2(size))
+
+
+def chunked_ssd(xdt, log_decay, B, C, reset, h0=None, *, chunk: int, backend: Optional[str] = None,
+                interpret: Optional[bool] = None):
+    """Mamba-2's SSD by the Pallas kernels (module docstring), differentiable.
+
+    xdt [B, T, N, P]: x * dt, in the compute dtype (bf16 feeds the matrix units); log_decay [B, T, N]: dt * A,
+    <= 0 (0 at padding); B, C [B, T, G, S] (head n reads group n // (N // G)); reset [B, T] bool, True where a
+    sequence starts (the state carried into that token is dropped); h0 [B, N, P, S] or None (zeros).
+    chunk: tokens per chunk (`check_chunk`, against the cpu floor when interpreted; shrunk to the power of two covering a shorter T, not below the
+    backend's floor). backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu"; default JAX's.
+    interpret: the Pallas interpreter; default on cpu.
+    Returns y [B, T, N, P] in xdt.dtype and the final state [B, N, P, S] (float32; float64 for float64 xdt).
+    """
+    backend = _backend_name(backend)
+    interpret = backend == "cpu" if interpret is None else interpret
+    tiles = "cpu" if interpret else backend  # the interpreter takes any power-of-two chunk >= 8
+    check_chunk(chunk, tiles)
+    Bsz, T, N, P = xdt.shape
+    G, S = B.shape[2:]
+    L = min(chunk, max(_FLOORS[tiles], pl.next_power_of_2(T)))
+    Tp, Pp, Sp = -(-T // L) * L, _padded(P, tiles), _padded(S, tiles)
+    acc = jnp.promote_types(xdt.dtype, jnp.float32)
+    pad = lambda a, *widths: jnp.pad(a, [(0, 0)] + [(0, w) for w in widths])
+    xdt = pad(xdt, Tp - T, 0, Pp - P).transpose(0, 2, 1, 3)  # [B, N, Tp, Pp]
+    B, C = (pad(a, Tp - T, 0, Sp - S).transpose(0, 2, 1, 3) for a in (B, C))  # [B, G, Tp, Sp]
+    cs = jnp.cumsum(pad(log_decay.astype(acc), Tp - T, 0).transpose(0, 2, 1).reshape(Bsz, N, Tp // L, L), -1)
+    starts = jnp.cumsum(pad(reset, Tp - T).reshape(Bsz, Tp // L, L), -1, dtype=jnp.int32).reshape(Bsz, Tp)
+    h0 = jnp.zeros((Bsz, N, P, S), acc) if h0 is None else h0.astype(acc)
+    cfg = _Config(L, N // G, "grid" if backend == "tpu" else "loop", backend, interpret)
+    y, h = _ssd(xdt, B, C, cs.reshape(Bsz, N, Tp), starts, pad(h0, 0, Pp - P, Sp - S), cfg)
+    return y.transpose(0, 2, 1, 3)[:, :T, :, :P], h[:, :, :P, :S]
