@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks import gpu_registers
 from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
 from tfm.kernels import flash_attention as fa
-from tfm.kernels import ssd as ssd_kernel
 from tfm.ops import pallas, select
+from tfm.ops import ssd as ssd_ops
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.parallel import flax_rules, make_rules
 from tfm.parallel.mesh import MeshConfig, make_mesh
@@ -231,24 +231,27 @@ def test_the_kernels_carry_their_cost_for_the_cost_model():
     assert 9 * per_tile <= flops < 1.01 * 9 * per_tile, flops / per_tile
 
 
-@pytest.mark.parametrize("target,chunk", [("v5p-8", 128), ("h100-1", 64)])
-def test_ssd_kernels_compile(target, chunk):
-    """Mamba-2's SSD kernels (tfm.kernels.ssd), bf16, head dim 64, state 128, 2 heads of one group, a length that is
-    not a chunk multiple, the gradients (so the forward and the backward kernel): compiled by libtpu (the grid
-    driver, Mosaic) and for an H100 (the loop driver, Triton). The GPU backward spills registers at these
-    sizes (so REFUSE_SPILLS is not passed): splitting it is the next step."""
-    mesh = make_mesh(MeshConfig(), _devices(target)[:1])
-    B, T, N, H, S = 1, 200, 2, 64, 128
+@pytest.mark.parametrize("target,kernel_calls,chunk", [("v5p-8", "v5p-8", 128), ("h100-2", "h100-1", 64)])
+def test_ssd_kernels_compile(target, kernel_calls, chunk):
+    """Mamba-2's SSD by its kernels (`ssd(impl="pallas")`, tfm.kernels.ssd), bf16, head dim 64, state 128, 2 heads
+    of one group, packed segments, a length that is not a chunk multiple, the gradients (the forward and the
+    backward kernel), under a tensor=2 mesh of two v5p chips (the grid driver, Mosaic) and of two H100s (the
+    loop driver, Triton): each device runs the kernels on its own head (the group repeated for it), inside
+    shard_map. The GPU backward spills registers at these sizes (so REFUSE_SPILLS is not passed): splitting
+    it is the next step."""
+    mesh = make_mesh(MeshConfig(data=1, tensor=2), _devices(target)[:2])
+    B, T, N, H, S = 2, 200, 2, 64, 128
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
-    backend = "tpu" if target == "v5p-8" else "gpu"
 
-    def loss(xdt, log_decay, b, c, h0, reset):
-        y, h = ssd_kernel.chunked_ssd(xdt, log_decay, b, c, reset, h0, chunk=chunk, backend=backend)
-        return y.astype(jnp.float32).sum() + h.sum()
+    def grads(x, dt, A, b, c, h0, segments):
+        loss = lambda *args: sum(out.astype(jnp.float32).sum() for out in ssd_ops.ssd(
+            *args, segment_ids=segments, impl="pallas", chunk_size=chunk))
+        return jax.grad(loss, argnums=tuple(range(5)))(x, dt, A, b, c)
 
     with jax.set_mesh(mesh):
-        hlo = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).lower(
-            spec((B, T, N, H)), spec((B, T, N), jnp.float32), spec((B, T, 1, S)), spec((B, T, 1, S)),
-            spec((B, N, H, S), jnp.float32), spec((B, T), jnp.bool_)).compile().as_text()
-    calls = [line for line in hlo.splitlines() if KERNEL_CALLS[target] in line]
+        hlo = jax.jit(grads).lower(
+            spec((B, T, N, H)), spec((B, T, N), jnp.float32), spec((N,), jnp.float32), spec((B, T, 1, S)),
+            spec((B, T, 1, S)), spec((B, N, H, S), jnp.float32), spec((B, T), jnp.int32)).compile().as_text()
+    calls = [line for line in hlo.splitlines() if KERNEL_CALLS[kernel_calls] in line]
     assert sorted(re.search(r"ssd_(fwd|bwd)", line).group(1) for line in calls) == ["bwd", "fwd"]
+    assert all(f"bf16[{B},1," in line for line in calls)  # x * dt per device: [B, N / 2, T, H]

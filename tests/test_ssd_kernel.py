@@ -44,8 +44,8 @@ def _by_kernel(x, dt, A, B, C, h0, segments, backend):
     return kernel.chunked_ssd(xdt, dt * A, B, C, reset, h0, chunk=CHUNK, backend=backend, interpret=True)
 
 
-def _by_chunked_form(x, dt, A, B, C, h0, segments):
-    return ssd_ops.ssd(x, dt, A, B, C, segment_ids=segments, initial_state=h0, impl="chunked", chunk_size=CHUNK)
+def _by_entry_point(x, dt, A, B, C, h0, segments, impl):
+    return ssd_ops.ssd(x, dt, A, B, C, segment_ids=segments, initial_state=h0, impl=impl, chunk_size=CHUNK)
 
 
 def _values_and_grads(run, args, segments, cotangents):
@@ -59,16 +59,18 @@ def _values_and_grads(run, args, segments, cotangents):
 @functools.cache
 def _reference():
     args, segments, cotangents = _inputs(jnp.float32)
-    return _values_and_grads(_by_chunked_form, args, segments, cotangents)
+    return _values_and_grads(functools.partial(_by_entry_point, impl="chunked"), args, segments, cotangents)
 
 
-@pytest.mark.parametrize("dtype,backend", [(jnp.float32, "cpu"), (jnp.float32, "tpu"), (jnp.bfloat16, "cpu")],
+@pytest.mark.parametrize("dtype,driver", [(jnp.float32, "loop"), (jnp.float32, "grid"), (jnp.bfloat16, "loop")],
                          ids=["fp32-loop", "fp32-grid", "bf16-loop"])
-def test_kernel_equals_the_chunked_form(dtype, backend):
-    """backend "cpu": the loop driver (GPU's), "tpu": the grid driver (a sequential chunk axis, the state in
-    scratch); both interpreted."""
+def test_kernel_equals_the_chunked_form(dtype, driver):
+    """The loop driver (GPU's) through the entry point, ssd(impl="pallas") on CPU; the grid driver (TPU's: a
+    sequential chunk axis, the state in scratch) called directly; both interpreted."""
     args, segments, cotangents = _inputs(dtype)
-    (y, h), grads = _values_and_grads(functools.partial(_by_kernel, backend=backend), args, segments, cotangents)
+    run = (functools.partial(_by_entry_point, impl="pallas") if driver == "loop"
+           else functools.partial(_by_kernel, backend="tpu"))
+    (y, h), grads = _values_and_grads(run, args, segments, cotangents)
     (y_ref, h_ref), grads_ref = _reference()
     assert y.dtype == dtype and y.shape == (Bsz, T, N, P) and h.dtype == jnp.float32 and h.shape == (Bsz, N, P, S)
     names = ("y", "final state") + tuple(f"d{name}" for name in ("x", "dt", "A", "B", "C", "h0"))

@@ -109,6 +109,7 @@ class MixerSupport:
 
     parallel: bool = False
     platforms: Tuple[str, ...] = ("cpu", "gpu", "tpu")
+    kinds: Optional[Tuple[str, ...]] = None  # the mixer kinds (ModelConfig.mixer_pattern) it runs; None: all
 
 
 MIXER = {
@@ -117,6 +118,9 @@ MIXER = {
     # The parallel form: chunked SSD, the chunked gated delta rule (WY form), chunked or associative
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
+    # The chunked form's Pallas kernels (tfm.kernels.ssd: Mosaic on TPU, Triton on GPU, interpreted on CPU),
+    # per device under shard_map; Mamba-2 only so far. Not yet timed against "chunked": "auto" never picks it.
+    "pallas": MixerSupport(parallel=True, kinds=("mamba2",)),
 }
 MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
 

@@ -763,6 +763,11 @@ class ModelConfig:
         if "rglru" in mixers and width % self.num_heads:
             raise ValueError(f"ModelConfig.rglru.width={width} must be a multiple of num_heads={self.num_heads} "
                              f"(the RG-LRU's gates are block-diagonal over the heads)")
+        runs = capabilities.MIXER.get(self.execution.mixer_impl)
+        untaken = sorted(mixers & set(MIXER_GROUPS) - set(runs.kinds)) if runs and runs.kinds is not None else []
+        if untaken:
+            raise ValueError(f"ModelConfig.execution.mixer_impl={self.execution.mixer_impl!r} runs only "
+                             f"{list(runs.kinds)} layers, not {untaken} of mixer_pattern: use mixer_impl='chunked'")
 
     def layer_mixer(self, layer: int) -> str:
         """Layer `layer`'s token mixer under mixer_pattern (MIXERS)."""

@@ -6,6 +6,7 @@ over the mesh axes that the active logical rules give "batch" and "heads", so ea
 runs it on its own [B/b, T, N/n, H] shard. The sequence axes T and S stay whole on every
 device, except for a kernel that exchanges keys itself (`split_length`, context parallelism:
 T and S split over the `context` axis when the rules give it "length"; `context_size`).
+`per_device_heads` splits another kernel's arrays the same way (the SSD kernels of the mixers).
 
 The mesh is the one `jax.set_mesh` makes current and the rules those of
 `flax.linen.logical_axis_rules`; the trainer holds both while it traces the model
@@ -127,3 +128,33 @@ def per_device(kernel: Callable, q, k, v, q_segment_ids=None, kv_segment_ids=Non
     mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs[i] for i in present),
                            out_specs=heads_spec, axis_names=frozenset(free_axes), check_vma=False)
     return mapped(*(operands[i] for i in present))
+
+
+def per_device_heads(kernel: Callable, arrays, heads_dims, out_heads_dims, grouped=()):
+    """kernel(*arrays) -> outputs, run on each device's share of the batch and the heads, as `per_device`
+    splits attention's: the batch is dim 0 of every array and output; arrays[i]'s heads are its dim
+    heads_dims[i] (None: not split), the outputs' out_heads_dims[i]; arrays[0] is [B, T, N, ...] and its
+    split (by the active rules, T whole) is everyone's. The arrays named by index in `grouped` hold groups
+    of heads there (Mamba-2's B and C, as K/V heads to query heads), repeated just enough that the heads'
+    shard count divides them. Called directly where nothing splits B or N."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free_axes = () if mesh.empty else unmapped_axes(mesh)
+    batch = heads = None
+    if _axes_size(mesh, free_axes) > 1:
+        batch, _, heads = _axes(arrays[0].shape, mesh, free_axes, False)
+    if batch is None and heads is None:
+        return kernel(*arrays)
+    shards = _axes_size(mesh, heads)
+    arrays = [_repeat_kv(x, shards) if i in grouped else x for i, x in enumerate(arrays)]
+
+    def spec(ndim, heads_dim):
+        entries = [batch] + [None] * (ndim - 1)
+        if heads_dim is not None:
+            entries[heads_dim] = heads
+        return P(*entries)
+
+    out_shapes = jax.eval_shape(kernel, *arrays)
+    mapped = jax.shard_map(kernel, mesh=mesh, in_specs=tuple(spec(x.ndim, d) for x, d in zip(arrays, heads_dims)),
+                           out_specs=tuple(spec(len(o.shape), d) for o, d in zip(out_shapes, out_heads_dims)),
+                           axis_names=frozenset(free_axes), check_vma=False)
+    return mapped(*arrays)

@@ -26,11 +26,15 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels import ssd as ssd_kernels
+from tfm.ops import segments, shard
+from tfm.parallel.mesh import current_platform
 from tfm.ops.segments import sequence_starts
 
 __all__ = ["selective_scan", "ssd"]
 
 _IMPLS = ("reference", "chunked")
+_SSD_IMPLS = _IMPLS + ("pallas",)  # the Pallas kernels run Mamba-2's scan only (tfm.capabilities.MIXER)
 
 
 @functools.partial(jax.named_call, name="ssd")
@@ -42,9 +46,10 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *
     x [B, T, N, P]; dt [B, T, N] positive (softplus'd and clamped by the caller); A [N] negative;
     B, C [B, T, G, S], head n reading group n // (N // G); segment_ids [B, T] int (0 = padding);
     initial_state [B, N, P, S] (None: zeros). impl "reference" (recurrent) or "chunked" (chunk_size
-    tokens per chunk). Returns y [B, T, N, P] in x.dtype and the final state [B, N, P, S] float32.
+    tokens per chunk; "pallas": the chunked form's kernels, tfm.kernels.ssd, on each device's batch rows and heads,
+    chunk_size a tile they take). Returns y [B, T, N, P] in x.dtype and the final state [B, N, P, S] float32.
     """
-    _check_impl(impl, chunk_size)
+    _check_impl(impl, chunk_size, _SSD_IMPLS)
     if x.ndim != 4:
         raise ValueError(f"x: shape {x.shape}, expected [B, T, N, P]")
     b, t, n, p = x.shape
@@ -56,6 +61,8 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *
     s = B.shape[3]
     _check_shape("segment_ids", segment_ids, (b, t), "[B, T] from x")
     _check_shape("initial_state", initial_state, (b, n, p, s), "[B, N, P, S] from x and B")
+    if impl == "pallas":
+        return _ssd_pallas(x, dt, A, B, C, segment_ids, initial_state, chunk_size)
 
     acc = jnp.result_type(x.dtype, jnp.float32)
     dt, reset = _steps(dt.astype(acc), segment_ids)
@@ -105,9 +112,9 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     return y.astype(x.dtype), h
 
 
-def _check_impl(impl, chunk_size):
-    if impl not in _IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {_IMPLS}")
+def _check_impl(impl, chunk_size, impls=_IMPLS):
+    if impl not in impls:
+        raise ValueError(f"impl={impl!r}: expected one of {impls}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int")
 
@@ -218,3 +225,28 @@ def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk):
 
     h, y = jax.lax.scan(step, h0, chunks)  # y [c, B, L, E]
     return jnp.moveaxis(y, 0, 1).reshape(b, c * chunk, -1)[:, :t], h
+
+
+def _ssd_pallas(x, dt, A, B, C, segment_ids, initial_state, chunk_size):
+    """ssd's arguments by the Pallas kernels: dt 0 at padding, x * dt in x's dtype, the log decays dt * A and
+    the sequence starts prepared here, the kernels run on each device's batch rows and heads
+    (`shard.per_device_heads`: an opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
+    if shard.context_size() > 1:
+        raise ValueError("mixer_impl='pallas' does not run with the sequence split over `context` yet: "
+                         "use mixer_impl='chunked' there")
+    b, t, n, p = x.shape
+    acc = jnp.result_type(x.dtype, jnp.float32)
+    dt = dt.astype(acc)
+    reset = jnp.zeros((b, t), bool)
+    if segment_ids is not None:
+        real, reset = segments.sequence_starts(segment_ids)
+        dt = jnp.where(real[..., None], dt, 0)
+    h0 = jnp.zeros((b, n, p, B.shape[3]), acc) if initial_state is None else initial_state.astype(acc)
+    backend = current_platform()
+
+    def kernel(xdt, log_decay, B, C, reset, h0):
+        return ssd_kernels.chunked_ssd(xdt, log_decay, B, C, reset, h0, chunk=chunk_size, backend=backend)
+
+    xdt = (x.astype(acc) * dt[..., None]).astype(x.dtype)
+    return shard.per_device_heads(kernel, (xdt, dt * A.astype(acc), B.astype(x.dtype), C.astype(x.dtype), reset, h0),
+                                  heads_dims=(2, 2, 2, 2, None, 1), out_heads_dims=(2, 1), grouped=(2, 3))
