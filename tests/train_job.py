@@ -7,6 +7,7 @@ python tests/train_job.py --workdir W --steps 12 [--sleep 0.2] [--slow] [--multi
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -30,9 +31,13 @@ class TokenBatches:
     def __iter__(self):
         return self
 
+    def batch_tokens(self, index: int) -> np.ndarray:
+        """[BATCH, LENGTH + 1] tokens of stream batch `index` (every process's rows)."""
+        return self.tokens[index % len(self.tokens)]
+
     def __next__(self):
         time.sleep(self.sleep)
-        t = self.tokens[self.index % len(self.tokens), self.rows]
+        t = self.batch_tokens(self.index)[self.rows]
         weights = np.ones(t[:, 1:].shape, np.float32)
         if self.nan_at is not None and self.index + 1 == self.nan_at:
             weights[0, 0] = np.nan
@@ -46,23 +51,51 @@ class TokenBatches:
         self.index = state["index"]
 
 
+class PatternBatches(TokenBatches):
+    """A generated corpus a model learns in a few steps: rows of tokens 1..`symbols`, each the image of
+    the one before under a fixed permutation, from a random first token (batch `index` from its own
+    seed). The batches whose index is in `poison` (a stretch of bad data) follow another permutation."""
+
+    def __init__(self, process_index=0, process_count=1, *, seed=0, poison=range(0), symbols=8):
+        super().__init__(process_index, process_count)
+        self.seed, self.poison, self.symbols = seed, poison, symbols
+        perms = np.random.default_rng(7).permuted(np.tile(np.arange(1, symbols + 1), (2, 1)), axis=1)
+        self.next_token = np.zeros((2, symbols + 1), np.int32)
+        self.next_token[:, 1:] = perms
+
+    def batch_tokens(self, index):
+        rng = np.random.default_rng((self.seed, index))
+        table = self.next_token[int(index in self.poison)]
+        t = np.zeros((BATCH, LENGTH + 1), np.int32)
+        t[:, 0] = rng.integers(1, self.symbols + 1, BATCH)
+        for i in range(LENGTH):
+            t[:, i + 1] = table[t[:, i]]
+        return t
+
+
+def held_out(process_index=0, process_count=1, batches=2):
+    """() -> the first `batches` batches of a PatternBatches stream of another seed (clean)."""
+    return lambda: [b for b, _ in zip(PatternBatches(process_index, process_count, seed=99), range(batches))]
+
+
 def config(steps, *, mesh=(("data", 2), ("fsdp", 4)), checkpoint_every=2, on_nonfinite="stop",
-           async_checkpoint=True, log_every=1, **fields):
+           async_checkpoint=True, log_every=1, learning_rate=1e-2, **fields):
     from tfm.parallel import MeshConfig
     from tfm.train import OptimizerConfig, TrainConfig
     return TrainConfig(num_train_steps=steps, batch_size=BATCH, mesh=MeshConfig(**dict(mesh)),
-                       parallelism="data+fsdp", optimizer=OptimizerConfig(learning_rate=1e-2),
+                       parallelism="data+fsdp", optimizer=OptimizerConfig(learning_rate=learning_rate),
                        log_every=log_every, checkpoint_every=checkpoint_every, keep_checkpoints=2,
                        async_checkpoint=async_checkpoint, progress_bar=False,
                        on_nonfinite=on_nonfinite, **fields)
 
 
-def run(workdir, steps, *, data=None, task=None, hooks=None, **kw):
+def run(workdir, steps, *, data=None, task=None, hooks=None, eval_data=None, **kw):
     from tfm.models import DecoderLM
     from tfm.models.presets import tiny
     from tfm.train import LMTask, train_and_evaluate
     return train_and_evaluate(config(steps, **kw), workdir, model=DecoderLM(tiny("decoder")),
-                              task=task or LMTask(), train_data=data or TokenBatches(), hooks=hooks)
+                              task=task or LMTask(), train_data=data or TokenBatches(), hooks=hooks,
+                              eval_data=eval_data)
 
 
 def slow_task():
@@ -95,6 +128,28 @@ def limit_file_size_at(at_step: int):
                 resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
 
     return LimitFileSize()
+
+
+def corrupt_replica(replica: int, at_step: int):
+    """A hook that, after `at_step`, adds 1e-3 to the first parameter's copy on the devices of
+    data-parallel replica `replica` (what a core computing wrong values leaves behind)."""
+    import jax
+    from tfm.train import Hook
+
+    class Corrupt(Hook):
+        def after_step(self, run, step, metrics):
+            if step != at_step:
+                return
+            leaves, tree = jax.tree.flatten(run.state.params)
+            x = leaves[0]
+            mesh = x.sharding.mesh
+            data = list(mesh.axis_names).index("data")
+            position = {d: np.unravel_index(i, mesh.devices.shape)[data] for i, d in enumerate(mesh.devices.flat)}
+            blocks = [s.data + 1e-3 if position[s.device] == replica else s.data for s in x.addressable_shards]
+            leaves[0] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, blocks)
+            run.state = run.state.replace(params=jax.tree.unflatten(tree, leaves))
+
+    return Corrupt()
 
 
 def sync_every_step():
@@ -166,6 +221,12 @@ def main():
                    "a flag after every step, as the preemption agreement once did (the control)")
     p.add_argument("--fsize_limit_at", type=int, default=None,
                    help="after this step, files may not grow past 16 kB (the next checkpoint fails)")
+    p.add_argument("--pattern", action="store_true", help="train on PatternBatches, evaluate on held-out ones")
+    p.add_argument("--poison", default=None, help="A:B: with --pattern, stream batches A..B-1 are poisoned")
+    p.add_argument("--corrupt_replica", default=None, help="R:S: after step S, replica R's first parameter "
+                   "is changed (corrupt_replica)")
+    p.add_argument("--set", action="append", default=[], help="TrainConfig FIELD=VALUE (a Python "
+                   "literal; learning_rate too)")
     p.add_argument("--multihost", type=int, default=None, help="process id of 2")
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
@@ -183,9 +244,25 @@ def main():
     if a.fsize_limit_at:
         limit = limit_file_size_at(a.fsize_limit_at)
         slow = dict(hooks=lambda hooks: [*hooks, limit])
-    result = run(a.workdir, a.steps, data=TokenBatches(pid, count, sleep=a.sleep), **slow)
+    if a.corrupt_replica:
+        corrupt = corrupt_replica(*map(int, a.corrupt_replica.split(":")))
+        slow = dict(hooks=lambda hooks: [*hooks, corrupt])
+    fields = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in a.set)}
+    if "mesh" in fields:
+        fields["mesh"] = tuple(fields["mesh"].items())
+    data = TokenBatches(pid, count, sleep=a.sleep)
+    if a.pattern:
+        poison = range(*map(int, a.poison.split(":"))) if a.poison else range(0)
+        data, fields["eval_data"] = PatternBatches(pid, count, poison=poison), held_out(pid, count)
+    try:
+        result = run(a.workdir, a.steps, data=data, **slow, **fields)
+    except FloatingPointError as e:  # the run's faults (spikes, replicas): one line, as experiments.common.fail
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        sys.stderr.flush()
+        os._exit(1)
     params = flat_params(result.state)
     out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
+           "eval_loss": result.eval_history[-1]["loss"] if result.eval_history else None,
            "step": int(result.state.step), "in_flight": probe.counts if probe else None, "reads": probe.reads if probe else None}
     if a.multihost is not None and not a.slow:  # restore what was just saved and compare
         from tfm.train import Checkpointer

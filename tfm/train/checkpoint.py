@@ -34,18 +34,25 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files are unreadable (truncated, partial); an older one may be fine."""
 
 
+def _data_state_json(state) -> str:
+    """An iterator state (dict, or bytes stored base64) as the JSON of a checkpoint's data item."""
+    if isinstance(state, bytes):
+        state = {"__bytes__": base64.b64encode(state).decode()}
+    return json.dumps(state)
+
+
+def _data_state_name() -> str:
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
 class DataStateHandler(ocp.CheckpointHandler):
     """Per-process JSON of an iterator state (dict, or bytes stored base64)."""
 
     def save(self, directory: epath.Path, args):
-        state = args.state
-        if isinstance(state, bytes):
-            state = {"__bytes__": base64.b64encode(state).decode()}
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        (directory / name).write_text(json.dumps(state))
+        (directory / _data_state_name()).write_text(_data_state_json(args.state))
 
     def restore(self, directory: epath.Path, args=None):
-        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        path = directory / _data_state_name()
         if not path.exists():
             raise CheckpointError(f"no data-iterator state for this process at {path} "
                                   "(was the checkpoint written with a different process count?)")
@@ -249,6 +256,16 @@ class Checkpointer:
             raise CorruptCheckpointError(f"checkpoint {where} could not be restored (corrupt or "
                                          f"partial): {_cause(e)}") from e
         return restored["params"], step
+
+    def rewrite_data_state(self, step: int, data_state) -> None:
+        """Replaces this process's data-iterator state in the saved checkpoint `step` (a spike
+        recovery's skipped batches), written beside it and renamed over it."""
+        path = self.directory / str(step) / "data" / _data_state_name()
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {self.directory}/{step} holds no data-iterator state to rewrite")
+        temporary = path.parent / f"{path.name}.tmp"
+        temporary.write_text(_data_state_json(data_state))
+        os.replace(os.fspath(temporary), os.fspath(path))
 
     def set_aside(self, step: int) -> str:
         """Moves step `step` out of the way (never deletes it): to <directory>.broken/<step>-<time>."""

@@ -111,6 +111,16 @@ class TrainConfig:
     async_checkpoint: bool = True
     fallback_to_older: bool = True   # a corrupt latest checkpoint is moved aside, the next older used
     preemption_check_every: int = 10  # multi-host: steps between agreements on a stop signal
+    spike_factor: Optional[float] = None  # a loss above this x its running median (or a non-finite one,
+                                     # with on_nonfinite="stop") rolls the run back to the newest
+                                     # checkpoint before it and skips spike_skip_batches batches. None: off
+    spike_window: int = 100          # losses in that running median (checked once it is full)
+    spike_skip_batches: Optional[int] = None  # batches of the stream dropped after the checkpoint rolled
+                                     # back to; >= checkpoint_every, so the spike's batch is one. None: that
+    spike_max_recoveries: int = 3    # a spike past this many recoveries within spike_recovery_window
+    spike_recovery_window: int = 1000  # steps stops the run in one line
+    replica_check_every: int = 0     # steps between comparisons of the data-parallel replicas' parameter
+                                     # checksums (also before each save); a mismatch stops the run. 0: off
     progress_bar: bool = True
     wandb_project: Optional[str] = None  # log to wandb when set and installed
     peak_flops_per_device: Optional[float] = None  # for MFU; default from the device kind
@@ -120,9 +130,22 @@ class TrainConfig:
         for field in ("num_train_steps", "batch_size", "microbatches", "log_every", "keep_checkpoints",
                       "preemption_check_every"):
             check(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "an integer >= 1")
-        for field in ("eval_every", "checkpoint_every"):
+        for field in ("eval_every", "checkpoint_every", "replica_check_every"):
             check(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field, "an integer >= 0")
         check(self.on_nonfinite in ("stop", "skip"), "on_nonfinite", "'stop' or 'skip'")
+        for field in ("spike_window", "spike_max_recoveries", "spike_recovery_window"):
+            check(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "an integer >= 1")
+        spikes = ("spike_window", "spike_skip_batches", "spike_max_recoveries", "spike_recovery_window")
+        refuse_unread(self, spikes, () if self.spike_factor is None else spikes,
+                      "without TrainConfig.spike_factor (set it to recover from loss spikes)")
+        if self.spike_factor is not None:
+            check(isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1, "spike_factor", "None or > 1")
+            check(self.checkpoint_every >= 1, "checkpoint_every", ">= 1 with spike_factor set (a spike rolls "
+                  "back to the newest checkpoint)")
+            check(self.spike_skip_batches is None or (isinstance(self.spike_skip_batches, int)
+                                                      and self.spike_skip_batches >= self.checkpoint_every),
+                  "spike_skip_batches", f"None or an integer >= checkpoint_every ({self.checkpoint_every}), so "
+                  "the batch that spiked is among those skipped")
         check(self.keep_best_mode in ("max", "min"), "keep_best_mode", "'max' or 'min'")
         refuse_unread(self, ("keep_best_mode",), () if self.keep_best is None else ("keep_best_mode",),
                       "without TrainConfig.keep_best (the eval metric to keep the best checkpoint of)")

@@ -22,10 +22,12 @@ import time
 from typing import Callable, Iterable, Optional
 
 import jax
+import numpy as np
 
 from tfm import parallel
 from tfm.train.checkpoint import Checkpointer, CheckpointError
 from tfm.train.metrics import peak_flops
+from tfm.train.replicas import ReplicaChecksums, ReplicaMismatchError
 
 
 class Hook:
@@ -69,6 +71,103 @@ class NonFiniteCheck(Hook):
 
     def end(self, run):
         self.check(run, math.inf)
+
+
+class LossSpikeError(FloatingPointError):
+    """Loss spikes that rolling back and skipping batches did not cure, or a spike with nothing to roll back to."""
+
+
+class SpikeRecovery(Hook):
+    """A loss above `factor` x the median of the last `window` losses (once that many are in), or a
+    non-finite loss or gradient (`nonfinite`: with on_nonfinite="stop", in place of NonFiniteCheck),
+    rolls the run back to the newest checkpoint before that step and skips the `skip` batches of
+    the stream after it (`Run.roll_back`: the checkpoint's data state says so, a "recovery"
+    record in metrics.jsonl too). A spike beyond `max_recoveries` recoveries within `period`
+    steps raises LossSpikeError in one line. Losses are read `lag` steps late (the last step's at
+    once); `check(run, step)` settles every step up to `step`, as the checkpoint hook asks before
+    saving, so no spiked state is saved. The window and the count start afresh in each process."""
+
+    def __init__(self, factor: float, window: int, skip: int, max_recoveries: int, period: int,
+                 nonfinite: bool, lag: int = 2):
+        self.factor, self.skip, self.max_recoveries, self.period = factor, skip, max_recoveries, period
+        self.nonfinite, self.lag = nonfinite, lag
+        self.losses, self.pending, self.recoveries = collections.deque(maxlen=window), collections.deque(), []
+
+    def start(self, run):
+        if not hasattr(run.batches.iterator, "set_state"):
+            raise ValueError("TrainConfig.spike_factor needs a data iterator with get_state()/set_state() "
+                             "(to roll the stream back to a checkpoint); this one has none: leave spike_factor None")
+
+    def after_step(self, run, step, metrics):
+        self.pending.append((step, metrics))
+        self.check(run, step if step == run.config.num_train_steps else step - self.lag)
+
+    def check(self, run, upto: float) -> None:
+        while self.pending and self.pending[0][0] <= upto:
+            step, m = self.pending.popleft()
+            loss, finite = float(m["loss"]), float(m["finite"]) == 1.0
+            if not finite and not self.nonfinite:
+                continue  # on_nonfinite="skip": the step dropped the update itself
+            full = len(self.losses) == self.losses.maxlen
+            median = float(np.median(self.losses)) if full else math.nan
+            if finite and not (full and loss > self.factor * median):
+                self.losses.append(loss)
+                continue
+            self._recover(run, step, loss, median, finite)
+            return
+
+    def _recover(self, run, step: int, loss: float, median: float, finite: bool) -> None:
+        what = (f"loss spike at step {step} (loss {loss:.4g} > {self.factor:g} x the running median {median:.4g})"
+                if finite else f"non-finite loss or gradient at step {step} (loss {loss:.4g})")
+        earlier = [s for s in run.checkpointer.all_steps() if s < step]
+        if not earlier:
+            raise LossSpikeError(f"{what} and no checkpoint before it to roll back to; stopped. Checkpoints come "
+                                 f"every {run.config.checkpoint_every} steps (checkpoint_every)")
+        self.recoveries = [s for s in self.recoveries if s > step - self.period]
+        if len(self.recoveries) >= self.max_recoveries:
+            raise LossSpikeError(
+                f"{what}: {len(self.recoveries) + 1} spikes within {self.period} steps, more than "
+                f"spike_max_recoveries={self.max_recoveries} (spike_recovery_window={self.period}); stopped. Last "
+                f"good checkpoint: {earlier[-1]} in {run.checkpointer.directory}. Skip more of the stream "
+                "(spike_skip_batches) or lower the learning rate, then run the same command")
+        self.recoveries.append(step)
+        self.pending.clear()  # the steps after `step` are undone too
+        back = earlier[-1]
+        run.roll_back(back, self.skip)
+        run.logger.event(back, "recovery", {"spike_step": step, "loss": loss, "median": median,
+                                            "skipped_batches": self.skip},
+                         f"{what}: rolled back to the checkpoint of step {back} and skipped the {self.skip} "
+                         f"batches after it (recovery {len(self.recoveries)} of at most {self.max_recoveries} "
+                         f"within {self.period} steps)")
+
+
+class ReplicaCheck(Hook):
+    """Every `every` steps, and before each save (Checkpointing calls `check`), the data-parallel
+    replicas compare checksums of their parameters (tfm.train.replicas); a mismatch raises
+    ReplicaMismatchError naming the replica and the step, so nothing they disagree on is saved."""
+
+    def __init__(self, every: int):
+        self.every, self.checksums, self.agreed = every, None, None
+
+    def start(self, run):
+        self.checksums = ReplicaChecksums(run.trainer.mesh, run.trainer.param_shardings)
+
+    def after_step(self, run, step, metrics):
+        if step % self.every == 0:
+            self.check(run, step)
+
+    def check(self, run, step: int) -> None:
+        if self.agreed == step:
+            return
+        bad = self.checksums.disagreements(self.checksums.table(run.state.params))
+        if bad:
+            good = run.checkpointer.all_steps()
+            raise ReplicaMismatchError(
+                f"at step {step}, {self.checksums.describe(bad)} (replica_check_every={self.every}, last agreement "
+                f"at step {self.agreed if self.agreed is not None else 'none'}); stopped before saving. Last good "
+                f"checkpoint: {good[-1] if good else 'none'} in {run.checkpointer.directory}. A device that computes "
+                "wrong values: take its host out of the job, then run the same command to resume from that checkpoint")
+        self.agreed = step
 
 
 class MetricsLog(Hook):
@@ -141,16 +240,18 @@ class Preemption(Hook):
 class Checkpointing(Hook):
     """Saves every `run.checkpointer.every` steps (0: never), at a stop, and after the last step
     (always, so a finished run's final state is on disk for evaluation and resuming);
-    `guard` (a NonFiniteCheck) first settles every step up to the one saved. A background
+    each of `guards` (NonFiniteCheck, ReplicaCheck) first settles the state to save (`check(run, step)`). A background
     save that failed is reported at the first step after it failed (at the latest before the
     next save, which waits for it), naming it and the last good checkpoint."""
 
-    def __init__(self, guard: Optional[NonFiniteCheck] = None):
-        self.guard, self.saving = guard, None
+    def __init__(self, *guards):
+        self.guards, self.saving = guards, None
 
     def _save(self, run, step, force):
-        if self.guard is not None:
-            self.guard.check(run, step)
+        for guard in self.guards:
+            guard.check(run, step)
+        if run.step != step:  # a guard rolled the run back (SpikeRecovery): `step` is undone
+            return
         self._check_background(run, step, wait=True)  # the previous save, finished by now as a rule
         try:
             run.checkpointer.save(step, run.state, run.data_state(), force=force)
@@ -265,11 +366,16 @@ class BestCheckpoint:
 
 def default_hooks(config, *, tokens_per_step: int, flops_per_token: Optional[float] = None,
                   eval_data=None, eval_extra=None) -> list[Hook]:
-    """NaN check, metrics, preemption, checkpointing and evaluation, in that order."""
-    guard = NonFiniteCheck() if config.on_nonfinite == "stop" else None
-    hooks = [guard] if guard else []
-    hooks += [MetricsLog(config.log_every, tokens_per_step, flops_per_token, config.peak_flops_per_device),
-              Preemption(config.preemption_check_every), Checkpointing(guard)]
+    """NaN check (or spike recovery), replica agreement, metrics, preemption, checkpointing and evaluation, in that order."""
+    if config.spike_factor is not None:
+        guards = [SpikeRecovery(config.spike_factor, config.spike_window,
+                                config.spike_skip_batches or config.checkpoint_every, config.spike_max_recoveries,
+                                config.spike_recovery_window, nonfinite=config.on_nonfinite == "stop")]
+    else:
+        guards = [NonFiniteCheck()] if config.on_nonfinite == "stop" else []
+    guards += [ReplicaCheck(config.replica_check_every)] if config.replica_check_every else []
+    hooks = guards + [MetricsLog(config.log_every, tokens_per_step, flops_per_token, config.peak_flops_per_device),
+                      Preemption(config.preemption_check_every), Checkpointing(*guards)]
     if eval_data is not None or eval_extra is not None:
         best = BestCheckpoint(config.keep_best, config.keep_best_mode) if config.keep_best else None
         hooks.append(Evaluation(config.eval_every, eval_data, eval_extra, best))

@@ -74,11 +74,9 @@ class MetricLogger:
         if not self.primary:
             return
         os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(workdir, "metrics.jsonl")
-        self.previous = _records_upto(path, initial_step)
-        with open(path, "w") as f:  # a resumed run repeats the steps after its checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in self.previous)
-        self.jsonl = open(path, "a")
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.previous = self._keep_upto(initial_step)  # a resumed run repeats the steps after its checkpoint
+        self.jsonl = open(self.path, "a")
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
         if wandb_project:
@@ -116,6 +114,34 @@ class MetricLogger:
                 self.bar.write(f"step {step} {prefix}: {text}")
         else:
             print(f"step {step} {prefix}: {text}", flush=True)
+
+    def _keep_upto(self, step: int) -> list[dict]:
+        """Rewrites metrics.jsonl with its records up to `step` alone; returns them."""
+        records = _records_upto(self.path, step)
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        return records
+
+    def rewind(self, step: int) -> None:
+        """Forgets the records after `step`, as a resume from a checkpoint of `step` does (a run
+        rolled back to it repeats the steps after it)."""
+        if not self.primary:
+            return
+        self.jsonl.close()
+        self._keep_upto(step)
+        self.jsonl = open(self.path, "a")
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def event(self, step: int, split: str, fields: dict, text: str) -> None:
+        """A record of something that happened at `step` (a "recovery"), beside the metrics, and
+        `text` saying it in words."""
+        if not self.primary:
+            return
+        self.jsonl.write(json.dumps({"step": step, "split": split, **fields}) + "\n")
+        self.jsonl.flush()
+        self.message(text)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

@@ -224,6 +224,23 @@ class Run:
         """The data iterator's state after the last batch trained on (None: it has none)."""
         return self.batches.state
 
+    def roll_back(self, step: int, skip: int) -> None:
+        """Back to the checkpoint of `step`: its train state, and the data stream at its position
+        with the next `skip` batches dropped, which the checkpoint's data state then records (a
+        resume from it drops them too); the metrics after `step` are forgotten."""
+        self.checkpointer.wait()
+        self.state, data_state = self.checkpointer.restore(self.trainer.abstract_state, step)
+        iterator = self.batches.iterator
+        iterator.set_state(data_state)
+        for _ in range(skip):
+            next(iterator)
+        self.checkpointer.rewrite_data_state(step, iterator.get_state())
+        self.batches = DevicePrefetch(iterator, iterator, self.trainer.global_batch)
+        self.step = step
+        self.history[:] = [h for h in self.history if h["step"] <= step]
+        self.eval_history[:] = [h for h in self.eval_history if h["step"] <= step]
+        self.logger.rewind(step)
+
     def close(self, quiet: bool = False) -> None:
         """Waits for background saves (raising if one failed, unless `quiet`); closes the logs."""
         try:
@@ -250,7 +267,8 @@ def _previous_histories(logger: MetricLogger) -> tuple[list, list]:
     """(train, eval) records of earlier runs in this workdir, for the result's histories."""
     previous = {"train": [], "eval": []}
     for record in logger.previous:
-        previous[record["split"]].append({k: v for k, v in record.items() if k != "split"})
+        if record["split"] in previous:  # not events ("recovery")
+            previous[record["split"]].append({k: v for k, v in record.items() if k != "split"})
     return previous["train"], previous["eval"]
 
 
@@ -314,8 +332,11 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
             while run.step < config.num_train_steps and not run.stop_reason:
                 run.state, metrics = run.trainer.train_step(run.state, next(run.batches))
                 run.step += 1
+                step = run.step
                 for hook in all_hooks:
-                    hook.after_step(run, run.step, metrics)
+                    hook.after_step(run, step, metrics)
+                    if run.step != step:  # rolled back (a loss spike): the hooks after it skip this step
+                        break
             for hook in all_hooks:
                 hook.end(run)
         except BaseException:
