@@ -20,14 +20,18 @@ The chunks of a row run in order, carrying the state. Two drivers share the per-
   loop  (GPU Triton, CPU interpret)  grid (B, N), a `fori_loop` over chunks carrying the state.
 The forward also writes the state entering every chunk [B, N, chunks * P, S] fp32, which the backward reads.
 
-Backward (`jax.custom_vjp`): a Pallas kernel running the chunks in reverse, carrying G = dLoss/dH_next
-(initially the final state's cotangent). Per chunk, with M = (C B^T) o D and dM = dy X^T:
-  dX = M^T dy + w o (B G^T)          dC = (dM o D) B + e o (dy H)       dB = (dM o D)^T C + w o (X G)
-  dcs_i += sum_j Q_ij - sum_j Q_ji (Q = dM o M) + e_i <dy_i, (C H^T)_i> - w_i <X_i, (B G^T)_i>,
-  dcs_{L-1} += sum_j w_j <X_j, (B G^T)_j> + tau <G, H>;      G <- tau G + dy^T (e o C).
-The row and column sums of Q leave the kernel as two arrays ([., L, 1] and [., 1, L]) and are added
-outside; dB and dC leave per head and are summed over the heads of a group outside. Everything before
-the kernel (x * dt, the log decays, their running sums) is differentiated by JAX.
+Backward (`jax.custom_vjp`), three Pallas kernels. With G = dLoss/dH_next (the final state's cotangent after
+the last chunk), M = (C B^T) o D, dM = dy X^T and Q = dM o M:
+  ssd_bwd_state   the chunks in reverse (loop or grid driver, as the forward): G <- tau G + dy^T (e o C),
+                  writing each chunk's G and, past the first chunk, dh0.
+  ssd_bwd_intra   every chunk at once (grid (B, N, chunks), parallel): dX = M^T dy, dC = (dM o D) B,
+                  dB = (dM o D)^T C, and dcs_i = sum_j Q_ij - sum_j Q_ji (as a column and a row).
+  ssd_bwd_across  every chunk at once, from its entering H and leaving G: dX = w o (B G^T), dC = e o (dy H),
+                  dB = w o (X G), dcs_i = e_i <dy_i, (C H^T)_i> - w_i <X_i, (B G^T)_i>, and at i = L - 1
+                  also sum_j w_j <X_j, (B G^T)_j> + tau <G, H>.
+The two per-chunk kernels are apart so that each fits the registers of an H100 at P 64, S 128, L 64 (one
+spilled). Their parts are added outside, dB and dC (per head) summed over the heads of a group. Everything
+before the kernels (x * dt, the log decays, their running sums) is differentiated by JAX.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ _NEG = -1e30  # finite: exp() of it is 0, and nothing masked can make inf - inf
 
 def check_chunk(chunk: int, backend: str) -> None:
     """Raises a one-line ValueError unless `chunk` is a tile the SSD kernel lowers on `backend`: a power
-    of two >= 8 (cpu, interpreted), >= 16 (gpu: Triton's dot), a multiple of 128 (tpu: a lane dimension)."""
+    of two >= 8 (cpu, interpreted), >= 16 (gpu: Triton's dot), a multiple of 128 (tpu: a lane dimension). On an
+    H100 the backward fits its registers up to chunk 64 at P 64, S 128 (compiled, not yet timed); larger ones spill."""
     floor = _FLOORS[backend]
     ok = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= floor and not chunk & (chunk - 1)
     if not ok or (backend == "tpu" and chunk % 128):
@@ -84,18 +89,22 @@ def _last(col):
     return jnp.sum(jnp.where(rows == col.shape[0] - 1, col, jnp.zeros_like(col)), axis=0, keepdims=True)
 
 
-def _decays(cs_col, cs_row, st_col, st_row):
-    """D [L, L], e [L, 1], w [L, 1], tau [1, 1] (module docstring), fp32."""
-    L = cs_col.shape[0]
-    i = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-    j = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    within = (i >= j) & (st_col == st_row)
-    D = jnp.exp(jnp.where(within, cs_col - cs_row, _NEG))
+def _state_decays(cs_col, st_col):
+    """e [L, 1], w [L, 1], tau [1, 1] (module docstring), fp32."""
     cs_last, st_last = _last(cs_col), _last(st_col)
     e = jnp.exp(jnp.where(st_col == 0, cs_col, _NEG))
     w = jnp.exp(jnp.where(st_col == st_last, cs_last - cs_col, _NEG))
     tau = jnp.exp(jnp.where(st_last == 0, cs_last, _NEG))
-    return D, e, w, tau
+    return e, w, tau
+
+
+def _decays(cs_col, cs_row, st_col, st_row):
+    """D [L, L] and `_state_decays`, fp32."""
+    L = cs_col.shape[0]
+    i = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    j = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    within = (i >= j) & (st_col == st_row)
+    return (jnp.exp(jnp.where(within, cs_col - cs_row, _NEG)),) + _state_decays(cs_col, st_col)
 
 
 def _chunk_forward(X, B, C, cs_col, cs_row, st_col, st_row, H):
@@ -108,33 +117,43 @@ def _chunk_forward(X, B, C, cs_col, cs_row, st_col, st_row, H):
     return y, H_next
 
 
-def _chunk_backward(X, B, C, cs_col, cs_row, st_col, st_row, H, G, dy):
-    """The chunk's gradients given H (entering) and G = dLoss/dH_next: dX, dB, dC, dcs_col [L, 1],
-    dcs_row [1, L] and the gradient of H, all fp32."""
+def _intra_backward(X, B, C, cs_col, cs_row, st_col, st_row, dy):
+    """The gradients of the chunk's y through (C B^T) o D: dX, dB, dC [L, .], dcs_col [L, 1], dcs_row [1, L]
+    (the row and the column sums of Q), fp32."""
+    dtype = X.dtype
+    D = _decays(cs_col, cs_row, st_col, st_row)[0]
+    scores = _dot(C, B, (1, 1))
+    dS = _dot(dy, X, (1, 1)) * D  # d scores = dM o D
+    Q = dS * scores  # d (cs_i - cs_j)
+    dX = _dot((scores * D).astype(dtype), dy, (0, 0))
+    dC = _dot(dS.astype(dtype), B)
+    dB = _dot(dS.astype(dtype), C, (0, 0))
+    return dX, dB, dC, jnp.sum(Q, axis=1, keepdims=True), -jnp.sum(Q, axis=0, keepdims=True)
+
+
+def _across_backward(X, B, C, cs_col, st_col, H, G, dy):
+    """The gradients through the entering state H and into the leaving one (G = dLoss/dH_next): dX, dB, dC
+    [L, .] and dcs_col [L, 1], fp32."""
     dtype = X.dtype
     L = X.shape[0]
-    D, e, w, tau = _decays(cs_col, cs_row, st_col, st_row)
-    scores = _dot(C, B, (1, 1))
-    M = scores * D
-    dM = _dot(dy, X, (1, 1))
-    dS = dM * D  # d scores
-    Q = dS * scores  # d (cs_i - cs_j)
-    H = H.astype(dtype)  # as the matrix units take it (and fewer registers)
-    G_in = G.astype(dtype)
+    e, w, tau = _state_decays(cs_col, st_col)
+    H_in, G_in = H.astype(dtype), G.astype(dtype)  # as the matrix units take them
     BG = _dot(B, G_in, (1, 1))  # [L, P]
-    CH = _dot(C, H, (1, 1))  # [L, P]
-    Xf = X.astype(jnp.float32)
-    dX = _dot(M.astype(dtype), dy, (0, 0)) + w * BG
-    dC = _dot(dS.astype(dtype), B) + e * _dot(dy, H)
-    dB = _dot(dS.astype(dtype), C, (0, 0)) + w * _dot(X, G_in)
-    to_state = w * jnp.sum(Xf * BG, axis=1, keepdims=True)  # [L, 1]: dw o w
-    through = jnp.sum(jnp.sum(G * H.astype(jnp.float32), axis=1, keepdims=True), axis=0, keepdims=True) * tau
+    dX = w * BG
+    dC = e * _dot(dy, H_in)
+    dB = w * _dot(X, G_in)
+    to_state = w * jnp.sum(X.astype(jnp.float32) * BG, axis=1, keepdims=True)  # [L, 1]: dw o w
+    through = jnp.sum(jnp.sum(G * H, axis=1, keepdims=True), axis=0, keepdims=True) * tau  # [1, 1]
     last = lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
-    dcs_col = (jnp.sum(Q, axis=1, keepdims=True) + e * jnp.sum(dy.astype(jnp.float32) * CH, axis=1, keepdims=True)
-               - to_state + jnp.where(last, jnp.sum(to_state, axis=0, keepdims=True) + through, 0.0))
-    dcs_row = -jnp.sum(Q, axis=0, keepdims=True)
-    dH = tau * G + _dot(dy, (e * C).astype(dtype), (0, 0))
-    return dX, dB, dC, dcs_col, dcs_row, dH
+    from_state = e * jnp.sum(dy.astype(jnp.float32) * _dot(C, H_in, (1, 1)), axis=1, keepdims=True)
+    dcs_col = from_state - to_state + jnp.where(last, jnp.sum(to_state, axis=0, keepdims=True) + through, 0.0)
+    return dX, dB, dC, dcs_col
+
+
+def _state_backward(C, cs_col, st_col, G, dy):
+    """dLoss/dH for the state H entering a chunk, given G = dLoss/dH_next: tau G + dy^T (e o C), fp32."""
+    e, _, tau = _state_decays(cs_col, st_col)
+    return tau * G + _dot(dy, (e * C).astype(C.dtype), (0, 0))
 
 
 # --------------------------------------------------------------------------------------
@@ -186,43 +205,53 @@ def _fwd_loop_kernel(*refs, cfg: _Config):
     h_ref[...] = H.astype(h_ref.dtype)
 
 
-def _bwd_grid_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, states_ref, dy_ref, dh_ref,
-                     dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref, dh0_ref, g_acc):
-    """Grid (B, N, chunks), chunks sequential from the last (the index maps reverse them)."""
+def _state_bwd_grid_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, g_acc):
+    """Grid (B, N, chunks), chunks sequential from the last (the index maps reverse them): writes each
+    chunk's G (the gradient of the state leaving it) and, at the first chunk, dh0."""
     k = pl.program_id(2)
 
     @pl.when(k == 0)
     def _init():
         g_acc[...] = dh_ref[...].astype(jnp.float32)
 
-    grads = _chunk_backward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], csr_ref[...], stc_ref[...],
-                            str_ref[...], states_ref[...], g_acc[...], dy_ref[...])
-    for ref, value in zip((dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref), grads):
-        ref[...] = value.astype(ref.dtype)
-    g_acc[...] = grads[-1]
+    g_ref[...] = g_acc[...]
+    G = _state_backward(c_ref[...], csc_ref[...], stc_ref[...], g_acc[...], dy_ref[...])
+    g_acc[...] = G
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _finish():
-        dh0_ref[...] = grads[-1].astype(dh0_ref.dtype)
+        dh0_ref[...] = G.astype(dh0_ref.dtype)
 
 
-def _bwd_loop_kernel(*refs, cfg: _Config):
+def _state_bwd_loop_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, *, cfg: _Config):
     """Grid (B, N); whole-row blocks, a loop over chunks from the last."""
-    inputs, (states_ref, dy_ref, dh_ref), outputs = refs[:7], refs[7:10], refs[10:]
-    dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref, dh0_ref = outputs
     L, P = cfg.chunk, dh_ref.shape[0]
     n = dy_ref.shape[0] // L
 
     def body(k, G):
         c = n - 1 - k
         rows = pl.ds(pl.multiple_of(c * L, L), L)
-        H = states_ref[pl.ds(pl.multiple_of(c * P, P), P), :]
-        dX, dB, dC, dcs_col, dcs_row, G = _chunk_backward(*_chunk_refs(inputs, c, L), H, G, dy_ref[rows, :])
-        dx_ref[rows, :], db_ref[rows, :], dc_ref[rows, :] = dX, dB, dC
-        dcsc_ref[rows, :], dcsr_ref[:, rows] = dcs_col, dcs_row
-        return G
+        g_ref[pl.ds(pl.multiple_of(c * P, P), P), :] = G
+        return _state_backward(c_ref[rows, :], csc_ref[rows, :], stc_ref[rows, :], G, dy_ref[rows, :])
 
-    dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32))
+    dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
+
+
+def _intra_bwd_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, dy_ref,
+                      dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref):
+    """Grid (B, N, chunks), every chunk independent."""
+    grads = _intra_backward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], csr_ref[...], stc_ref[...],
+                            str_ref[...], dy_ref[...])
+    for ref, value in zip((dx_ref, db_ref, dc_ref, dcsc_ref, dcsr_ref), grads):
+        ref[...] = value.astype(ref.dtype)
+
+
+def _across_bwd_kernel(x_ref, b_ref, c_ref, csc_ref, stc_ref, h_ref, g_ref, dy_ref, dx_ref, db_ref, dc_ref, dcsc_ref):
+    """Grid (B, N, chunks), every chunk independent (its entering state and leaving gradient given)."""
+    grads = _across_backward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], stc_ref[...], h_ref[...], g_ref[...],
+                             dy_ref[...])
+    for ref, value in zip((dx_ref, db_ref, dc_ref, dcsc_ref), grads):
+        ref[...] = value.astype(ref.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -255,12 +284,14 @@ def _specs(cfg: _Config, Tp: int, P: int, S: int, n: int, reverse: bool = False)
                 state=at((P, S), lambda b, h, c: (b, h, 0, 0)), states=at((P, S), lambda b, h, c: (b, h, c, 0)))
 
 
-def _params(cfg: _Config, num_axes: int):
+def _params(cfg: _Config, num_axes: int, sequential: bool = True):
+    """TPU: the last grid axis sequential (it carries the state) unless not `sequential`; GPU: Triton's."""
     if cfg.interpret:
         return None
     if cfg.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * (num_axes - 1) + ("arbitrary",))
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * (num_axes - 1)
+                                    + ("arbitrary" if sequential else "parallel",))
     from jax.experimental.pallas import triton as pltriton
     launch = Launch()
     return pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
@@ -304,26 +335,49 @@ def _forward(xdt, B, C, cs, starts, h0, cfg: _Config):
 
 
 def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
-    """-> dxdt [B, N, Tp, P], dB, dC per head [B, N, Tp, S], dcs_col [B, N, Tp, 1], dcs_row [B, N, 1, Tp],
+    """Two kernels: the state gradients in reverse chunk order (the loop or grid driver), then every chunk's
+    gradients at once (a parallel grid (B, N, chunks) on every backend).
+    -> dxdt [B, N, Tp, P], dB, dC per head [B, N, Tp, S], dcs_col [B, N, Tp, 1], dcs_row [B, N, 1, Tp],
     dh0 [B, N, P, S], all fp32."""
     Bsz, N, Tp, P = xdt.shape
-    S, n = B.shape[-1], Tp // cfg.chunk
+    S, n, L = B.shape[-1], Tp // cfg.chunk, cfg.chunk
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    cs_col, cs_row, st_col, st_row = _views(cs, starts)
+
     specs = _specs(cfg, Tp, P, S, n, reverse=True)
     grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
-    kernel = (functools.partial(_bwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _bwd_grid_kernel)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    out_shape = (f32(Bsz, N, Tp, P), f32(Bsz, N, Tp, S), f32(Bsz, N, Tp, S), f32(Bsz, N, Tp, 1), f32(Bsz, N, 1, Tp),
-                 f32(Bsz, N, P, S))
-    L = cfg.chunk
-    return pl.pallas_call(
-        kernel, grid=grid, in_specs=_inputs(specs) + [specs["states"], specs["x"], specs["state"]],
-        out_specs=(specs["x"], specs["head_s"], specs["head_s"], specs["cs_col"], specs["cs_row"], specs["state"]),
-        out_shape=out_shape, scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)),
-        interpret=cfg.interpret, name="ssd_bwd", cost_estimate=pl.CostEstimate(
-            flops=2 * Bsz * N * Tp * (3 * L * (S + P) + 6 * P * S), transcendentals=Bsz * N * Tp * (L + 2),
-            bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (3 * N * P + 2 * B.shape[1] * S)
-            + 4 * Bsz * N * (n * P * S + Tp * (P + 2 * S + 2))),
-    )(xdt, B, C, *_views(cs, starts), states, dy, dh)
+    kernel = (functools.partial(_state_bwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _state_bwd_grid_kernel)
+    leaving, dh0 = pl.pallas_call(
+        kernel, grid=grid, in_specs=[specs[name] for name in ("bc", "cs_col", "st_col", "x", "state")],
+        out_specs=(specs["states"], specs["state"]), out_shape=(f32(Bsz, N, n * P, S), f32(Bsz, N, P, S)),
+        scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)), interpret=cfg.interpret,
+        name="ssd_bwd_state", cost_estimate=pl.CostEstimate(
+            flops=2 * Bsz * N * Tp * P * S, transcendentals=Bsz * N * Tp,
+            bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (N * P + B.shape[1] * S) + 4 * Bsz * N * n * P * S),
+    )(C, cs_col, st_col, dy, dh)
+
+    specs = _specs(cfg._replace(driver="grid"), Tp, P, S, n)
+    sizes = lambda *widths: tuple(f32(Bsz, N, Tp, width) for width in widths)
+    per_chunk = dict(grid=(Bsz, N, n), compiler_params=_params(cfg, 3, sequential=False), interpret=cfg.interpret)
+    intra = pl.pallas_call(
+        _intra_bwd_kernel, in_specs=_inputs(specs) + [specs["x"]],
+        out_specs=(specs["x"], specs["head_s"], specs["head_s"], specs["cs_col"], specs["cs_row"]),
+        out_shape=sizes(P, S, S, 1) + (f32(Bsz, N, 1, Tp),), name="ssd_bwd_intra", **per_chunk,
+        cost_estimate=pl.CostEstimate(flops=2 * Bsz * N * Tp * L * (2 * S + 3 * P), transcendentals=Bsz * N * Tp * L,
+                                      bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (2 * N * P + 2 * B.shape[1] * S)
+                                      + 4 * Bsz * N * Tp * (P + 2 * S + 2)),
+    )(xdt, B, C, cs_col, cs_row, st_col, st_row, dy)
+    across = pl.pallas_call(
+        _across_bwd_kernel, in_specs=[specs[name] for name in ("x", "bc", "bc", "cs_col", "st_col", "states", "states",
+                                                               "x")],
+        out_specs=(specs["x"], specs["head_s"], specs["head_s"], specs["cs_col"]), out_shape=sizes(P, S, S, 1),
+        name="ssd_bwd_across", **per_chunk,
+        cost_estimate=pl.CostEstimate(flops=2 * Bsz * N * Tp * 4 * P * S, transcendentals=Bsz * N * Tp * 2,
+                                      bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (2 * N * P + 2 * B.shape[1] * S)
+                                      + 4 * Bsz * N * (2 * n * P * S + Tp * (P + 2 * S + 1))),
+    )(xdt, B, C, cs_col, st_col, states, leaving, dy)
+    grads = tuple(a + b for a, b in zip(intra, across)) + intra[4:]
+    return grads + (dh0,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
