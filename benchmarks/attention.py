@@ -50,12 +50,13 @@ def tfm_forward(impl: str, causal: bool):
     return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, impl=impl)
 
 
-def step_fn(forward, backward: bool):
-    """jitted forward, or forward+backward (grads of sum(o)), for q, k, v [B, L, N, H]."""
+def step_fn(forward, backward: bool, argnums: tuple = (0, 1, 2)):
+    """jitted forward, or forward+backward (grads of sum(o) w.r.t. the arguments `argnums`: q, k, v
+    [B, L, N, H] by default)."""
     if not backward:
         return jax.jit(forward)
-    loss = lambda q, k, v: forward(q, k, v).astype(jnp.float32).sum()
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    loss = lambda *args: forward(*args).astype(jnp.float32).sum()
+    return jax.jit(jax.grad(loss, argnums=argnums))
 
 
 def measure(impl: str, shape: Shape, backward: bool, dtype, iters: int):
@@ -67,22 +68,29 @@ def measure_forward(forward, shape: Shape, backward: bool, dtype, iters: int):
     """(milliseconds per step, TFLOP/s, peak MiB) of any JAX forward(q, k, v) on [B, L, N, H]."""
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (shape.B, shape.L, shape.N, shape.H), dtype) for key in keys)
-    compiled = step_fn(forward, backward).lower(q, k, v).compile()
-    memory = compiled.memory_analysis()
-    peak = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                        + memory.temp_size_in_bytes) / 2**20
-    jax.block_until_ready(compiled(q, k, v))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = compiled(q, k, v)
-    jax.block_until_ready(out)
-    seconds = (time.perf_counter() - start) / iters
+    seconds, peak = time_step(forward, (q, k, v), backward, iters)
     return seconds * 1e3, flops(shape, backward) / seconds / 1e12, peak
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
-    """TFLOP/s and peak memory (where rows have it) against L: one panel pair per (pass, causal), a
-    line per impl and H."""
+def time_step(forward, args: tuple, backward: bool, iters: int, argnums: tuple = (0, 1, 2)):
+    """(seconds per step, peak MiB or None) of `step_fn(forward, backward, argnums)` on `args`: the mean
+    of `iters` calls after a warm-up; peak is XLA's compiled arguments + outputs + temporaries."""
+    compiled = step_fn(forward, backward, argnums).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    peak = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                        + memory.temp_size_in_bytes) / 2**20
+    jax.block_until_ready(compiled(*args))
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters, peak
+
+
+def plot(rows: list[dict], path: str, title: str, value: str = "tflops", ylabel: str = "TFLOP/s",
+         log_y: bool = False) -> None:
+    """rows' `value` (TFLOP/s by default) and peak memory (where rows have it) against L: one panel pair
+    per (pass, causal), a line per impl and H (rows with H None: a line per impl)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -92,17 +100,20 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1 + memory, len(panels), figsize=(4.5 * len(panels), 3.5 * (1 + memory)), squeeze=False)
     for col, (pass_, causal) in enumerate(panels):
         for (impl, H) in sorted({(r["impl"], r["H"]) for r in rows}):
-            line = sorted((r["L"], r["tflops"], r["peak"]) for r in rows
+            line = sorted((r["L"], r[value], r["peak"]) for r in rows
                           if (r["impl"], r["H"], r["pass"], r["causal"]) == (impl, H, pass_, causal))
             if not line:
                 continue
-            L, tflops, peak = zip(*line)
-            style = dict(marker="o", label=f"{impl} H={H}", linestyle="-" if H == 128 else "--")
-            axes[0, col].plot(L, tflops, **style)
+            L, values, peak = zip(*line)
+            style = dict(marker="o", label=impl if H is None else f"{impl} H={H}",
+                         linestyle="-" if H in (128, None) else "--")
+            axes[0, col].plot(L, values, **style)
             if memory and None not in peak:
                 axes[1, col].plot(L, peak, **style)
         axes[0, col].set_title(f"{pass_}, {'causal' if causal else 'bidirectional'}")
-        axes[0, col].set_ylabel("TFLOP/s")
+        axes[0, col].set_ylabel(ylabel)
+        if log_y:
+            axes[0, col].set_yscale("log")
         if memory:
             axes[1, col].set_ylabel("peak MiB")
         for ax in axes[:, col]:

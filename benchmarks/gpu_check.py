@@ -411,18 +411,24 @@ def torch_measure(impl: str, shape: attention_bench.Shape, backward: bool, iters
             torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
     torch.cuda.reset_peak_memory_stats()
     try:
-        step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / iters
+        seconds = torch_seconds(step, iters)
     finally:  # after the clock stops: a collection of JAX's heap takes far longer than a step
         del q, k, v
         release_memory()
     tflops = attention_bench.flops(shape, backward) / seconds / 1e12
     return seconds * 1e3, tflops, torch.cuda.max_memory_allocated() / 2**20
+
+
+def torch_seconds(step, iters: int) -> float:
+    """Seconds per call of a CUDA torch `step`: the mean of `iters` calls after a warm-up, synchronised."""
+    torch = sys.modules["torch"]
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
 
 
 def measure_impl(impl: str, shape, backward: bool, iters: int, dtype: str = "bfloat16"):

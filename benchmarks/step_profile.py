@@ -24,8 +24,10 @@ times its known trip count. DIR gets breakdown.md and breakdown.json. --tiny shr
 --hlo FILE breaks down a saved program the same way (a bundle's .hlo.txt.gz; --target's chip for
 the roofline) and prints it.
 
-Per kernel: bytes = its operands' and results' sizes from their shapes (an upper bound where it
-reads part of an operand or updates one in place; cuBLAS/cuDNN scratch results left out); FLOPs =
+Per kernel: bytes = its operands' and results' sizes from their shapes (a dynamic slice counted by
+the slice, an in-place dynamic update by the update, as a scan's body touches one step of its stacked
+arrays; an upper bound where it reads part of an operand otherwise; cuBLAS/cuDNN scratch results left
+out; a Pallas TPU kernel's FLOPs and bytes are its own cost estimate's); FLOPs =
 2 x result size x contracted size of every dot and convolution inside it, a cuBLAS gemm's from its
 dot dimensions, cuDNN attention's as 2 products forward (QKᵀ, PV) and 5 backward (QKᵀ again, dV,
 dP, dQ, dK) over the full T x S scores (a causal mask not discounted); Pallas (Triton) kernels'
@@ -352,6 +354,43 @@ def _category(i: Instruction, ops: list, flops: float, weight_convert: bool) -> 
     return "reduction" if "reduce" in kinds else "elementwise"
 
 
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"')
+
+
+def _moved_bytes(i: Instruction, computations: dict, shapes: dict) -> int:
+    """Bytes a kernel reads and writes: its results and operands, except that a slice reads only its
+    slice (an operand a fusion reads only through dynamic-slices counts their results) and an update in
+    place moves only the update (a dynamic-update-slice whose buffer is an operand: that operand and
+    the buffer's share of the result count the update's size), as a scan's body reads and writes one
+    step of its stacked arrays; a custom call's scratch result is left out."""
+    raw_operands = re.findall(r"%([\w.\-]+)", i.rest.split(")", 1)[0])
+    if i.opcode == "dynamic-slice":
+        return 2 * _nbytes(i.shape)
+    if i.opcode == "dynamic-update-slice":
+        return 2 * _nbytes(shapes[raw_operands[1]])
+    moved = _nbytes(i.shape, drop_scratch=i.opcode == "custom-call")
+    if i.opcode != "fusion":
+        return moved + sum(_nbytes(shapes[o]) for o in i.operands)
+    inner = [op for name in i.called("calls") for op in computations[name]]
+    params = {op.name: raw_operands[int(op.rest.split(")")[0])] for op in inner if op.opcode == "parameter"}
+    users: dict = {}
+    for op in inner:
+        for position, operand in enumerate(re.findall(r"%([\w.\-]+)", op.rest.split(")", 1)[0])):
+            users.setdefault(operand, []).append((op, position))
+    read = {}  # fusion operand -> bytes read
+    for param, operand in params.items():
+        uses = users.get(param, [])
+        if uses and all(op.opcode == "dynamic-slice" and position == 0 for op, position in uses):
+            size = sum(_nbytes(op.shape) for op, _ in uses)
+        elif uses and all(op.opcode == "dynamic-update-slice" and position == 0 for op, position in uses):
+            size = 0  # the buffer updated in place
+            moved -= sum(_nbytes(op.shape) - _nbytes(shapes[op.operands[1]]) for op, _ in uses)
+        else:
+            size = _nbytes(shapes[operand])
+        read[operand] = max(read.get(operand, 0), size)
+    return moved + sum(read.values())
+
+
 def breakdown(hlo: str) -> tuple[list[Kernel], list[tuple[str, str, str]]]:
     """(kernels, weight converts (kernel, its category, "f32[V,D] -> bf16")) of compiled HLO text:
     each top-level instruction of the ENTRY computation and of the loop bodies, calls and branches it
@@ -379,8 +418,10 @@ def breakdown(hlo: str) -> tuple[list[Kernel], list[tuple[str, str, str]]]:
             found = _weight_converts(ops, shapes, weights)
             moves_only = {op.opcode for op in ops} - _NO_KERNEL <= _MOVES | {"convert"}
             category = _category(i, ops, flops, bool(found) and moves_only)
-            moved = _nbytes(i.shape, drop_scratch=i.opcode == "custom-call") + sum(
-                _nbytes(shapes[o]) for o in i.operands)
+            moved = _moved_bytes(i, computations, shapes)
+            estimate = _COST_ESTIMATE.search(i.rest) if i.opcode == "custom-call" else None
+            if estimate:  # a Pallas TPU kernel's own cost estimate: its FLOPs and the bytes it streams
+                flops, moved, counted = float(estimate.group(1)), int(estimate.group(2)), []
             kernels.append(Kernel(i.name, category, i.op_name, moved, flops, count, None not in counted))
             converts.extend((i.name, category, text) for text in found)
 
