@@ -6,8 +6,11 @@ Every run trains the tiny decoder on train_job.PatternBatches (a permutation cha
 ~15 steps) and evaluates on held-out batches of it."""
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ JOB = os.path.join(os.path.dirname(__file__), "train_job.py")
 STEPS = 20
 COMMON = ["--pattern", "--set", "checkpoint_every=4", "--set", "learning_rate=0.03"]
 SPIKES = ["--set", "spike_factor=3", "--set", "spike_window=6"]
+WATCH = ["--set", "watchdog_timeout=3", "--set", "watchdog_step_factor=5", "--set", "watchdog_slow_timeout=60"]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,58 @@ def test_a_replica_that_drifts_stops_the_run_before_the_next_checkpoint(tmp_path
     np.testing.assert_allclose([r["loss"] for r in train[:5]], losses[:5], atol=1e-5, rtol=0)
 
 
+
+def _two_processes(workdir, *args):
+    """The command as two processes x 4 CPU devices joined through jax.distributed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [subprocess.Popen([sys.executable, JOB, "--workdir", str(workdir), "--steps", str(STEPS), *COMMON, *args,
+                              "--multihost", str(i), "--port", str(port)], env=xla_env.subprocess_env(devices=4),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def test_a_hung_step_ends_every_process_in_one_line_and_the_same_command_resumes(tmp_path, clean):
+    """Process 1 of 2 blocks inside step 6 (train_job's hang hook: its heartbeat thread goes on). Within
+    the bound its line states (watchdog_timeout=3 s, or 5 x the median step where that is longer) and 5 s
+    more (the watchdog's poll, every process seeing the line, exiting), both exit with status 75 and the
+    same last line naming process 1, step 6 and its phase; the checkpoint of step 4 is left. The same
+    command resumes from it and ends with the losses and held-out loss of the one-process run on the same
+    stream (atol 1e-5, as test_multihost)."""
+    losses, eval_loss = clean
+    procs = _two_processes(tmp_path, *WATCH, "--hang", "1:6")
+    logs = [[], []]
+    for line in procs[1].stdout:
+        logs[1].append(line)
+        if line.startswith("hanging in step 6"):
+            break
+    hung = time.monotonic()
+    logs[1] += procs[1].stdout.readlines()
+    logs[0] = procs[0].communicate(timeout=120)[0].splitlines(keepends=True)
+    procs[1].wait(timeout=60)
+    waited = time.monotonic() - hung
+    expected = (r"error: process 1 of 2 stopped making progress in step 6 \(phase: step\): nothing moved for ([\d.]+) s, "
+                r"the bound (max\(watchdog_timeout=3 s, watchdog_step_factor=5 x the median step [\d.e-]+ s\)|"
+                r"watchdog_slow_timeout=60 s)\. Every process of the job stopped; run the same command again on every "
+                r"host: it resumes from the last good checkpoint")
+    for proc, log in zip(procs, logs):
+        lines = [line.rstrip() for line in log if line.strip() and not line.startswith(("W", "I"))]
+        assert proc.returncode == 75, "".join(log)[-3000:]
+        assert re.fullmatch(expected, lines[-1]), lines[-5:]
+        assert not any(line.startswith("Traceback") for line in lines), "".join(log)[-3000:]
+    bound = float(re.fullmatch(expected, lines[-1]).group(1))
+    assert waited < bound + 5, (waited, bound)
+    assert _finished_checkpoints(tmp_path) == [4]
+    procs = _two_processes(tmp_path, *WATCH)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    assert "restored checkpoint at step 4" in outs[0]
+    train = _records(tmp_path, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in train], losses, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_records(tmp_path, "eval")[-1]["loss"], eval_loss, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(spike_factor=1.0), r"spike_factor must be None or > 1, got 1.0"),
     (dict(spike_factor=3, checkpoint_every=0), r"checkpoint_every must be >= 1 with spike_factor set"),
@@ -130,6 +186,11 @@ def test_a_replica_that_drifts_stops_the_run_before_the_next_checkpoint(tmp_path
     (dict(spike_window=6), r"spike_window=6 is not read without TrainConfig.spike_factor"),
     (dict(spike_skip_batches=8), r"spike_skip_batches=8 is not read without TrainConfig.spike_factor"),
     (dict(replica_check_every=-1), r"replica_check_every must be an integer >= 0, got -1"),
+    (dict(watchdog_timeout=-1), r"watchdog_timeout must be a number of seconds >= 0 \(0: no watchdog\), got -1"),
+    (dict(watchdog_step_factor=0.5), r"watchdog_step_factor must be a number >= 1, got 0.5"),
+    (dict(watchdog_slow_timeout=0), r"watchdog_slow_timeout must be a number of seconds > 0, got 0"),
+    (dict(watchdog_timeout=0, watchdog_slow_timeout=60), r"watchdog_slow_timeout=60 is not read with "
+     r"TrainConfig.watchdog_timeout=0 \(no watchdog\)"),
 ])
 def test_every_fault_key_is_checked_naming_it(fields, message):
     from tfm.train import TrainConfig

@@ -152,6 +152,21 @@ def corrupt_replica(replica: int, at_step: int):
     return Corrupt()
 
 
+def hang(process: int, at_step: int):
+    """A hook (put first) that blocks process `process` for good inside step `at_step`, after saying so,
+    while its other threads (the heartbeat) go on: a main thread stuck as on a read that never returns."""
+    import jax
+    from tfm.train import Hook
+
+    class Hang(Hook):
+        def after_step(self, run, step, metrics):
+            if step == at_step and jax.process_index() == process:
+                print(f"hanging in step {step}", flush=True)
+                time.sleep(3600)
+
+    return Hang()
+
+
 def sync_every_step():
     """A hook that agrees across processes after every step (what the loop must not do)."""
     from tfm import parallel
@@ -225,6 +240,7 @@ def main():
     p.add_argument("--poison", default=None, help="A:B: with --pattern, stream batches A..B-1 are poisoned")
     p.add_argument("--corrupt_replica", default=None, help="R:S: after step S, replica R's first parameter "
                    "is changed (corrupt_replica)")
+    p.add_argument("--hang", default=None, help="P:S: process P blocks inside step S (hang)")
     p.add_argument("--set", action="append", default=[], help="TrainConfig FIELD=VALUE (a Python "
                    "literal; learning_rate too)")
     p.add_argument("--multihost", type=int, default=None, help="process id of 2")
@@ -247,6 +263,9 @@ def main():
     if a.corrupt_replica:
         corrupt = corrupt_replica(*map(int, a.corrupt_replica.split(":")))
         slow = dict(hooks=lambda hooks: [*hooks, corrupt])
+    if a.hang:
+        stuck = hang(*map(int, a.hang.split(":")))
+        slow = dict(hooks=lambda hooks: [stuck, *hooks])
     fields = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in a.set)}
     if "mesh" in fields:
         fields["mesh"] = tuple(fields["mesh"].items())

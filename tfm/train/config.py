@@ -121,6 +121,12 @@ class TrainConfig:
     spike_recovery_window: int = 1000  # steps stops the run in one line
     replica_check_every: int = 0     # steps between comparisons of the data-parallel replicas' parameter
                                      # checksums (also before each save); a mismatch stops the run. 0: off
+    watchdog_timeout: float = 600.0  # s: a step or batch read that makes no progress for max(this,
+                                     # watchdog_step_factor x the median step) ends every process of
+                                     # the job in one line (exit status 75). 0: no watchdog
+    watchdog_step_factor: float = 20.0  # the median steps a step may take before the watchdog acts
+    watchdog_slow_timeout: float = 3600.0  # s: the same bound for the first step (compiling), a checkpoint
+                                     # save and an evaluation
     progress_bar: bool = True
     wandb_project: Optional[str] = None  # log to wandb when set and installed
     peak_flops_per_device: Optional[float] = None  # for MFU; default from the device kind
@@ -138,6 +144,15 @@ class TrainConfig:
         spikes = ("spike_window", "spike_skip_batches", "spike_max_recoveries", "spike_recovery_window")
         refuse_unread(self, spikes, () if self.spike_factor is None else spikes,
                       "without TrainConfig.spike_factor (set it to recover from loss spikes)")
+        check(isinstance(self.watchdog_timeout, (int, float)) and self.watchdog_timeout >= 0, "watchdog_timeout",
+              "a number of seconds >= 0 (0: no watchdog)")
+        refuse_unread(self, ("watchdog_step_factor", "watchdog_slow_timeout"),
+                      ("watchdog_step_factor", "watchdog_slow_timeout") if self.watchdog_timeout else (),
+                      "with TrainConfig.watchdog_timeout=0 (no watchdog)")
+        check(isinstance(self.watchdog_step_factor, (int, float)) and self.watchdog_step_factor >= 1,
+              "watchdog_step_factor", "a number >= 1")
+        check(isinstance(self.watchdog_slow_timeout, (int, float)) and self.watchdog_slow_timeout > 0,
+              "watchdog_slow_timeout", "a number of seconds > 0")
         if self.spike_factor is not None:
             check(isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1, "spike_factor", "None or > 1")
             check(self.checkpoint_every >= 1, "checkpoint_every", ">= 1 with spike_factor set (a spike rolls "

@@ -248,17 +248,18 @@ class Checkpointing(Hook):
         self.guards, self.saving = guards, None
 
     def _save(self, run, step, force):
-        for guard in self.guards:
-            guard.check(run, step)
-        if run.step != step:  # a guard rolled the run back (SpikeRecovery): `step` is undone
-            return
-        self._check_background(run, step, wait=True)  # the previous save, finished by now as a rule
-        try:
-            run.checkpointer.save(step, run.state, run.data_state(), force=force)
-        except Exception as e:  # noqa: BLE001 - whatever the writer raised
+        with run.watchdog.phase(step, "save"):
+            for guard in self.guards:
+                guard.check(run, step)
+            if run.step != step:  # a guard rolled the run back (SpikeRecovery): `step` is undone
+                return
+            self._check_background(run, step, wait=True)  # the previous save, finished by now as a rule
+            try:
+                run.checkpointer.save(step, run.state, run.data_state(), force=force)
+            except Exception as e:  # noqa: BLE001 - whatever the writer raised
+                self.saving = step
+                raise self._failure(run, step, e) from e
             self.saving = step
-            raise self._failure(run, step, e) from e
-        self.saving = step
 
     def _check_background(self, run, step, wait=False):
         try:
@@ -317,8 +318,9 @@ class Evaluation(Hook):
 
     def evaluate(self, run, step: int) -> dict:
         params = run.state.params
-        m = run.trainer.evaluate(params, self.eval_data()) if self.eval_data else {}
-        m.update(self.extra(run.trainer, params, step) if self.extra else {})
+        with run.watchdog.phase(step, "eval"):
+            m = run.trainer.evaluate(params, self.eval_data()) if self.eval_data else {}
+            m.update(self.extra(run.trainer, params, step) if self.extra else {})
         run.eval_history.append({"step": step, **m})
         run.logger.write(step, m, prefix="eval")
         self.done.add(step)

@@ -25,6 +25,7 @@ from tfm.train.metrics import MetricLogger
 from tfm.train.optim import make_optimizer
 from tfm.train.state import TrainState
 from tfm.train.step import make_eval_step, make_train_step
+from tfm.train.watchdog import Watchdog
 from tfm.train.workdir_lock import WorkdirLock
 
 
@@ -219,6 +220,7 @@ class Run:
     stop_reason: Optional[str] = None
     history: list = dataclasses.field(default_factory=list)
     eval_history: list = dataclasses.field(default_factory=list)
+    watchdog: Watchdog = dataclasses.field(default_factory=Watchdog)  # told the step and phase (save, eval)
 
     def data_state(self):
         """The data iterator's state after the last batch trained on (None: it has none)."""
@@ -295,7 +297,7 @@ def _start_run(config: TrainConfig, workdir: str, *, model, task, train_data, me
     history, eval_history = _previous_histories(logger)
     return Run(config=config, workdir=workdir, trainer=trainer, checkpointer=checkpointer, logger=logger,
                batches=DevicePrefetch(batches, iterator, trainer.global_batch), state=state, step=start,
-               history=history, eval_history=eval_history)
+               history=history, eval_history=eval_history, watchdog=Watchdog.from_config(config))
 
 
 def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_data,
@@ -329,20 +331,30 @@ def train_and_evaluate(config: TrainConfig, workdir: str, *, model, task, train_
         try:
             for hook in all_hooks:
                 hook.start(run)
+            run.watchdog.start(run.step)
+            phase = "compile"  # this process's first step
             while run.step < config.num_train_steps and not run.stop_reason:
-                run.state, metrics = run.trainer.train_step(run.state, next(run.batches))
+                run.watchdog.enter(run.step + 1, "data")
+                batch = next(run.batches)
+                run.watchdog.enter(run.step + 1, phase)
+                run.state, metrics = run.trainer.train_step(run.state, batch)
+                run.watchdog.dispatched(metrics["loss"])
+                phase = "step"
                 run.step += 1
                 step = run.step
                 for hook in all_hooks:
                     hook.after_step(run, step, metrics)
                     if run.step != step:  # rolled back (a loss spike): the hooks after it skip this step
                         break
+            run.watchdog.enter(run.step, "finish")
             for hook in all_hooks:
                 hook.end(run)
         except BaseException:
+            run.watchdog.settle()
             run.close(quiet=True)
             raise
         finally:
+            run.watchdog.stop()
             for hook in all_hooks:
                 hook.close()
         run.close()
