@@ -22,9 +22,9 @@ Measured: the mean of --iters steps after a warm-up; peak = XLA's compiled argum
 temporaries (JAX), torch's peak allocated (flash-linear-attention). Compile-only (--compile-only
 TARGETS, `tfm.preflight.targets`): each point compiled for one chip and never run; its estimate is
 max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) of the chip, FLOPs and bytes counted from the compiled
-program (`benchmarks.step_profile.breakdown`: every kernel, a loop body times its trip count, a Pallas TPU
-kernel by its own cost estimate; tfm's Triton flash kernels carry none, so theirs is the FlashAttention-2
-count, forward 2·B·L²·N·H causal, fwd+bwd 3.5×). XLA's own cost analysis (flops, bytes accessed: TPU
+program (`benchmarks.step_profile.breakdown`: every kernel, a loop body times its trip count, a Pallas
+kernel by its own cost estimate, read from the program on TPU and from the jaxpr for Triton, whose calls
+keep none). XLA's own cost analysis (flops, bytes accessed: TPU
 only, a loop body counted once) and memory analysis (temporaries) are reported beside it.
 
 The crossover of a mixer: the shortest L from which it is faster than the fastest attention at every
@@ -215,9 +215,21 @@ def measure(impl: str, s: Shape, backward: bool, iters: int, chunk: int) -> dict
 
 # ---------------------------------------------------------------- compile-only estimates
 
-def attention_flops(s: Shape, backward: bool) -> float:
-    """The FlashAttention-2 count for the causal attention of `s` (`benchmarks.attention.flops`)."""
-    return attention_bench.flops(attention_bench.Shape(s.B, s.L, s.D // s.H, s.H, True), backward)
+def kernel_costs(jaxpr) -> tuple[float, float]:
+    """(FLOPs, bytes) the Pallas kernels of `jaxpr` declare in their cost estimates, a scan's body
+    times its length: what the compiled program keeps of them on TPU, and nothing of on GPU."""
+    flops = nbytes = 0.0
+    for eqn in jaxpr.eqns:
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        if eqn.primitive.name == "pallas_call" and eqn.params.get("cost_estimate") is not None:
+            flops, nbytes = flops + eqn.params["cost_estimate"].flops, nbytes + eqn.params["cost_estimate"].bytes_accessed
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    f, b = kernel_costs(inner)
+                    flops, nbytes = flops + times * f, nbytes + times * b
+    return flops, nbytes
 
 
 def estimate(flops: float, nbytes: float, chip) -> tuple[float, str]:
@@ -235,7 +247,8 @@ def compile_point(impl: str, s: Shape, backward: bool, target, devices, chunk: i
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=whole) for shape, dtype, _ in input_specs(family, s)]
     start = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = attention_bench.step_fn(forward, backward, tuple(range(len(args)))).lower(*args).compile()
+        traced = attention_bench.step_fn(forward, backward, tuple(range(len(args)))).trace(*args)
+        compiled = traced.lower().compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = cost_analysis(compiled)
@@ -243,9 +256,12 @@ def compile_point(impl: str, s: Shape, backward: bool, target, devices, chunk: i
     flops = sum(k.flops * k.count for k in kernels)
     nbytes = sum(k.bytes * k.count for k in kernels)
     note = ""
-    if not all(k.flops_known for k in kernels):  # tfm's Triton flash kernels: no cost estimate in the program
-        flops += attention_flops(s, backward)
-        note = "kernel FLOPs: FlashAttention-2 count"
+    opaque = [k for k in kernels if not k.flops_known]
+    if opaque:  # Triton calls: the program keeps no cost estimate, the jaxpr's kernels have theirs
+        kernel_flops, kernel_bytes = kernel_costs(traced.jaxpr.jaxpr)
+        flops += kernel_flops
+        nbytes += kernel_bytes - sum(k.bytes * k.count for k in opaque)
+        note = f"{len(opaque)} Triton kernel(s) by their cost estimates"
     est, bound = estimate(flops, nbytes, target.chip)
     return dict(ms=est * 1e3, bound=bound, flops=flops, bytes=nbytes, xla_flops=cost.get("flops"),
                 xla_bytes=cost.get("bytes accessed"), temp=memory.temp_size_in_bytes / 2**20,
