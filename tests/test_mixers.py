@@ -48,16 +48,15 @@ def test_packed_row_equals_its_sequences_alone(family):
     alone: the state, the convolution window and the token shift reset at the boundary, padding adds to
     nothing (every mixer, chunks of 4)."""
     model, params = init(family_config(family))
-    a, b = ids(1, (1, 5)), ids(2, (1, 4))
-    row = jnp.concatenate([a, b, jnp.zeros((1, 3), jnp.int32)], 1)
-    seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3])
-    pos = jnp.array([list(range(5)) + list(range(4)) + [0] * 3])
-    apply = jax.jit(model.apply)
-    packed = apply({"params": params}, row, segment_ids=seg, positions=pos).logits
-    alone_a = apply({"params": params}, a).logits
-    alone_b = apply({"params": params}, b).logits
-    np.testing.assert_allclose(packed[:, :5], alone_a, atol=1e-5)
-    np.testing.assert_allclose(packed[:, 5:9], alone_b, atol=1e-5)
+    a, b, tail = ids(1, (1, 5)), ids(2, (1, 4)), ids(3, (1, 8))
+    # row 0 packed; rows 1 and 2 each sequence alone, followed by tokens that causality keeps out of its logits
+    rows = jnp.concatenate([jnp.concatenate([a, b, jnp.zeros((1, 3), jnp.int32)], 1),
+                            jnp.concatenate([a, tail[:, :7]], 1), jnp.concatenate([b, tail], 1)])
+    seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 12])
+    pos = jnp.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12)), list(range(12))])
+    logits = jax.jit(model.apply)({"params": params}, rows, segment_ids=seg, positions=pos).logits
+    np.testing.assert_allclose(logits[0, :5], logits[1, :5], atol=1e-5)
+    np.testing.assert_allclose(logits[0, 5:9], logits[2, :4], atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["mamba2", "hybrid"])
