@@ -105,9 +105,12 @@ MOE = {
 @dataclasses.dataclass(frozen=True)
 class MixerSupport:
     """One way to run the linear-time token mixers (ModelConfig.mixer_pattern's Mamba, Mamba-2,
-    gated DeltaNet, RWKV, RG-LRU): whether it is the parallel (training) form, and where it runs."""
+    gated DeltaNet, RWKV, RG-LRU): whether it is the parallel (training) form, whether it runs with the
+    sequence split over `context` (tfm.ops.context_scan: each device's share from the state handed to
+    it), and where it runs."""
 
     parallel: bool = False
+    context: bool = True
     platforms: Tuple[str, ...] = ("cpu", "gpu", "tpu")
     kinds: Optional[Tuple[str, ...]] = None  # the mixer kinds (ModelConfig.mixer_pattern) it runs; None: all
 
@@ -120,7 +123,7 @@ MIXER = {
     "chunked": MixerSupport(parallel=True),
     # The chunked form's Pallas kernels (tfm.kernels.ssd: Mosaic on TPU, Triton on GPU, interpreted on CPU),
     # per device under shard_map; Mamba-2 only so far. Not yet timed against "chunked": "auto" never picks it.
-    "pallas": MixerSupport(parallel=True, kinds=("mamba2",)),
+    "pallas": MixerSupport(parallel=True, context=False, kinds=("mamba2",)),
 }
 MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import compute_dtype, constrain, param_init
+from tfm.ops.context_scan import with_previous
 
 CONV_WINDOW_AXES = ("cache_batch", None, None)  # [B, K - 1, C]: the last inputs of the convolution
 CONV_SEGMENT_AXES = ("cache_batch", None)  # [B, K - 1]: their segment ids
@@ -56,7 +57,8 @@ class ShortConv(nn.Module):
     Output t sums taps over inputs t-kernel+1 .. t of its own sequence only: segment_ids [B, T] (0 =
     padding) hide inputs of another segment, so a packed row equals its sequences run alone. In decode
     mode the cache keeps the last kernel - 1 inputs and their segment ids (`window`, `window_segment_ids`),
-    so a continued prompt equals the whole prompt. Parameters: `kernel` [kernel, C] (tap kernel-1 reads
+    so a continued prompt equals the whole prompt. With the sequence split over `context`, a device's
+    window reaches into the previous device's last kernel - 1 inputs. Parameters: `kernel` [kernel, C] (tap kernel-1 reads
     the current input), `bias` [C].
     """
 
@@ -77,15 +79,21 @@ class ShortConv(nn.Module):
             "window": ((B, K - 1, C), CONV_WINDOW_AXES), "window_segment_ids": ((B, K - 1), CONV_SEGMENT_AXES)})
         if past is None:
             past = {"window": jnp.zeros((B, K - 1, C), x.dtype), "window_segment_ids": jnp.zeros((B, K - 1), jnp.int32)}
-        xs = jnp.concatenate([past["window"].astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
-        segs = jnp.concatenate([past["window_segment_ids"].astype(jnp.int32), seg], axis=1)
-        write({"window": xs[:, T:], "window_segment_ids": segs[:, T:]})
+        first = (past["window"].astype(x.dtype), past["window_segment_ids"].astype(jnp.int32))
+        write({"window": jnp.concatenate([first[0], x], axis=1)[:, T:],
+               "window_segment_ids": jnp.concatenate([first[1], seg], axis=1)[:, T:]})
+
+        def taps(xs, segs, w):  # xs [B, K - 1 + T', C] and segs: the inputs with the K - 1 before them
+            T = xs.shape[1] - (K - 1)
+            y = jnp.zeros((xs.shape[0], T, C), jnp.float32)
+            for j in range(K):  # tap j reads the input K-1-j steps back
+                same = (segs[:, j:j + T] == segs[:, K - 1:])[..., None]
+                y = y + jnp.where(same, xs[:, j:j + T], 0).astype(jnp.float32) * w[j]
+            return y
+
+        # under context parallelism each device's window starts on the previous device (tfm.ops.context_scan)
+        y = with_previous(taps, K - 1, first, (x, seg), (w,))
         dtype = compute_dtype(self.config)
-        y = jnp.zeros((B, T, C), jnp.float32)
-        for j in range(K):  # tap j reads the input K-1-j steps back
-            start = j
-            same = (segs[:, start:start + T] == seg)[..., None]
-            y = y + jnp.where(same, xs[:, start:start + T], 0).astype(jnp.float32) * w[j]
         if self.use_bias:
             y = y + self.param("bias", param_init(nn.initializers.zeros_init(), (self.axis,)), (C,), jnp.float32)
         y = y.astype(dtype)

@@ -10,6 +10,7 @@ from tfm import capabilities
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.recurrent import ShortConv, decode_states
+from tfm.ops.context_scan import with_previous
 from tfm.ops.linear_scan import linear_scan
 
 RNN_STATE_AXES = ("cache_batch", "cache_heads", None)  # [B, N, P]: the RG-LRU's state
@@ -94,7 +95,9 @@ class RecurrentBlock(nn.Module):
                                                     "last_segment_id": ((Bsz,), LAST_SEGMENT_AXES)})
         before = (jnp.zeros((Bsz, 1), jnp.int32) if state is None
                   else state["last_segment_id"][:, None].astype(jnp.int32))
-        first = (seg != jnp.concatenate([before, seg[:, :-1]], axis=1))[:, :, None, None]  # [B, T, 1, 1]
+        # [B, T, 1, 1]: the token's id differs from the one before (on the previous device for a device's first
+        # token, under context parallelism: tfm.ops.context_scan)
+        first = with_previous(lambda s: s[:, 1:] != s[:, :-1], 1, (before,), (seg,))[:, :, None, None]
         norm = jnp.where(first, 1.0, _sqrt_clipped_grad(-jnp.expm1(2.0 * log_a)))
         h0 = None if state is None else jnp.where(first[:, 0], 0.0, state["rnn_state"])
         h, final = linear_scan(jnp.exp(log_a), xs * input_gate * norm, segment_ids=segment_ids, initial_state=h0,

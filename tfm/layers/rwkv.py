@@ -18,6 +18,7 @@ from tfm import capabilities
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, param_init
 from tfm.layers.recurrent import decode_states
+from tfm.ops.context_scan import with_previous
 from tfm.ops.wkv import EMPTY_MAX, wkv
 
 SHIFT_AXES = ("cache_batch", None)  # [B, D]: the last token's input
@@ -36,10 +37,12 @@ def token_shift(module: nn.Module, x, segment_ids, decode: bool):
                                                  "shift_segment_ids": ((B,), SHIFT_SEGMENT_AXES)})
     if past is None:
         past = {"shift": jnp.zeros((B, D), x.dtype), "shift_segment_ids": jnp.zeros((B,), jnp.int32)}
-    prev = jnp.concatenate([past["shift"].astype(x.dtype)[:, None], x[:, :-1]], axis=1)
-    prev_seg = jnp.concatenate([past["shift_segment_ids"].astype(jnp.int32)[:, None], seg[:, :-1]], axis=1)
     write({"shift": x[:, -1], "shift_segment_ids": seg[:, -1]})
-    return jnp.where((prev_seg == seg)[..., None], prev, 0)
+    # xs, segs [B, 1 + T', ...]: each token and the one before it (on the previous device for a device's
+    # first token, under context parallelism: tfm.ops.context_scan)
+    shift = lambda xs, segs: jnp.where((segs[:, :-1] == segs[:, 1:])[..., None], xs[:, :-1], 0)
+    first = (past["shift"].astype(x.dtype)[:, None], past["shift_segment_ids"].astype(jnp.int32)[:, None])
+    return with_previous(shift, 1, first, (x, seg))
 
 
 def _ramp(power: float, offset: float = 0.0):

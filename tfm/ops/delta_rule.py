@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax.scipy.linalg import solve_triangular
 
-from tfm.ops.segments import sequence_starts
+from tfm.ops import context_scan
 
 IMPLS = ("reference", "chunked")
 
@@ -35,22 +35,30 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     impl: "reference" (a scan over time) or "chunked" (a scan over chunks of chunk_size tokens)."""
     _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
     B, T, H, K = q.shape
-    out_dtype, V = v.dtype, v.shape[-1]
     dtype = jnp.promote_types(v.dtype, jnp.float32)
-    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
-    state = (jnp.zeros((B, H, K, V), dtype) if initial_state is None
+    state = (jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None
              else initial_state.astype(dtype))
-    if segment_ids is None:
-        reset = jnp.zeros((B, T), bool)
-    else:
-        real, reset = sequence_starts(segment_ids)
-        real = real[..., None]
-        g, beta = jnp.where(real, g, 0), jnp.where(real, beta, 0)
-    if impl == "reference":
-        o, state = _recurrent(q, k, v, g, beta, reset, state)
-    else:
-        o, state = _chunked(q, k, v, g, beta, reset, state, min(chunk_size, T))
-    return o.astype(out_dtype), state
+
+    def run(sequences, params, real, starts, state):
+        q, k, v, g, beta = (x.astype(dtype) for x in sequences)
+        g, beta = jnp.where(real[..., None], g, 0), jnp.where(real[..., None], beta, 0)
+        if impl == "reference":
+            o, state = _recurrent(q, k, v, g, beta, starts, state)
+        else:
+            o, state = _chunked(q, k, v, g, beta, starts, state, min(chunk_size, q.shape[1]))
+        return o.astype(sequences[2].dtype), state
+
+    def chunk_map(sequences, params, real, starts):
+        """The share's map S -> A S + b, both from one run: values [0 | v] from the state [I | 0] end as [A | b]."""
+        q, k, v, g, beta = sequences
+        probe = jnp.concatenate([jnp.zeros(v.shape[:3] + (K,), dtype), v.astype(dtype)], -1)
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=dtype), (v.shape[0], H, K, K))
+        _, final = run((q, k, probe, g, beta), params, real, starts,
+                       jnp.concatenate([eye, jnp.zeros(state.shape, dtype)], -1))
+        return final[..., :K], final[..., K:]
+
+    return context_scan.scan(run, chunk_map, context_scan.MATRIX, (q, k, v, g, beta), (), segment_ids, state,
+                             impl=impl)
 
 
 def _recurrent(q, k, v, g, beta, reset, state):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tfm.ops.segments import sequence_starts
+from tfm.ops import context_scan
 
 IMPLS = ("reference", "chunked")
 
@@ -23,31 +23,42 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked"):
     impl: "reference" (lax.scan over time) or "chunked" (lax.associative_scan).
     Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
     _check(a, b, segment_ids, initial_state, impl)
-    dtype = b.dtype
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    if segment_ids is not None:
-        shape = segment_ids.shape + (1,) * (b.ndim - 2)
-        real, reset = (x.reshape(shape) for x in sequence_starts(segment_ids))
-        a = jnp.where(reset, 0.0, jnp.where(real, a, 1.0))
-        b = jnp.where(real, b, 0.0)
     h0 = (jnp.zeros((b.shape[0],) + b.shape[2:], jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    if impl == "reference":
-        def step(h, x):
-            h = x[0] * h + x[1]
-            return h, h
 
-        final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
-        h = jnp.moveaxis(h, 0, 1)
-    else:
-        b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
+    def run(sequences, params, real, starts, h0):
+        a, b = _steps(*sequences, real, starts)
+        if impl == "reference":
+            def step(h, x):
+                h = x[0] * h + x[1]
+                return h, h
 
-        def combine(earlier, later):  # composes two affine maps h -> a h + b, `earlier` applied first
-            return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+            final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
+            h = jnp.moveaxis(h, 0, 1)
+        else:
+            b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
 
-        _, h = jax.lax.associative_scan(combine, (a, b), axis=1)
-        final = h[:, -1]
-    return h.astype(dtype), final
+            def combine(earlier, later):  # composes two affine maps h -> a h + b, `earlier` applied first
+                return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+
+            _, h = jax.lax.associative_scan(combine, (a, b), axis=1)
+            final = h[:, -1]
+        return h.astype(sequences[1].dtype), final
+
+    def chunk_map(sequences, params, real, starts):  # the state decays by the product of the share's a
+        decay = jnp.prod(_steps(*sequences, real, starts)[0], axis=1)
+        return decay, run(sequences, params, real, starts, jnp.zeros(h0.shape, jnp.float32))[1]
+
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (a, b), (), segment_ids, h0, impl=impl)
+
+
+def _steps(a, b, real, starts):
+    """a, b [B, T, ...] in float32 with padding (real [B, T] False) an identity step (a = 1, b = 0) and a
+    = 0 where a sequence starts (starts [B, T])."""
+    shape = real.shape + (1,) * (b.ndim - 2)
+    real, starts = real.reshape(shape), starts.reshape(shape)
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return jnp.where(starts, 0.0, jnp.where(real, a, 1.0)), jnp.where(real, b, 0.0)
 
 
 def _check(a, b, segment_ids, initial_state, impl):

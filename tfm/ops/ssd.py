@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels import ssd as ssd_kernels
-from tfm.ops import segments, shard
+from tfm.ops import context_scan, segments, shard
 from tfm.parallel.mesh import current_platform
-from tfm.ops.segments import sequence_starts
 
 __all__ = ["selective_scan", "ssd"]
 
@@ -65,11 +64,28 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *
         return _ssd_pallas(x, dt, A, B, C, segment_ids, initial_state, chunk_size)
 
     acc = jnp.result_type(x.dtype, jnp.float32)
-    dt, reset = _steps(dt.astype(acc), segment_ids)
-    g = B.shape[2]
     h0 = jnp.zeros((b, n, p, s), acc) if initial_state is None else initial_state.astype(acc)
-    args = (x.astype(acc).reshape(b, t, g, n // g, p), dt.reshape(b, t, g, n // g), A.astype(acc).reshape(g, n // g),
-            B.astype(acc), C.astype(acc), reset, h0.reshape(b, g, n // g, p, s))
+    run = functools.partial(_ssd_run, impl, chunk_size)
+
+    def chunk_map(sequences, params, real, starts):  # the state decays by exp(A sum dt) per head
+        dt, A = _steps(sequences[1].astype(acc), real), params[0].astype(acc)
+        decay = jnp.where(starts.any(1)[:, None], 0, jnp.exp(dt.sum(1) * A))  # [B, N]
+        return decay[..., None, None], run(sequences, params, real, starts, jnp.zeros(h0.shape, acc))[1]
+
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0,
+                             impl=impl)
+
+
+def _ssd_run(impl, chunk_size, sequences, params, real, starts, h0):
+    """ssd on x, dt, B, C (sequences) and A (params) from h0 [B, N, P, S], real / starts [B, T] as
+    tfm.ops.segments reads the segment ids (starts may include t = 0)."""
+    x, dt, B, C = sequences
+    b, t, n, p = x.shape
+    g, s = B.shape[2:]
+    acc = h0.dtype
+    dt = _steps(dt.astype(acc), real)
+    args = (x.astype(acc).reshape(b, t, g, n // g, p), dt.reshape(b, t, g, n // g),
+            params[0].astype(acc).reshape(g, n // g), B.astype(acc), C.astype(acc), starts, h0.reshape(b, g, n // g, p, s))
     if impl == "reference":
         y, h = _ssd_reference(*args)
     else:
@@ -102,13 +118,28 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     _check_shape("initial_state", initial_state, (b, e, s), "[B, E, S] from x and A")
 
     acc = jnp.result_type(x.dtype, jnp.float32)
-    dt, reset = _steps(dt.astype(acc), segment_ids)
     h0 = jnp.zeros((b, e, s), acc) if initial_state is None else initial_state.astype(acc)
-    args = (x.astype(acc), dt, A.astype(acc), B.astype(acc), C.astype(acc), reset, h0)
+    run = functools.partial(_selective_run, impl, chunk_size)
+
+    def chunk_map(sequences, params, real, starts):  # the state decays by exp(A sum dt) per channel and entry
+        dt, A = _steps(sequences[1].astype(acc), real), params[0].astype(acc)
+        decay = jnp.where(starts.any(1)[:, None, None], 0, jnp.exp(dt.sum(1)[..., None] * A))  # [B, E, S]
+        return decay, run(sequences, params, real, starts, jnp.zeros(h0.shape, acc))[1]
+
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0,
+                             impl=impl)
+
+
+def _selective_run(impl, chunk_size, sequences, params, real, starts, h0):
+    """selective_scan on x, dt, B, C (sequences) and A (params) from h0 [B, E, S], real / starts as in _ssd_run."""
+    x, dt, B, C = sequences
+    acc = h0.dtype
+    args = (x.astype(acc), _steps(dt.astype(acc), real), params[0].astype(acc), B.astype(acc), C.astype(acc), starts,
+            h0)
     if impl == "reference":
         y, h = _selective_reference(*args)
     else:
-        y, h = _selective_chunked(*args, chunk=min(chunk_size, t))
+        y, h = _selective_chunked(*args, chunk=min(chunk_size, x.shape[1]))
     return y.astype(x.dtype), h
 
 
@@ -124,13 +155,9 @@ def _check_shape(name, array, shape, meaning):
         raise ValueError(f"{name}: shape {tuple(array.shape)}, expected {meaning} = {tuple(shape)}")
 
 
-def _steps(dt, segment_ids):
-    """dt [B, T, ...] -> (dt, 0 at padding; reset [B, T] bool, True where a sequence starts after t = 0)."""
-    if segment_ids is None:
-        return dt, jnp.zeros(dt.shape[:2], bool)
-    real, starts = sequence_starts(segment_ids)
-    dt = jnp.where(real.reshape(real.shape + (1,) * (dt.ndim - 2)), dt, 0)
-    return dt, starts
+def _steps(dt, real):
+    """dt [B, T, ...] -> dt, 0 at padding (real [B, T] bool False)."""
+    return jnp.where(real.reshape(real.shape + (1,) * (dt.ndim - 2)), dt, 0)
 
 
 def _pad_time(chunk, *arrays):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tfm.ops.segments import sequence_starts
+from tfm.ops import context_scan
 
 IMPLS = ("reference", "chunked")
 EMPTY_MAX = -1e38  # the max exponent of the empty state, as in transformers
@@ -38,20 +38,49 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
     _check(w, u, k, v, segment_ids, initial_state, impl, chunk_size)
     B, T, C = k.shape
     f32 = jnp.float32
-    w, u, k, vf = (x.astype(f32) for x in (w, u, k, v))
-    if initial_state is None:
-        state = (jnp.zeros((B, C), f32), jnp.zeros((B, C), f32), jnp.full((B, C), EMPTY_MAX, f32))
-    else:
-        state = tuple(s.astype(f32) for s in initial_state)
-    if segment_ids is None:
-        real, reset = jnp.ones((B, T), bool), jnp.zeros((B, T), bool)
-    else:
-        real, reset = sequence_starts(segment_ids)
-    if impl == "reference":
-        out, state = _recurrent(w, u, k, vf, real, reset, state)
-    else:
-        out, state = _chunked(w, u, k, vf, real, reset, state, min(chunk_size, T))
-    return out.astype(v.dtype), state
+    state = _empty(B, C) if initial_state is None else tuple(s.astype(f32) for s in initial_state)
+
+    def run(sequences, params, real, starts, state):
+        (k, v), (w, u) = sequences, params
+        w, u, k, vf = (x.astype(f32) for x in (w, u, k, v))
+        if impl == "reference":
+            out, state = _recurrent(w, u, k, vf, real, starts, state)
+        else:
+            out, state = _chunked(w, u, k, vf, real, starts, state, min(chunk_size, k.shape[1]))
+        return out.astype(v.dtype), state
+
+    def chunk_map(sequences, params, real, starts):  # each real token decays the state by exp(-w)
+        log_decay = -params[0].astype(f32) * real.sum(1, dtype=f32)[:, None]  # [B, C]
+        return (log_decay, 1.0 - starts.any(1).astype(f32)), run(sequences, params, real, starts, _empty(*real.shape[:1], C))[1]
+
+    return context_scan.scan(run, chunk_map, _ALGEBRA, (k, v), (w, u), segment_ids, state, impl=impl)
+
+
+def _empty(B, C):
+    """The empty state (num, den, max), each [B, C]."""
+    return jnp.zeros((B, C), jnp.float32), jnp.zeros((B, C), jnp.float32), jnp.full((B, C), EMPTY_MAX, jnp.float32)
+
+
+def _apply(transfer, state):
+    """A share's transfer (log decay [B, C], survives [B]: 1.0 where no sequence starts in it, else 0.0) on a state."""
+    log_decay, survives = transfer
+    num, den, top = state
+    alive = survives[:, None] > 0
+    return (jnp.where(alive, num, 0.0), jnp.where(alive, den, 0.0), jnp.where(alive, top + log_decay, EMPTY_MAX))
+
+
+def _add(a, b):
+    """The sum of two states in the stable form: num and den rescaled to the larger max (a scale
+    the value does not depend on, so it takes no gradient)."""
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.maximum(a[2], b[2]), EMPTY_MAX))
+    sa, sb = jnp.exp(a[2] - top), jnp.exp(b[2] - top)
+    return a[0] * sa + b[0] * sb, a[1] * sa + b[1] * sb, top
+
+
+# The WKV state's maps under context parallelism (tfm.ops.context_scan): num e^max and den e^max decay
+# by exp(-w) per real token, and a sequence starting in a share empties what enters it.
+_ALGEBRA = context_scan.Algebra(apply=_apply, add=_add,
+                                compose=lambda a, b: (a[0] + b[0], a[1] * b[1]))
 
 
 def _recurrent(w, u, k, v, real, reset, state):

@@ -1,0 +1,116 @@
+"""Context parallelism for the linear-time mixers (tfm.ops.context_scan): the sequence split over
+`context`, each device's share reduced to an affine map of the state, the maps composed across the
+devices, each share rerun from the state handed to it.
+
+On 8 simulated CPU devices, mesh (data=2, context=4), fp32, 32 tokens a row (8 a device, chunks of 4),
+packed so that sequences start inside a share, exactly at a device boundary (8) and after padding
+that begins at one (24): a hybrid decoder with every mixer (Mamba, Mamba-2, gated DeltaNet, RWKV with
+its channel mix, RG-LRU; their chunked forms, short convolutions and token shifts) beside ring
+attention equals one device (the same jit without a mesh) in each mixer's output, the loss and every
+gradient; beside it, a scan from a given initial state (the first device's start) equals one device
+in its outputs, final state and gradients. The split program gathers nothing (no all-gather or
+all-to-all: maps, states and the convolutions' windows travel by collective-permute). One compile
+each way, shared by the tests.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
+from tfm.ops.linear_scan import linear_scan
+from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules
+
+B, T, V = 2, 32, 64
+SEGMENTS = np.asarray([[1] * 11 + [2] * 13 + [0] * 5 + [3] * 3,   # a start at 11, padding from 24, a start at 29
+                       [1] * 8 + [2] * 13 + [3] * 11])            # starts at 8 (a device boundary) and 21
+POSITIONS = np.asarray([np.r_[0:11, 0:13, [0] * 5, 0:3], np.r_[0:8, 0:13, 0:11]])
+MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru")  # layers 0-4; layer 5 is attention
+
+
+def _model():
+    cfg = tiny("llama", num_layers=6, mixer_chunk_size=4, mixer_pattern=MIXERS + ("attention",),
+               ffn_pattern=("none", "none", "none", "rwkv", "none", "dense"), mamba=dict(state_size=4),
+               mamba2=dict(state_size=4, head_dim=8, groups=2),
+               deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8))
+    return DecoderLM(cfg)
+
+
+def _inputs(model):
+    """Parameters (drawn at random on their shapes: no init compile), the batch, a cotangent of the
+    logits, and a linear scan's a, b, initial state and cotangent; numpy."""
+    rng = np.random.default_rng(0)
+    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+    params = jax.tree.map(lambda s: (0.5 * rng.standard_normal(s.shape)).astype(np.float32), shapes["params"])
+    ids = rng.integers(1, V, (B, T)).astype(np.int32) * (SEGMENTS > 0)
+    ct = rng.standard_normal((B, T, V)).astype(np.float32) * (SEGMENTS > 0)[..., None]
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    scan = (1 / (1 + np.exp(-normal(B, T, 3) - 2)), normal(B, T, 3), normal(B, 3), normal(B, T, 3))
+    return params, (ids, SEGMENTS, POSITIONS, ct) + scan
+
+
+def _step(model):
+    """jit(value_and_grad) of the model's sum(logits * ct) plus a linear scan's sum(h * ct) + sum(final)
+    -> ((loss, (each mixer's output, logits, h, final)), gradients of the parameters, a, b and the initial state)."""
+    def f(params, a, b, h0, ids, segments, positions, ct, scan_ct):
+        out, found = model.apply({"params": params}, ids, segment_ids=segments, positions=positions,
+                                 capture_intermediates=lambda module, _: module.name == "mixer",
+                                 mutable=["intermediates"])
+        h, final = linear_scan(a, b, segment_ids=segments, initial_state=h0)
+        layers = found["intermediates"]["decoder"]
+        mixed = [layers[f"layer_{i}"]["mixer"]["__call__"][0] for i in range(len(MIXERS))]
+        return jnp.sum(out.logits * ct) + jnp.sum(h * scan_ct) + jnp.sum(final), (mixed, out.logits, h, final)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _split(mesh, arrays):
+    """[B, T, ...] arrays split over data x context, [B, ...] over data."""
+    spec = lambda x: P("data", "context") if x.shape[:2] == (B, T) else P("data")
+    return [jax.device_put(x, NamedSharding(mesh, spec(x))) for x in arrays]
+
+
+@pytest.fixture(scope="module")
+def results():
+    """(one device, split over context) results of `_step`, and the split program's compiled text."""
+    model = _model()
+    params, (ids, segments, positions, ct, a, b, h0, scan_ct) = _inputs(model)
+    args = (a, b, h0, ids, segments, positions, ct, scan_ct)
+    step = _step(model)
+    one = step(params, *args)
+    mesh = make_mesh(MeshConfig(data=2, context=4), jax.devices()[:8])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("data", "context", activations=True))):
+        compiled = step.lower(params, *_split(mesh, args)).compile()
+    return one, compiled(params, *_split(mesh, args)), compiled.as_text()
+
+
+def _close(got, want, atol=1e-5):
+    """Leaf by leaf, within atol of the largest magnitude among `want`'s leaves."""
+    scale = max(float(np.abs(w).max()) for w in jax.tree.leaves(want))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, atol=atol * scale, rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("layer,mixer", list(enumerate(MIXERS)))
+def test_mixer_split_over_context_equals_one_device(results, layer, mixer):
+    """The mixer's output and its layer's parameter gradients."""
+    ((_, (want, *_)), (want_grads, *_)), ((_, (got, *_)), (got_grads, *_)), _ = results
+    _close(got[layer], want[layer])
+    _close(got_grads["decoder"][f"layer_{layer}"], want_grads["decoder"][f"layer_{layer}"])
+
+
+def test_hybrid_and_initial_state_split_over_context_equal_one_device(results):
+    """The logits, every parameter's gradient (attention by ring, embeddings, head), and a linear scan's
+    outputs, final state and gradients from a given initial state."""
+    ((_, (_, want_logits, *want_scan)), want_grads), ((_, (_, got_logits, *got_scan)), got_grads), _ = results
+    _close(got_logits, want_logits)
+    _close(got_grads[0], want_grads[0])
+    _close((got_scan, got_grads[1:]), (want_scan, want_grads[1:]))
+
+
+def test_split_program_gathers_nothing(results):
+    text = results[2]
+    assert "collective-permute" in text  # maps, states, windows, attention's key/value blocks
+    assert "all-gather" not in text and "all-to-all" not in text
