@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, NoReturn, Optional
 
 import jax
 import ml_collections
+import tensorflow_datasets as tfds
 
 from tfm import parallel
 from tfm.config import ExecutionConfig, ModelConfig
@@ -34,6 +35,7 @@ from tfm.data.sources import DatasetNotPreparedError
 from tfm.models import presets
 from tfm.train import TrainConfig
 from tfm.train.checkpoint import CheckpointError
+from tfm.train.metrics import interactive_output
 from tfm.train.workdir_lock import WorkdirLockedError, require_filesystem_path
 
 _NESTED = {"optimizer", "mesh"}  # TrainConfig fields that are dataclasses themselves
@@ -170,11 +172,14 @@ def resolve(config, settings_cls, task_cls, *, model_from_checkpoint: bool = Fal
                          "its model from a checkpoint; unset it")
     if not model_from_checkpoint and not model.get("preset"):
         raise ValueError(f"config.model.preset is not set; choose from {sorted(presets.PRESETS)}")
-    return Experiment(
+    exp = Experiment(
         train=_build(TrainConfig, {**{k: raw[k] for k in train_keys if k in raw}, **derived}, "config"),
         task=_build(task_cls, dict(raw.get("task") or {}), "config.task"),
         settings=settings_of(raw, settings_cls),
         preset=model["preset"], overrides=dict(model.get("overrides") or {}), raw=raw)
+    if not model_from_checkpoint:  # every model value checked now, before any data is read or generated
+        exp.model(getattr(exp.settings, "vocab_size", None) or 32_000)
+    return exp
 
 
 def sentencepiece(workdir: str, texts: Iterable[str], vocab_size: int) -> tokenizers.SentencePieceTokenizer:
@@ -313,11 +318,14 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run_cli(command: Callable[[list[str]], None]) -> None:
-    """`app.run(command)` with WARNING-level logs and every error in ERRORS reported by `fail`."""
+    """`app.run(command)` with WARNING-level logs, TFDS's progress bars only on a terminal (a log
+    would collect their escape codes), and every error in ERRORS reported by `fail`."""
     from absl import app, logging
 
     def run(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+        if not interactive_output():
+            tfds.disable_progress_bar()
         try:
             command(argv)
         except ERRORS as e:

@@ -26,6 +26,8 @@ def test_outputs_section_command_and_workdir_layout(tmp_path):
     run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "final eval loss" in run.stdout
+    noise = [c for c in ("\r", "\x1b[") if c in run.stdout + run.stderr]  # a log is not a terminal
+    assert not noise, f"progress-bar codes {noise} in the log: {(run.stdout + run.stderr)[-2000:]!r}"
     listed = re.findall(r"^\| `([^`]+)`", section, re.M)
     expected = {"config.json", "metrics.jsonl", "tensorboard/", "checkpoints/<step>/", "spm_<V>.model"}
     assert expected <= set(listed)

@@ -890,6 +890,58 @@ class ModelConfig:
         return cls(**fields)
 
 
+# The MoE-only fields of ModelConfig and ExecutionConfig, and the linear-time mixers' execution fields, by name
+_MOE_PREFIXES = ("experts_", "router_", "shared_expert_", "dense_", "moe_", "capacity_")
+_MIXER_PREFIX = "mixer_"
+
+
+def _why_inapplicable(config: ModelConfig, path: str) -> Optional[str]:
+    """Why the field at `path` ("rope.theta", "execution.moe_impl", "num_experts") has no effect on
+    `config`, or None if it may: its group's switch is off."""
+    group, _, field = path.rpartition(".")
+    kinds = set(config.mixer_pattern or ()) | set(config.ffn_pattern or ())
+    if group == "rope" and config.position != "rope":
+        return f"position={config.position!r} has no RoPE; set position='rope' with it"
+    if group in ("", "execution") and field.startswith(_MOE_PREFIXES):
+        return "the model has no experts (num_experts=0); set num_experts with it" if not config.num_experts else None
+    if group in {g.FIELD for g in MIXER_GROUPS.values()}:
+        users = [k for k, g in MIXER_GROUPS.items() if g.FIELD == group]
+        if not kinds & set(users):
+            return (f"no layer is {' or '.join(map(repr, users))} (mixer_pattern={config.mixer_pattern}); "
+                    f"set mixer_pattern with it")
+    if group == "execution" and field.startswith(_MIXER_PREFIX) and not kinds & set(MIXER_GROUPS):
+        return f"no layer has a linear-time mixer (mixer_pattern={config.mixer_pattern}); set mixer_pattern with it"
+    schemes = {"alibi_bias_max": "alibi", "relative_buckets": "relative", "relative_max_distance": "relative"}
+    if not group and field in schemes and config.position != schemes[field]:
+        return f"position={config.position!r}; it applies with position={schemes[field]!r}"
+    return None
+
+
+def check_overrides(config: ModelConfig, overrides: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the first of `overrides` (ModelConfig fields as `replace` takes them:
+    groups as dicts or instances, execution's fields nested or flat) set to other than its default
+    where `config`, the model built with them, has that setting's switch off: a RoPE field without
+    position="rope", a MoE field without experts, a mixer group no layer uses, ALiBi's or T5's
+    bias knobs under another position scheme. A preset's own values are not overrides."""
+    groups = {g.FIELD: g for g in (RopeConfig, ExecutionConfig, *MIXER_GROUPS.values())}
+    for name, value in _nest_execution(dict(overrides)).items():
+        if name in groups and value is not None:
+            given = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
+            defaults = groups[name]()
+            items = [(f"{name}.{k}", v, getattr(defaults, k)) for k, v in given.items()]
+        else:
+            items = [(name, value, {f.name: f.default for f in dataclasses.fields(ModelConfig)}.get(name))]
+        for path, v, default in items:
+            why = _why_inapplicable(config, path)
+            if why and _differs(v, default):
+                raise ValueError(f"ModelConfig.{path}={v!r} cannot apply: {why}, or leave it out")
+
+
+def _differs(value, default) -> bool:
+    """Whether an override's value is other than the field's default (a list as the tuple it becomes)."""
+    return (tuple(value) if isinstance(value, list) else value) != default
+
+
 def _nest_execution(fields: dict) -> dict:
     """`fields` with ExecutionConfig's fields named flat (as ModelConfig had them) moved into `execution`."""
     flat = {name: fields.pop(name) for name in ExecutionConfig.names() if name in fields}

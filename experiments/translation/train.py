@@ -124,6 +124,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     """Trains per `config` in `workdir` (resuming if checkpoints exist), evaluating loss (and
     BLEU when eval_bleu_examples > 0) on the validation split; returns the test-set BLEU."""
     s = common.settings_of(config, TranslationSettings)
+    blueprint(config, jax.device_count())  # every value checked before the corpus is read or generated
     os.makedirs(workdir, exist_ok=True)
     train, validation, test = load_sources(s, workdir)
     tok, exp, data = train_stream(config, workdir, train)

@@ -6,7 +6,7 @@ import functools
 import math
 from typing import Optional
 
-from tfm.config import LEGACY_ROPE_FIELDS, ExecutionConfig, ModelConfig
+from tfm.config import LEGACY_ROPE_FIELDS, ExecutionConfig, ModelConfig, check_overrides
 
 
 def transformer_base(vocab_size: int = 37_000, **overrides) -> ModelConfig:
@@ -215,7 +215,8 @@ PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in 
 
 
 def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> ModelConfig:
-    """The named preset with the tokenizer's vocabulary and ModelConfig fields overridden.
+    """The named preset with the tokenizer's vocabulary and ModelConfig fields overridden; an
+    override that cannot apply to the model built (`tfm.config.check_overrides`) is refused.
 
     This is how every experiment picks its model (config keys `model.preset`, `model.overrides`).
     """
@@ -231,4 +232,6 @@ def build(preset: str, vocab_size: int, overrides: Optional[dict] = None) -> Mod
     if "vocab_size" in overrides:
         raise ValueError("model.overrides.vocab_size: the vocabulary size comes from the tokenizer "
                          "(set the experiment's vocab_size instead)")
-    return PRESETS[preset](vocab_size=vocab_size, **overrides)
+    config = PRESETS[preset](vocab_size=vocab_size, **overrides)
+    check_overrides(config, overrides)
+    return config

@@ -21,9 +21,9 @@ def make_train_step(model, task, tx, schedule, *, microbatches: int = 1,
                     skip_nonfinite: bool = False, microbatch_constraint=None):
     """train_step(state, batch) -> (state, metrics), for `jax.jit`.
 
-    metrics: loss, accuracy, z_loss, moe_aux_loss (full-batch means), grad_norm, lr, and
-    finite (1.0 if loss and gradients are finite). With skip_nonfinite a non-finite step
-    leaves params and optimizer state unchanged (the step counter still advances).
+    metrics: loss, accuracy, z_loss (with a z-loss), moe_aux_loss (a model sowing one) as full-batch
+    means, grad_norm, lr, and finite (1.0 if loss and gradients are finite). With skip_nonfinite a
+    non-finite step leaves params and optimizer state unchanged (the step counter still advances).
     `microbatch_constraint(mb)` re-shards a microbatch (the trainer passes the batch sharding).
     """
     def grads_of(params, batch, rng, totals, num_micro):

@@ -100,26 +100,30 @@ class Task:
                           deterministic=True)
 
     def forward(self, model, params, batch, rng, deterministic: bool):
-        """(model outputs, summed MoE auxiliary loss; 0 without MoE)."""
+        """(model outputs, the summed auxiliary losses it sowed (MoE), or None: it sows none)."""
         outputs, extra = model.apply({"params": params}, **self.model_kwargs(batch),
                                      deterministic=deterministic, rngs={"dropout": rng},
                                      mutable=["losses"])
-        aux = sum((jnp.sum(x) for x in jax.tree.leaves(extra.get("losses", {}))),
-                  jnp.zeros((), jnp.float32))
-        return outputs, aux
+        sown = jax.tree.leaves(extra.get("losses", {}))
+        return outputs, sum((jnp.sum(x) for x in sown), jnp.zeros((), jnp.float32)) if sown else None
 
     def loss(self, model, params, batch, rng, totals: dict, num_micro: int = 1,
              deterministic: bool = False):
-        """(objective, metrics) for a (micro)batch; totals from `weight_totals(full batch)`."""
+        """(objective, metrics) for a (micro)batch; totals from `weight_totals(full batch)`.
+        metrics has z_loss only with a z-loss, moe_aux_loss only for a model that sows one."""
         outputs, aux = self.forward(model, params, batch, rng, deterministic)
         terms = self.loss_terms(outputs, batch)
-        objective = self.moe_aux_weight * aux / num_micro
-        metrics = {"loss": 0.0, "z_loss": 0.0, "moe_aux_loss": aux / num_micro}
+        objective, metrics = 0.0, {"loss": 0.0}
+        if aux is not None:
+            objective, metrics["moe_aux_loss"] = self.moe_aux_weight * aux / num_micro, aux / num_micro
+        if self.z_loss:
+            metrics["z_loss"] = 0.0
         for i, (name, t) in enumerate(terms.items()):
             norm, scale = totals[name], self.term_weight(name)
             objective += scale * (t.ce + t.z) / norm
             metrics["loss"] += scale * t.ce / norm
-            metrics["z_loss"] += scale * t.z / norm
+            if self.z_loss:
+                metrics["z_loss"] += scale * t.z / norm
             if i == 0 and t.correct is not None:
                 metrics["accuracy"] = t.correct / norm
             if len(terms) > 1:
