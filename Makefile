@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PLUGINS := $(VENV)/compile-only
 PLUGINS_STAMP := $(PLUGINS)/.installed
 
-.PHONY: install compile-plugins demo test bench bench-full gpu-check clean
+.PHONY: install compile-plugins demo test bench bench-full gpu-install gpu-check gpu-mixers clean
 
 install: $(STAMP)
 
@@ -45,12 +45,20 @@ bench-full: bench
 	$(PY) -m benchmarks.moe
 
 # The GPU machine reaches no registry and its own Python has jax with CUDA: no venv; tfm
-# without dependencies, plus the wheels carried into $(WHEELS) (benchmarks/gpu_check.py says which).
+# without dependencies, plus the wheels carried into $(WHEELS) (benchmarks/gpu_check.py says which;
+# gpu-mixers adds flash-linear-attention: pip download --no-deps -d wheels fla-core flash-linear-attention einops).
 WHEELS ?= wheels
-gpu-check:
+gpu-install:
 	$(PYTHON) -m pip install --quiet --no-deps -e .
 	if [ -d $(WHEELS) ]; then $(PYTHON) -m pip install --quiet --no-deps $(WHEELS)/*.whl; fi
+
+gpu-check: gpu-install
 	$(PYTHON) -m benchmarks.gpu_check --out gpu_check_out
+
+# Token mixers against attention, L 1k-128k, beside flash-linear-attention and cuDNN (under 9 minutes)
+MIXERS_OUT ?= mixer_crossover_out
+gpu-mixers: gpu-install
+	$(PYTHON) -m benchmarks.mixer_crossover --out $(MIXERS_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

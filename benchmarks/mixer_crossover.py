@@ -21,11 +21,12 @@ expanded to the heads).
 Measured: the mean of --iters steps after a warm-up; peak = XLA's compiled arguments + outputs +
 temporaries (JAX), torch's peak allocated (flash-linear-attention). Compile-only (--compile-only
 TARGETS, `tfm.preflight.targets`): each point compiled for one chip and never run; its estimate is
-max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) of the chip, FLOPs and bytes counted from the compiled
-program (`benchmarks.step_profile.breakdown`: every kernel, a loop body times its trip count, a Pallas
-kernel by its own cost estimate, read from the program on TPU and from the jaxpr for Triton, whose calls
-keep none). XLA's own cost analysis (flops, bytes accessed: TPU
-only, a loop body counted once) and memory analysis (temporaries) are reported beside it.
+max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) of the chip. TPU: FLOPs and bytes are XLA's cost analysis
+(the Pallas kernels by their cost estimates; a loop body counted once, so the chunked scans' state pass
+is undercounted). GPU, where XLA gives none: counted from the compiled program
+(`benchmarks.step_profile.breakdown`: every kernel, a loop body times its trip count), the Triton calls,
+which keep no cost estimate there, by their Pallas cost estimates read from the jaxpr. The memory
+analysis's temporaries are reported beside it.
 
 The crossover of a mixer: the shortest L from which it is faster than the fastest attention at every
 longer L measured, interpolated log-log between that L and the one before (exact for power laws).
@@ -252,16 +253,19 @@ def compile_point(impl: str, s: Shape, backward: bool, target, devices, chunk: i
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = cost_analysis(compiled)
-    kernels, _ = breakdown(compiled.as_text())
-    flops = sum(k.flops * k.count for k in kernels)
-    nbytes = sum(k.bytes * k.count for k in kernels)
-    note = ""
-    opaque = [k for k in kernels if not k.flops_known]
-    if opaque:  # Triton calls: the program keeps no cost estimate, the jaxpr's kernels have theirs
-        kernel_flops, kernel_bytes = kernel_costs(traced.jaxpr.jaxpr)
-        flops += kernel_flops
+    if cost.get("flops") is not None:  # TPU: XLA's cost model, the Pallas kernels by their cost estimates
+        flops, nbytes, note = cost["flops"], cost["bytes accessed"], "XLA cost analysis (a loop body once)"
+    else:  # GPU: counted from the program, loop bodies times their trips
+        kernels, _ = breakdown(compiled.as_text())
+        flops = sum(k.flops * k.count for k in kernels)
+        nbytes = sum(k.bytes * k.count for k in kernels)
+        opaque = [k for k in kernels if not k.flops_known and "pallas_call" in k.op_name + k.name]
+        kernel_flops, kernel_bytes = kernel_costs(traced.jaxpr.jaxpr) if opaque else (0.0, 0.0)
+        flops += kernel_flops  # Triton calls keep no cost estimate in the program; the jaxpr has them
         nbytes += kernel_bytes - sum(k.bytes * k.count for k in opaque)
-        note = f"{len(opaque)} Triton kernel(s) by their cost estimates"
+        unknown = sorted({k.name for k in kernels if not k.flops_known} - {k.name for k in opaque})
+        note = (f"{len(opaque)} Triton kernel(s) by their cost estimates" if opaque else "") + (
+            f"; FLOPs unknown, counted 0: {', '.join(unknown)}" if unknown else "")
     est, bound = estimate(flops, nbytes, target.chip)
     return dict(ms=est * 1e3, bound=bound, flops=flops, bytes=nbytes, xla_flops=cost.get("flops"),
                 xla_bytes=cost.get("bytes accessed"), temp=memory.temp_size_in_bytes / 2**20,

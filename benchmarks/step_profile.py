@@ -298,6 +298,9 @@ def _flops(i: Instruction, shapes: dict) -> Optional[float]:
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest).group(1)
         lhs = _dims(shapes[i.operands[0]])
         return 2.0 * math.prod(_dims(i.shape)) * math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
+    if i.target.startswith("__cublas$triangularSolve"):  # a [..., C, C] triangle against [..., C, n]: C² n
+        a, b = _dims(shapes[i.operands[0]]), _dims(shapes[i.operands[1]])
+        return float(math.prod(b) * a[-1])
     scores = re.search(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]', i.rest)
     if i.target.startswith(_FMHA) and scores:
         size = math.prod(int(d) for d in re.findall(r"\d+", scores.group(1)))
