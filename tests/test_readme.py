@@ -88,17 +88,28 @@ def _bleu_line(stdout: str) -> str:
 
 
 def _command(args, tmp_path, shrink):
-    """A README command as run here: this interpreter, the workdir under tmp_path, CPU-sized."""
+    """A README command as run here: this interpreter, the workdir under tmp_path; training CPU-sized
+    (the demo runs as `make demo` does: the README states what it prints)."""
     assert args[0] == "python"
     args = [sys.executable] + [f"--workdir={tmp_path}/{a.rsplit('/', 1)[1]}" if a.startswith("--workdir=") else a
                                for a in args[1:]]
-    return args + (shrink if args[2] in ("experiments.demo", "experiments.translation.train") else [])
+    return args + (shrink if args[2] == "experiments.translation.train" else [])
+
+
+def _demo_figures() -> tuple:
+    """(bleu_moses_compound_split, sacreBLEU) as the README's Reproductions table states `make demo`'s."""
+    row = next(line for line in _section("Reproductions").splitlines() if "| `make demo` |" in line)
+    found = re.search(r"\| ([\d.]+) `bleu_moses_compound_split`, ([\d.]+) sacreBLEU", row)
+    assert found, row
+    return found.groups()
 
 
 def test_local_translation_commands_in_order(tmp_path):
-    """The README's local translation commands, in order: evaluate repeats the demo's BLEU and, after
-    a run stopped by Ctrl-C and resumed, the resumed run's, each naming the final step; a workdir
-    whose final checkpoint is missing (as every runlocal run left it before) is refused."""
+    """The README's local translation commands, in order: the demo prints the BLEU the README states
+    for `make demo` (so a change that moves it updates the README with it) and no loss term the
+    model lacks; evaluate repeats the demo's BLEU and, after a run stopped by Ctrl-C and resumed, the
+    resumed run's, each naming the final step; a workdir whose final checkpoint is missing (as every
+    runlocal run left it before) is refused."""
     block = next(b for b in re.findall(r"```bash\n(.*?)\n```", _section("Reproductions"), re.S)
                  if "experiments.demo" in b)
     shrink = ["--config.num_train_steps=30", "--config.synthetic_pairs=500", "--config.eval_examples=8",
@@ -108,13 +119,19 @@ def test_local_translation_commands_in_order(tmp_path):
     assert [c[2] for c in commands] == ["experiments.demo", "experiments.translation.evaluate",
                                         "experiments.translation.train", "experiments.translation.train",
                                         "experiments.translation.evaluate"]
-    run = lambda args: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = lambda args, **kw: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
+    # the demo and its evaluation as a user's machine runs them: one CPU device, XLA's default compile flags
+    user = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
-    demo = run(commands[0])
+    demo = run(commands[0], env=user)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert _bleu_line(demo.stdout).endswith("(checkpoint step 30)"), demo.stdout[-3000:]
+    assert _bleu_line(demo.stdout).endswith("(checkpoint step 600)"), demo.stdout[-3000:]
+    printed = re.search(r"bleu_moses_compound_split ([\d.]+) .* sacreBLEU ([\d.]+) ", _bleu_line(demo.stdout)).groups()
+    assert printed == _demo_figures(), (f"`make demo` prints BLEU {printed}, the README's Reproductions table says "
+                                        f"{_demo_figures()}: update the README (and RESULTS' seed spread if it moved far)")
+    assert not re.search(r"\b(z_loss|moe_aux_loss)=", demo.stdout), demo.stdout[-3000:]  # no such terms here
     assert f"python -m experiments.translation.evaluate --workdir={tmp_path}/demo" in demo.stdout
-    scored = run(commands[1])
+    scored = run(commands[1], env=user)
     assert scored.returncode == 0 and scored.stderr == "", scored.stderr[-3000:]  # no absl INFO lines
     assert _bleu_line(scored.stdout) == f"{_bleu_line(demo.stdout)}; translations in {tmp_path}/demo/translations.test.txt"
 
