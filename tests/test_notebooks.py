@@ -17,7 +17,7 @@ import xla_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = ("01_transformer_from_blocks", "02_translation", "03_bert", "04_flash_attention", "05_sharding",
-             "06_captioning")
+             "06_captioning", "07_linear_time_mixers")
 TIMEOUT_S = 300  # per cell; a whole notebook takes about a minute on two CPU cores
 # Each notebook's first code cell sets the lengths of its runs (`TRAIN_STEPS` "scales the run"). The
 # test runs every cell with these shorter ones: the same code paths, compiles and plots, with fewer
@@ -25,7 +25,8 @@ TIMEOUT_S = 300  # per cell; a whole notebook takes about a minute on two CPU co
 SHORTER = {"01_transformer_from_blocks": {"TRAIN_STEPS": 20},
            "02_translation": {"TRAIN_STEPS": 20, "TRAIN_PAIRS": 500},
            "03_bert": {"PRETRAIN_STEPS": 40, "FINETUNE_STEPS": 10},
-           "06_captioning": {"TRAIN_STEPS": 20}}
+           "06_captioning": {"TRAIN_STEPS": 20},
+           "07_linear_time_mixers": {"LENGTHS": (1024, 131072)}}
 
 
 def _read(name):
