@@ -1,7 +1,7 @@
 """What a long pod run meets besides lost hosts, each tried as a user meets it (tests/train_job.py
-as the command, 8 CPU devices, data 2 x fsdp 4): loss spikes from a poisoned stretch of the
-stream are rolled back and skipped; a replica whose parameters drift from the others' stops the
-run before the next checkpoint; a step that hangs while its heartbeat beats ends every process.
+as the command; 8 CPU devices, data 2 x fsdp 4, unless said): loss spikes from a poisoned stretch
+of the stream are rolled back and skipped; a replica whose parameters drift from the others' stops
+the run before the next checkpoint; a step that hangs while its heartbeat beats ends every process.
 Every run trains the tiny decoder on train_job.PatternBatches (a permutation chain it learns in
 ~15 steps) and evaluates on held-out batches of it."""
 import json
@@ -89,12 +89,15 @@ def test_a_loss_spike_is_rolled_back_and_its_batches_skipped(tmp_path, clean):
 def test_spikes_past_the_allowed_recoveries_stop_in_one_line(tmp_path):
     """Batches 13-19 poisoned, one recovery allowed: the first spike (step 14) rolls back to step 12 and
     skips 4 batches, the stream there is still poisoned, and the second spike (step 13 again) stops
-    the run in one line. Left: the checkpoints of steps 8 and 12, the latter's stream position moved
-    past the skipped batches (a resume skips them too), and the recovery in metrics.jsonl."""
-    proc = _job(tmp_path, *SPIKES, "--poison", "13:20", "--set", "spike_max_recoveries=1")
-    line = _last_line(proc)
-    assert proc.returncode == 1
-    assert line.startswith("error: loss spike at step 13 (loss "), line
+    the run with a one-line error (in-process: the command prints it as the test above shows). Left:
+    the checkpoints of steps 8 and 12, the latter's stream position moved past the skipped batches (a
+    resume skips them too), and the recovery in metrics.jsonl."""
+    from tfm.train.hooks import LossSpikeError
+    with pytest.raises(LossSpikeError) as stop:
+        train_job.run(str(tmp_path), STEPS, data=train_job.PatternBatches(poison=range(13, 20)), checkpoint_every=4,
+                      learning_rate=0.03, spike_factor=3, spike_window=6, spike_max_recoveries=1)
+    line = str(stop.value)
+    assert "\n" not in line and line.startswith("loss spike at step 13 (loss "), line
     assert line.endswith(f"2 spikes within 1000 steps, more than spike_max_recoveries=1 (spike_recovery_window=1000); "
                          f"stopped. Last good checkpoint: 12 in {tmp_path}/checkpoints. Skip more of the stream "
                          "(spike_skip_batches) or lower the learning rate, then run the same command"), line
@@ -125,12 +128,13 @@ def test_a_replica_that_drifts_stops_the_run_before_the_next_checkpoint(tmp_path
 
 
 def _two_processes(workdir, *args):
-    """The command as two processes x 4 CPU devices joined through jax.distributed."""
+    """The command as two processes of one CPU device each, joined through jax.distributed (data 2)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return [subprocess.Popen([sys.executable, JOB, "--workdir", str(workdir), "--steps", str(STEPS), *COMMON, *args,
-                              "--multihost", str(i), "--port", str(port)], env=xla_env.subprocess_env(devices=4),
+                              "--set", "mesh={'data': 2}", "--multihost", str(i), "--port", str(port)],
+                             env=xla_env.subprocess_env(devices=1),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
 
 
@@ -139,8 +143,8 @@ def test_a_hung_step_ends_every_process_in_one_line_and_the_same_command_resumes
     the bound its line states (watchdog_timeout=3 s, or 5 x the median step where that is longer) and 5 s
     more (the watchdog's poll, every process seeing the line, exiting), both exit with status 75 and the
     same last line naming process 1, step 6 and its phase; the checkpoint of step 4 is left. The same
-    command resumes from it and ends with the losses and held-out loss of the one-process run on the same
-    stream (atol 1e-5, as test_multihost)."""
+    command resumes from it and ends with the losses and held-out loss of the one-process 8-device run on
+    the same stream (atol 1e-5, as test_multihost)."""
     losses, eval_loss = clean
     procs = _two_processes(tmp_path, *WATCH, "--hang", "1:6")
     logs = [[], []]
@@ -174,6 +178,24 @@ def test_a_hung_step_ends_every_process_in_one_line_and_the_same_command_resumes
     np.testing.assert_allclose([r["loss"] for r in train], losses, atol=1e-5, rtol=0)
     np.testing.assert_allclose(_records(tmp_path, "eval")[-1]["loss"], eval_loss, atol=1e-5, rtol=0)
 
+
+
+def test_the_watchdog_bounds_each_phase():
+    """No step time known: the slow bound; then max(timeout, factor x the median step); compile, save,
+    eval and finish always the slow bound. One process names itself."""
+    from tfm.train.watchdog import Watchdog
+    watchdog = Watchdog(3, 5, 60)
+    assert watchdog.bound("step") == (60, "watchdog_slow_timeout=60 s")
+    watchdog.steps.extend([0.2, 1.0, 0.4])
+    assert watchdog.bound("data")[0] == 3  # 5 x 0.4 s < 3 s
+    watchdog.steps.extend([1.0, 1.0])
+    limit, why = watchdog.bound("step")
+    assert (limit, why) == (5, "max(watchdog_timeout=3 s, watchdog_step_factor=5 x the median step 1 s)")
+    assert [watchdog.bound(p)[0] for p in ("compile", "save", "eval", "finish")] == [60] * 4
+    assert watchdog._line(7, "data", limit, why) == (
+        "error: process 0 of 1 stopped making progress in step 7 (phase: data): nothing moved for 5 s, the bound "
+        "max(watchdog_timeout=3 s, watchdog_step_factor=5 x the median step 1 s). Every process of the job stopped; "
+        "run the same command again on every host: it resumes from the last good checkpoint")
 
 @pytest.mark.parametrize("fields,message", [
     (dict(spike_factor=1.0), r"spike_factor must be None or > 1, got 1.0"),

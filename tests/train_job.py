@@ -283,7 +283,7 @@ def main():
     out = {"losses": [h["loss"] for h in result.history], "preempted": result.preempted,
            "eval_loss": result.eval_history[-1]["loss"] if result.eval_history else None,
            "step": int(result.state.step), "in_flight": probe.counts if probe else None, "reads": probe.reads if probe else None}
-    if a.multihost is not None and not a.slow:  # restore what was just saved and compare
+    if a.multihost is not None and not (a.slow or a.pattern):  # restore what was just saved and compare
         from tfm.train import Checkpointer
         ckpt = Checkpointer(os.path.join(a.workdir, "checkpoints"))
         restored, data_state = ckpt.restore(result.trainer.abstract_state)

@@ -41,7 +41,7 @@ class Watchdog:
         self.poll = min(max(timeout / 20, 0.05), 2.0)
         self.where = (0, "data", time.monotonic())  # (step, phase, since): one tuple, swapped whole
         self.pending, self.steps = collections.deque(), collections.deque(maxlen=100)
-        self.done_at, self.stopping, self.thread = None, None, None
+        self.done_at, self.stopping, self.thread, self.client = None, None, None, None
         self.halt = threading.Event()
 
     @classmethod
@@ -52,7 +52,6 @@ class Watchdog:
         if not self.timeout:
             return
         self.enter(step + 1, "compile")
-        self.client = None
         if jax.process_count() > 1:
             from jax._src import distributed  # the key-value store JAX's coordinator holds
             self.client = distributed.global_state.client
@@ -98,7 +97,7 @@ class Watchdog:
 
     def _finished_steps(self, now: float) -> None:
         done = 0
-        while self.pending and self.pending[0].is_ready():
+        while self.pending and self._ready(self.pending[0]):
             self.pending.popleft()
             done += 1
         if not done:
@@ -108,6 +107,13 @@ class Watchdog:
         self.done_at = now
         step, phase, since = self.where
         self.where = (step, phase, max(since, now))
+
+    @staticmethod
+    def _ready(x: jax.Array) -> bool:
+        try:
+            return x.is_ready()
+        except Exception:  # noqa: BLE001 - the step failed: the main thread raises it
+            return True
 
     def _watch(self) -> None:
         published = None
@@ -119,26 +125,32 @@ class Watchdog:
                 line = self._published()
                 if line is not None:
                     self._end(line)
-                if (step, phase) != published:
-                    self.client.key_value_set(f"{_KEY}/at/{jax.process_index()}", f"{step} {phase}",
-                                              allow_overwrite=True)
+                if (step, phase) != published and self._store(self.client.key_value_set, f"{_KEY}/at/"
+                                                               f"{jax.process_index()}", f"{step} {phase}", True)[0]:
                     published = (step, phase)
             limit, why = self.bound(phase)
             if now - since > limit:
                 self._end(self._line(step, phase, limit, why), publish=True)
 
-    def _published(self) -> Optional[str]:
+    @staticmethod
+    def _store(call, *args) -> tuple[bool, object]:
+        """(True, `call(*args)`) on the key-value store, or (False, None) where it fails: a key not set
+        yet, another process's key set first, or the store gone with process 0 (the lost-host watch
+        reports that)."""
         try:
-            return self.client.key_value_try_get(f"{_KEY}/stop")
-        except Exception:  # noqa: BLE001 - not set (or the store is gone: the lost-host watch says so)
-            return None
+            return True, call(*args)
+        except Exception:  # noqa: BLE001 - the client raises one type for every failure
+            return False, None
+
+    def _published(self) -> Optional[str]:
+        return self._store(self.client.key_value_try_get, f"{_KEY}/stop")[1]
 
     def _line(self, step: int, phase: str, limit: float, why: str) -> str:
         """The stop line, naming the process furthest behind (every process's position from the store)."""
         me, count = jax.process_index(), jax.process_count()
         where = {me: (step, phase)}
         if self.client is not None:
-            for key, value in self.client.key_value_dir_get(f"{_KEY}/at/"):
+            for key, value in self._store(self.client.key_value_dir_get, f"{_KEY}/at/")[1] or []:
                 process = int(key.rsplit("/", 1)[1])
                 if process != me:
                     at_step, at_phase = value.split()
@@ -153,16 +165,14 @@ class Watchdog:
 
     def _end(self, line: str, publish: bool = False) -> None:
         if self.client is not None:
-            if publish:
-                try:
-                    self.client.key_value_set(f"{_KEY}/stop", line)
-                except Exception:  # noqa: BLE001 - another process published first: its line stands
-                    line = self._published() or line
+            if publish and not self._store(self.client.key_value_set, f"{_KEY}/stop", line)[0]:
+                line = self._published() or line  # another process published first: its line stands
             self.stopping = line
             me, count = jax.process_index(), jax.process_count()
-            self.client.key_value_set(f"{_KEY}/seen/{me}", "1", allow_overwrite=True)
+            self._store(self.client.key_value_set, f"{_KEY}/seen/{me}", "1", True)
             deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and len(self.client.key_value_dir_get(f"{_KEY}/seen/")) < count:
+            while time.monotonic() < deadline and len(self._store(self.client.key_value_dir_get, f"{_KEY}/seen/")[1]
+                                                      or range(count)) < count:
                 time.sleep(0.05)
             if me == 0:
                 time.sleep(0.5)  # the others exit first: this process holds the store they read
