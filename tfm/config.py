@@ -74,18 +74,20 @@ class RopeConfig(_FieldGroup):
       past original_max_len), "llama3" (Llama 3.1's wavelength band), "yarn" (Peng et al. 2023).
     """
 
-    theta: float = 10_000.0
+    theta: float = 10_000.0  # the base of the frequencies theta^(-2i / dim)
     scaling: Optional[str] = None
     factor: float = 1.0  # the scaling's stretch
     original_max_len: Optional[int] = None  # llama3 / yarn / dynamic: the pretraining context length
     low_freq_factor: float = 1.0  # llama3: the interpolated wavelength band
-    high_freq_factor: float = 4.0
+    high_freq_factor: float = 4.0  # llama3: the band's other end
     beta_fast: float = 32.0  # yarn: the ramp between original and interpolated frequencies
-    beta_slow: float = 1.0
-    truncate: bool = True
+    beta_slow: float = 1.0  # yarn: the ramp's other end
+    truncate: bool = True  # yarn: the ramp's range rounded to whole dims (HF's truncate)
     attention_factor: Optional[float] = None  # yarn's cos/sin factor; None = 0.1 ln(factor) + 1
     dim: Optional[int] = None  # rotate the first `dim` of each head (GPT-J, GPT-NeoX); None = the whole head
     interleaved: bool = False  # rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of halves (Llama)
+
+    CHOICES = dict(scaling=ROPE_SCALINGS)
 
     def __post_init__(self):
         if self.scaling not in ROPE_SCALINGS:
@@ -123,8 +125,8 @@ class MlaConfig(_FieldGroup):
     softmax_scale_factor: multiplies the logits' head_dim**-0.5 (DeepSeek's YaRN mscale squared).
     """
 
-    kv_rank: int = 512
-    rope_dim: int = 64
+    kv_rank: int = 512  # the latent each token's keys and values come from (what a decode cache holds)
+    rope_dim: int = 64  # dims of each query/key head rotated by RoPE (the key's part shared by the heads)
     q_rank: Optional[int] = None
     value_dim: Optional[int] = None
     softmax_scale_factor: float = 1.0
@@ -149,11 +151,11 @@ class MambaConfig(_FieldGroup):
     input-dependent step sizes (through rank dt_rank), B and C of state_size, a diagonal state [E, state_size]
     per sequence, a D skip, and the gated output projected back to D."""
 
-    state_size: int = 16
-    conv_kernel: int = 4
-    expand: int = 2
+    state_size: int = 16  # the state per channel
+    conv_kernel: int = 4  # taps of the causal depthwise convolution
+    expand: int = 2  # inner channels E = expand * D
     dt_rank: Optional[int] = None  # None = ceil(D / 16)
-    conv_bias: bool = True
+    conv_bias: bool = True  # a bias on the convolution
     proj_bias: bool = False  # biases on the input and output projections
     inner_norms: bool = False  # config.norm over dt (before its up-projection), B and C (Jamba)
 
@@ -171,15 +173,15 @@ class Mamba2Config(_FieldGroup):
     norm_groups groups of channels) before the output projection. The step size is softplus(dt + dt_bias)
     clamped to dt_limit."""
 
-    state_size: int = 128
-    conv_kernel: int = 4
-    expand: int = 2
-    head_dim: int = 64
-    groups: int = 1
+    state_size: int = 128  # the width of B and C: the state per head channel
+    conv_kernel: int = 4  # taps of the causal depthwise convolution over x, B and C
+    expand: int = 2  # inner channels E = expand * D
+    head_dim: int = 64  # channels per head (E / head_dim heads)
+    groups: int = 1  # B and C groups, each shared by its heads
     norm_groups: Optional[int] = None  # None = groups
-    conv_bias: bool = True
-    proj_bias: bool = False
-    dt_limit: Tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True  # a bias on the convolution
+    proj_bias: bool = False  # biases on the input and output projections
+    dt_limit: Tuple[float, float] = (0.0, float("inf"))  # the step size clamped to (low, high)
 
     FIELD = "mamba2"
 
@@ -198,11 +200,11 @@ class DeltaNetConfig(_FieldGroup):
     depthwise convolution of conv_kernel taps over q, k and v, per-head gates beta (write strength) and
     alpha (decay), and a gated RMSNorm per value head before the output projection."""
 
-    key_heads: int = 16
-    value_heads: int = 32
-    key_head_dim: int = 128
-    value_head_dim: int = 128
-    conv_kernel: int = 4
+    key_heads: int = 16  # query/key heads
+    value_heads: int = 32  # value heads, a multiple of key_heads
+    key_head_dim: int = 128  # width of a query/key head
+    value_head_dim: int = 128  # width of a value head
+    conv_kernel: int = 4  # taps of the causal depthwise convolution over q, k and v
 
     FIELD = "deltanet"
 
@@ -235,8 +237,8 @@ class RgLruConfig(_FieldGroup):
     decay a = sigmoid(Lambda)^(c * r_t))."""
 
     width: Optional[int] = None  # None = d_model
-    conv_kernel: int = 4
-    c: float = 8.0
+    conv_kernel: int = 4  # taps of the causal depthwise convolution
+    c: float = 8.0  # the decay's exponent scale: a = sigmoid(Lambda)^(c * r_t)
 
     FIELD = "rglru"
 
@@ -311,12 +313,12 @@ class ExecutionConfig(_FieldGroup):
     mixer_chunk_size: int = 64
 
     FIELD = "execution"
+    CHOICES = dict(dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES, attention_impl=capabilities.ATTENTION_IMPLS,
+                   context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE),
+                   embedding_impl=EMBEDDING_IMPLS, mixer_impl=capabilities.MIXER_IMPLS)
 
     def __post_init__(self):
-        choices = dict(dtype=DTYPE_NAMES, remat_policy=REMAT_POLICY_NAMES, attention_impl=capabilities.ATTENTION_IMPLS,
-                       context_strategy=capabilities.CONTEXT_STRATEGIES, moe_impl=tuple(capabilities.MOE),
-                       embedding_impl=EMBEDDING_IMPLS, mixer_impl=capabilities.MIXER_IMPLS)
-        for name, allowed in choices.items():
+        for name, allowed in self.CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.execution.{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.logits_block_size is not None and self.logits_block_size < 1:
@@ -371,13 +373,13 @@ class MultimodalConfig:
     to d_model for the cross-attention layers.
     """
 
-    cross_attention_layers: Tuple[int, ...] = ()
-    extra_tokens: int = 0
+    cross_attention_layers: Tuple[int, ...] = ()  # decoder layers attending to image features instead of the text
+    extra_tokens: int = 0  # token-table rows past vocab_size (image tokens: embedded, never predicted)
     max_num_tiles: int = 0  # 0 = not a tiled vision encoder
-    max_aspect_ratio_id: int = 0
-    num_global_layers: int = 0
-    intermediate_layers: Tuple[int, ...] = ()
-    vision: Union["ModelConfig", dict, None] = None
+    max_aspect_ratio_id: int = 0  # tile layouts: aspect_ratio_id 1..this picks gated tile embeddings
+    num_global_layers: int = 0  # gated layers after the num_layers local ones (tiled vision encoder)
+    intermediate_layers: Tuple[int, ...] = ()  # local layers whose outputs join the final features
+    vision: Union["ModelConfig", dict, None] = None  # the tiled vision encoder's ModelConfig (or a dict of its fields)
 
     def __post_init__(self):
         if isinstance(self.vision, Mapping):
@@ -439,8 +441,8 @@ class ModelConfig:
     max_len: int = 512  # longest sequence (learned positions: the table size)
 
     # Norms
-    norm: str = "layernorm"
-    norm_eps: float = 1e-6
+    norm: str = "layernorm"  # the normalisation: LayerNorm or RMSNorm
+    norm_eps: float = 1e-6  # added to the variance in every norm
     norm_position: str = "pre"  # "post" for the original Transformer and BERT
     final_norm: bool = True  # a norm after the last block (pre-norm stacks)
     embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
@@ -449,6 +451,8 @@ class ModelConfig:
     norm_scale_offset: float = 0.0
 
     # Positions
+    # How positions enter: a table added to the embeddings (sinusoidal, learned), queries and keys rotated
+    # (rope, set by the rope group), a bias on the attention logits (alibi; relative: T5's buckets), or none.
     position: str = "sinusoidal"
     # position="rope": a RopeConfig, or a dict of its fields (over the defaults; over the current
     # rope in `replace`). rope.dim is set to head_dim when left None.
@@ -462,14 +466,14 @@ class ModelConfig:
     # Attention
     attention_bias: bool = True  # biases on q, k, v and output projections
     attention_out_bias: Optional[bool] = None  # bias on the output projection; None = attention_bias (Qwen2: False)
-    attention_dropout: float = 0.0
+    attention_dropout: float = 0.0  # dropout on the attention probabilities
     scale_attention: bool = True  # logits q.k / sqrt(H); False = unscaled (T5)
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = None  # a query sees only keys fewer than this many positions away; None = all
     # Per-layer kinds repeated over the stack: layer i is attention_pattern[i % len]; "local" layers
     # see sliding_window keys, "global" ones all. None = every layer uses sliding_window (if set).
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
-    attn_logit_softcap: Optional[float] = None
+    attn_logit_softcap: Optional[float] = None  # attention logits = cap * tanh(logits / cap) (Gemma 2); None = none
     qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3)
     # Each head's attention output times sigmoid of a `gate` projection [D, N, H] of the queries' input,
     # before the output projection (Qwen3-Next).
@@ -503,11 +507,11 @@ class ModelConfig:
     rglru: Union[RgLruConfig, dict, None] = None
 
     # Feed-forward
-    activation: str = "relu"
-    ffn_bias: bool = True
+    activation: str = "relu"  # the feed-forward's; swiglu and geglu are gated (two input projections)
+    ffn_bias: bool = True  # biases on the feed-forward projections
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
-    router_aux_loss_coef: float = 0.01
+    router_aux_loss_coef: float = 0.01  # weight of each MoE layer's load-balancing loss (Switch, Mixtral)
     # DeepSeek-V3's sequence-wise balance loss (eq. 17-20): alpha * sum_e f_e P_e per sequence (batch row), averaged
     router_seq_aux_loss_coef: float = 0.0
     router_norm_topk: bool = True  # k > 1: renormalise the top-k gates to sum to 1; False = softmax probs (Qwen2-MoE)
@@ -517,7 +521,7 @@ class ModelConfig:
     # DeepSeek-V3's group-limited routing: the experts in router_groups equal groups, a token choosing
     # among the router_group_top groups whose two best scores sum highest; 1 = no groups.
     router_groups: int = 1
-    router_group_top: int = 1
+    router_group_top: int = 1  # router_groups > 1: how many groups a token chooses among
     router_bias: bool = False  # a per-expert `score_bias` added to the scores for the choice only (no gradient)
     router_bias_rate: float = 0.001  # its update per step: -rate * sign(expert load - mean load) (DeepSeek-V3's gamma)
     router_scale: float = 1.0  # multiplies the gates (DeepSeek's routed_scaling_factor)
@@ -539,7 +543,7 @@ class ModelConfig:
     output_bias: bool = False  # bias on output logits (BERT MLM, Marian final_logits_bias)
     final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap) (RecurrentGemma, Gemma 2)
     rescale_tied_output: bool = False  # T5 v1.0: hidden * D**-0.5 before the tied output projection
-    pad_id: int = 0
+    pad_id: int = 0  # the padding token
 
     # Encoder heads (BERT family)
     heads: Tuple[str, ...] = ()
@@ -548,8 +552,8 @@ class ModelConfig:
 
     # Images (ViT, tfm.models.vision): [B, image_size, image_size, num_channels] in square patches
     image_size: int = 0  # 0 = a text model
-    patch_size: int = 16
-    num_channels: int = 3
+    patch_size: int = 16  # ViT: square patches of this many pixels a side
+    num_channels: int = 3  # ViT: channels of an image
     # Llama 3.2 Vision: cross-attention layers of a decoder, tiles of a vision encoder (a dict of
     # MultimodalConfig's fields is accepted); the default is none of either.
     multimodal: Union[MultimodalConfig, dict, None] = None
@@ -558,14 +562,18 @@ class ModelConfig:
     # fields (over the defaults; over the current execution in `replace`).
     execution: Union[ExecutionConfig, dict, None] = None
 
+    # The fields that take one of a few values (checked in __post_init__; docs/CONFIG.md lists them), and
+    # the tuple fields each of whose entries does.
+    CHOICES = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
+                   router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES)
+    ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=MIXERS, ffn_pattern=FFN_KINDS, heads=HEADS)
+
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         object.__setattr__(self, "execution", ExecutionConfig.coerce(self.execution))
-        choices = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                       router_score=ROUTER_SCORES)
-        for name, allowed in choices.items():
+        for name, allowed in self.CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not one of {allowed}")
         for name in ("num_kv_heads", "head_dim", "num_decoder_layers"):
@@ -635,8 +643,6 @@ class ModelConfig:
         unknown_heads = set(self.heads) - set(HEADS)
         if unknown_heads:
             raise ValueError(f"ModelConfig.heads has unknown {sorted(unknown_heads)}; choose from {HEADS}")
-        if self.head_activation not in (None,) + ACTIVATION_NAMES:
-            raise ValueError(f"ModelConfig.head_activation={self.head_activation!r} is not one of {ACTIVATION_NAMES}")
         if self.position_offset < 0 or (self.position_offset and self.position != "learned"):
             raise ValueError(f"ModelConfig.position_offset={self.position_offset} needs position='learned' "
                              f"and must be >= 0")

@@ -182,8 +182,10 @@ def tiny(family: str, **overrides) -> ModelConfig:
     """CPU-sized variants (D 32, 2 layers, V 64) for tests and local runs.
 
     family: "decoder" (GPT-2 style), "llama", "moe" (Mixtral style), "encoder" (BERT), "encdec", "mamba2"
-    (Mamba-2 layers only), "hybrid" (Llama-style, layers alternating Mamba-2 and attention).
+    (Mamba-2 layers only), "hybrid" (Llama-style, layers alternating Mamba-2 and attention); or the name of
+    the model it follows (TINY_ALIASES: "gpt2", "bert", "mixtral", "transformer").
     """
+    family = TINY_ALIASES.get(family, family)
     small = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64, max_len=64, dropout_rate=0.0,
                  attention_dropout=0.0)
     if family == "decoder":
@@ -202,12 +204,14 @@ def tiny(family: str, **overrides) -> ModelConfig:
         cfg = llama(64, num_kv_heads=2, mixer_pattern=("mamba2", "attention"), mamba2=_TINY_MAMBA2,
                     mixer_chunk_size=4, **small)
     else:
-        raise ValueError(f"unknown family {family!r}; choose {', '.join(TINY_FAMILIES)}")
+        raise ValueError(f"unknown family {family!r}; choose {', '.join(TINY_FAMILIES)} (or "
+                         f"{', '.join(f'{a} = {f}' for a, f in TINY_ALIASES.items())})")
     return cfg.replace(**overrides)
 
 
 _TINY_MAMBA2 = dict(state_size=8, head_dim=8, expand=2, groups=2)
 TINY_FAMILIES = ("decoder", "llama", "moe", "encoder", "encdec", "mamba2", "hybrid")
+TINY_ALIASES = {"gpt2": "decoder", "gpt": "decoder", "bert": "encoder", "mixtral": "moe", "transformer": "encdec"}
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
                                    gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
                                    jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b)}

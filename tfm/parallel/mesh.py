@@ -24,13 +24,14 @@ CONTEXT = "context"  # the axis sequences are split over
 class MeshConfig:
     """Per-slice (ICI) axis sizes; -1 on at most one axis means "all remaining devices"."""
 
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
-    tensor: int = 1
+    data: int = -1  # data-parallel replicas
+    fsdp: int = 1  # devices splitting the parameters and optimizer state (FSDP)
+    expert: int = 1  # devices splitting the MoE experts
+    context: int = 1  # devices splitting each sequence (context parallelism)
+    tensor: int = 1  # devices splitting each layer's matmuls (tensor parallelism)
     num_slices: int = 1  # TPU slices / GPU nodes joined over DCN
-    dcn_axis: str = "data"
+    dcn_axis: str = "data"  # the axis split over the slices
+    CHOICES = dict(dcn_axis=AXES)  # checked below
 
     def __post_init__(self):
         sizes = self.ici_sizes()

@@ -40,11 +40,11 @@ def _require(ok: bool, owner: str, field: str, value, what: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "adamw"
+    name: str = "adamw"              # OPTIMIZER_READS says which fields below each reads
     learning_rate: float = 1e-3      # peak; for "noam" with noam_d_model set, the paper's factor
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    b1: float = 0.9                  # decay of the gradient's running mean
+    b2: float = 0.999                # decay of its square's running mean
+    eps: float = 1e-8                # added to the root of that mean
     bias_correction: bool = True     # adam / adamw; False: m / (sqrt(v) + eps) as BERT's
                                      # AdamWeightDecayOptimizer (no 1 - b^t divisors)
     weight_decay: float = 0.0        # adamw / lamb / adafactor
@@ -52,14 +52,15 @@ class OptimizerConfig:
                                      # (any shape) and norm scales do not; or "all"
     schedule: str = "constant"       # "bert_linear": BERT's create_optimizer, whose linear decay
                                      # counts from step 0 (lr * (1 - step / decay_steps) after warmup)
-    warmup_steps: int = 0
+    warmup_steps: int = 0            # linear warmup from 0 to the peak
     decay_steps: Optional[int] = None  # linear/cosine/bert_linear: defaults to the run's length
     end_lr_factor: float = 0.0       # linear/cosine/bert_linear: final lr = peak * end_lr_factor
-    noam_d_model: Optional[int] = None
-    clip_grad_norm: Optional[float] = 1.0
+    noam_d_model: Optional[int] = None  # noam: peak = learning_rate * noam_d_model^-0.5 * warmup^-0.5
+    clip_grad_norm: Optional[float] = 1.0  # the global gradient norm clipped to this; None = no clipping
     frozen: Optional[str] = None     # regex matched at the start of parameter paths
                                      # ("text/decoder/layer_0/ffn/wo/kernel"): those are never updated
                                      # and hold no optimizer state (must match some, not all)
+    CHOICES = dict(name=OPTIMIZERS, schedule=SCHEDULES, decay_mask=("kernels", "all"))  # checked below
 
     def __post_init__(self):
         check = lambda ok, field, what: _require(ok, "OptimizerConfig", field, getattr(self, field), what)
@@ -94,21 +95,21 @@ class OptimizerConfig:
 class TrainConfig:
     """How to train; the loss weights (label smoothing, z-loss, MoE aux) belong to the Task."""
 
-    num_train_steps: int = 1000
+    num_train_steps: int = 1000      # optimizer steps of the whole run
     batch_size: int = 8              # global, across all hosts
     microbatches: int = 1            # gradient accumulation: batch_size / microbatches per pass
-    seed: int = 0
-    optimizer: OptimizerConfig = OptimizerConfig()
-    mesh: MeshConfig = MeshConfig()
+    seed: int = 0                    # the parameters' init, dropout and the data order
+    optimizer: OptimizerConfig = OptimizerConfig()  # the optimizer and its schedule (optimizer.* below)
+    mesh: MeshConfig = MeshConfig()  # devices per mesh axis (mesh.* below)
     parallelism: str = "data"        # rule sets joined by "+", e.g. "fsdp+tensor"
     on_nonfinite: str = "stop"       # "stop": raise naming the step; "skip": drop the update
-    log_every: int = 50
+    log_every: int = 50              # steps between logged training metrics
     eval_every: int = 0              # 0: only at the end
     keep_best: Optional[str] = None  # eval metric whose best value's checkpoint is kept in best/
     keep_best_mode: str = "max"      # "max" or "min" for keep_best
     checkpoint_every: int = 1000     # 0: no periodic checkpoints (the last step is always saved)
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = True
+    keep_checkpoints: int = 3        # the newest this many checkpoints are kept
+    async_checkpoint: bool = True    # checkpoints written in the background while training goes on
     fallback_to_older: bool = True   # a corrupt latest checkpoint is moved aside, the next older used
     preemption_check_every: int = 10  # multi-host: steps between agreements on a stop signal
     spike_factor: Optional[float] = None  # a loss above this x its running median (or a non-finite one,
@@ -127,9 +128,10 @@ class TrainConfig:
     watchdog_step_factor: float = 20.0  # the median steps a step may take before the watchdog acts
     watchdog_slow_timeout: float = 3600.0  # s: the same bound for the first step (compiling), a checkpoint
                                      # save and an evaluation
-    progress_bar: bool = True
+    progress_bar: bool = True        # a progress bar on a terminal (a log gets plain lines)
     wandb_project: Optional[str] = None  # log to wandb when set and installed
     peak_flops_per_device: Optional[float] = None  # for MFU; default from the device kind
+    CHOICES = dict(on_nonfinite=("stop", "skip"), keep_best_mode=("max", "min"))  # checked below
 
     def __post_init__(self):
         check = lambda ok, field, what: _require(ok, "TrainConfig", field, getattr(self, field), what)

@@ -1,5 +1,8 @@
 """BERT-base pretraining, MLM + NSP (Devlin et al. 2018, sections 3.1 and A.2).
 
+Model: `bert_base` (position='learned', norm_position='post', activation='gelu', num_layers=12, d_model=768),
+  MLM and NSP heads
+
 Command (TPU v3-32 pod or 8 GPUs; on a pod, a workdir every worker sees: a gcsfuse mount):
   python -m experiments.bert.pretrain --config=experiments/bert/configs/base.py --workdir=/gcs/BUCKET/bert_base
 Prerequisite: TFDS `wikipedia/20230601.en` prepared as array_record in --config.data_dir (needs

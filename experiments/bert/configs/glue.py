@@ -1,6 +1,9 @@
 """BERT fine-tuning on one GLUE task (Devlin et al. 2018, section 4.1): max_seq_length 128,
 batch 32, 3 epochs, learning rate picked on dev from {5,4,3,2}e-5 (--sweep).
 
+Model: from the checkpoint (`--init`): its ModelConfig, the MLM and NSP heads dropped, the pooler kept, a new
+  task head
+
 Command:   python -m experiments.bert.finetune --config=experiments/bert/configs/glue.py:rte \\
                --init=DIR --workdir=/tmp/ft/rte --sweep
            (task: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte)

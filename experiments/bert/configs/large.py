@@ -1,5 +1,8 @@
 """BERT-large pretraining, MLM + NSP (Devlin et al. 2018): base.py with L24/H1024/A16.
 
+Model: `bert_large` (position='learned', norm_position='post', activation='gelu', num_layers=24, d_model=1024,
+  num_heads=16)
+
 Command (TPU v3-128 pod slice or 8 GPUs; on a pod, a workdir every worker sees: a gcsfuse mount):
   python -m experiments.bert.pretrain --config=experiments/bert/configs/large.py --workdir=/gcs/BUCKET/bert_large
 Hardware and time: the paper took 4 days on 64 Cloud TPU chips (16 Cloud TPUs); not yet run

@@ -1,5 +1,8 @@
 """RoBERTa-base pretraining recipe (Liu et al. 2019) on the BERT code path: MLM only.
 
+Model: `bert_base` (position='learned', norm_position='post', num_layers=12, d_model=768, type_vocab_size=1),
+  the MLM head only
+
 Command (TPU v3-128 or 8 GPUs):
   python -m experiments.bert.pretrain --config=experiments/bert/configs/roberta.py --workdir=/gcs/BUCKET/roberta
 Differs from base.py where RoBERTa does: no NSP head, FULL-SENTENCES inputs (sentences packed

@@ -2,6 +2,8 @@
 doc stride 128, question 64 tokens, batch 32, 3 epochs at learning rate 5e-5; answers of at
 most 30 tokens from the 20 best starts and ends, read back from the context's characters.
 
+Model: from the checkpoint (`--init`): its ModelConfig, the MLM and NSP heads dropped, a new span head
+
 Command:   python -m experiments.bert.finetune --config=experiments/bert/configs/squad.py \\
                --init=DIR --workdir=/tmp/ft/squad
            (":runlocal" shrinks it for a CPU: 64 training and 16 dev questions, one epoch)

@@ -1,5 +1,8 @@
 """A small Llama-3.2-Vision-style captioner on generated 32x32 scenes (CPU, no downloads).
 
+Model: the text decoder `llama` (position='rope', num_layers=4, d_model=64, num_kv_heads=2,
+  activation='swiglu'); the tiled ViT beside it from the recipe's settings
+
 Command:   python -m experiments.captioning.train --config=experiments/captioning/configs/tiny.py[:VARIANT] --workdir=DIR
 Variants:  ""          every parameter trained from scratch, images shown;
            "text_only" the baseline: the same model and captions, never an image;

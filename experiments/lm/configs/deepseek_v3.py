@@ -3,6 +3,9 @@
 top-8 + 1 shared), trained on lm1b as a stand-in corpus: this recipe is for running tfm at the
 paper's scale (sharding, memory, expert parallelism), not for reproducing DeepSeek-V3's quality.
 
+Model: `deepseek_v3` (position='rope', num_layers=61, d_model=7168, num_experts=256, router_score='sigmoid'),
+  latent attention (`mla`)
+
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/deepseek_v3.py --workdir=/gcs/BUCKET/lm/dsv3
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/deepseek_v3.py --target=v5p-1024 --noeval
 Train:     4096 tokens, global batch 15360 sequences (the paper's batch after its ramp from

@@ -1,5 +1,8 @@
 """GPT-2 small (124M) on lm1b, SentencePiece 32k vocabulary.
 
+Model: `gpt2_small` (position='learned', norm_position='pre', activation='gelu_tanh', num_layers=12,
+  d_model=768)
+
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/gpt2_small.py \
                --workdir=/gcs/BUCKET/lm/gpt2_small          (append :runlocal for a CPU smoke run)
 Hardware:  TPU v4-32 or 8x H100, FSDP over all chips. Preflight (2026-11-24; `python -m

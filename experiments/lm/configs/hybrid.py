@@ -2,6 +2,10 @@
 for running tfm's token mixers at scale (sharding, memory, the chunked scans in a real step), not for
 reproducing the models' quality.
 
+Model: `qwen3_next_80b_a3b` (position='rope', num_layers=48, d_model=2048, num_experts=512), mixer_pattern 3
+  gated_deltanet to 1 attention; `:nemotron_h` builds `nemotron_h_8b` (no positions; Mamba-2, attention and
+  feed-forward layers by its pattern)
+
 `:qwen3_next` (default): Qwen3-Next-80B-A3B (`tfm.models.presets.qwen3_next_80b_a3b`: 48 layers, three
            gated DeltaNet layers to one gated attention layer, 512 experts top-10 + a shared expert on
            every layer), 4096 tokens, 1024 sequences (4M tokens) a step in passes of one sequence per chip;

@@ -2,6 +2,9 @@
 architecture with 384 routed experts, 64 heads and one dense layer (`tfm.models.presets.kimi_k2`),
 trained on lm1b as a stand-in corpus: for running tfm at this scale, not for reproducing K2.
 
+Model: `kimi_k2` (position='rope', num_layers=61, d_model=7168, num_heads=64, num_experts=384), latent
+  attention (`mla`)
+
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/kimi_k2.py --workdir=/gcs/BUCKET/lm/k2
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/kimi_k2.py --target=v5p-1024 --noeval
 Train:     4096 tokens, global batch 16384 sequences (K2's 67M tokens per step) in passes of

@@ -1,5 +1,8 @@
 """Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) at ~160M on lm1b.
 
+Model: `llama` (position='rope', rope.theta=500000.0, activation='swiglu', num_layers=12, d_model=768,
+  num_kv_heads=4)
+
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama.py \
                --workdir=/gcs/BUCKET/lm/llama                (append :runlocal for CPU)
 Hardware:  TPU v4-32 or 8x H100; FSDP x tensor parallel. Preflight (2026-11-24, v4-32:

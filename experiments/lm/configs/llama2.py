@@ -3,6 +3,9 @@ shapes: D 4096 / 8192, 32 / 80 layers, 32 / 64 heads, MHA / 8 kv heads, F 11008 
 4096 tokens, V 32000), trained on lm1b as a stand-in corpus: these recipes are for running
 tfm at the paper's scale (sharding, memory, kernels), not for reproducing Llama-2's quality.
 
+Model: `llama` (position='rope', rope.theta=10000.0, activation='swiglu', num_layers=32, d_model=4096,
+  num_kv_heads=32)
+
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/llama2.py:7b --workdir=/gcs/BUCKET/lm/llama2_7b
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/llama2.py:7b --target=v5p-512
 Hardware:  7b: TPU v5p-512 (256 chips) or 8 nodes of 8 H100s (h100-64); 70b: TPU v5p-1024 (512 chips)

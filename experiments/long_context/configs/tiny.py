@@ -1,6 +1,9 @@
 """A 2-layer encoder (D 32, 2 heads) classifying generated 512-token documents by their one needle token, with each
 efficient-attention variant of tfm as a config value (CPU, no downloads).
 
+Model: `tiny_encoder` (position='learned', norm_position='post', num_layers=2, d_model=32, num_heads=2), a
+  classification head; each variant adds its attention fields
+
 Command:   python -m experiments.long_context.train --config=experiments/long_context/configs/tiny.py:VARIANT --workdir=DIR
            python -m experiments.long_context.compare --workdir=DIR   # every variant, one table and plot
 Variants:  full        full attention (the reference)

@@ -1,5 +1,8 @@
 """Transformer base on WMT14 En->De (Vaswani et al. 2017, Table 3 row "base").
 
+Model: `transformer_base` (position='sinusoidal', norm_position='post', activation='relu', num_layers=6,
+  d_model=512)
+
 Command (TPU v3-8 or 8 GPUs; on a pod, a --workdir every worker sees, e.g. a gcsfuse mount /gcs/BUCKET/...):
   python -m experiments.translation.train --config=experiments/translation/configs/base.py \
       --workdir=/tmp/wmt_base

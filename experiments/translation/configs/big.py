@@ -1,5 +1,8 @@
 """Transformer big on WMT14 En->De (Vaswani et al. 2017, Table 3 row "big").
 
+Model: `transformer_big` (position='sinusoidal', norm_position='post', activation='relu', num_layers=6,
+  d_model=1024, num_heads=16)
+
 Command (TPU v3-32 / v4-16 or 8 GPUs; on a pod, a --workdir every worker sees, e.g. a gcsfuse mount /gcs/BUCKET/...):
   python -m experiments.translation.train --config=experiments/translation/configs/big.py \
       --workdir=/tmp/wmt_big
