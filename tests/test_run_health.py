@@ -127,12 +127,12 @@ def test_a_replica_that_drifts_stops_the_run_before_the_next_checkpoint(tmp_path
 
 
 
-def _two_processes(workdir, *args):
+def _two_processes(workdir, *args, steps=10):
     """The command as two processes of one CPU device each, joined through jax.distributed (data 2)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return [subprocess.Popen([sys.executable, JOB, "--workdir", str(workdir), "--steps", str(STEPS), *COMMON, *args,
+    return [subprocess.Popen([sys.executable, JOB, "--workdir", str(workdir), "--steps", str(steps), *COMMON, *args,
                               "--set", "mesh={'data': 2}", "--multihost", str(i), "--port", str(port)],
                              env=xla_env.subprocess_env(devices=1),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -143,9 +143,9 @@ def test_a_hung_step_ends_every_process_in_one_line_and_the_same_command_resumes
     the bound its line states (watchdog_timeout=3 s, or 5 x the median step where that is longer) and 5 s
     more (the watchdog's poll, every process seeing the line, exiting), both exit with status 75 and the
     same last line naming process 1, step 6 and its phase; the checkpoint of step 4 is left. The same
-    command resumes from it and ends with the losses and held-out loss of the one-process 8-device run on
-    the same stream (atol 1e-5, as test_multihost)."""
-    losses, eval_loss = clean
+    command resumes from it and ends (10 steps) with the losses of the one-process 8-device run on the same
+    stream (atol 1e-5, as test_multihost; a constant learning rate, so its first 10 steps are a 10-step run's)."""
+    losses, _ = clean
     procs = _two_processes(tmp_path, *WATCH, "--hang", "1:6")
     logs = [[], []]
     for line in procs[1].stdout:
@@ -174,9 +174,8 @@ def test_a_hung_step_ends_every_process_in_one_line_and_the_same_command_resumes
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
     assert "restored checkpoint at step 4" in outs[0]
     train = _records(tmp_path, "train")
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in train], losses, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(_records(tmp_path, "eval")[-1]["loss"], eval_loss, atol=1e-5, rtol=0)
+    assert [r["step"] for r in train] == list(range(1, 11))
+    np.testing.assert_allclose([r["loss"] for r in train], losses[:10], atol=1e-5, rtol=0)
 
 
 
