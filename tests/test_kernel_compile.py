@@ -25,6 +25,7 @@ from benchmarks import gpu_registers
 from benchmarks.gpu_registers import REFUSE_SPILLS, VARIANTS
 from tfm.kernels import flash_attention as fa
 from tfm.ops import pallas, select
+from tfm.ops import delta_rule as delta_ops
 from tfm.ops import ssd as ssd_ops
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.parallel import flax_rules, make_rules
@@ -231,28 +232,38 @@ def test_the_kernels_carry_their_cost_for_the_cost_model():
     assert 9 * per_tile <= flops < 1.01 * 9 * per_tile, flops / per_tile
 
 
-@pytest.mark.parametrize("target,kernel_calls,chunk", [("v5p-8", "v5p-8", 128), ("h100-2", "h100-1", 64)])
-def test_ssd_kernels_compile(target, kernel_calls, chunk):
-    """Mamba-2's SSD by its kernels (`ssd(impl="pallas")`, tfm.kernels.ssd), bf16, head dim 64, state 128, 2 heads
-    of one group, packed segments, a length that is not a chunk multiple, the gradients (the forward and the
-    backward kernel), under a tensor=2 mesh of two v5p chips (the grid driver, Mosaic) and of two H100s (the
-    loop driver, Triton, register spilling refused): each device runs the kernels on its own head (the group
-    repeated for it), inside shard_map."""
+@pytest.mark.parametrize("target,kernel_calls,chunk,delta_chunk,delta_dim", [("v5p-8", "v5p-8", 128, 128, 128),
+                                                                              ("h100-2", "h100-1", 64, 16, 16)])
+def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_dim):
+    """The linear-time mixers' kernels through their entry points (impl="pallas"), bf16, the gradients (so every
+    forward and backward kernel), 2 heads, packed segments, an initial state, a length that is not a chunk
+    multiple: Mamba-2's SSD (head dim 64, state 128, one group, chunks of `chunk`) and the gated delta rule (key
+    and value head dims `delta_dim`, chunks of `delta_chunk`), under a tensor=2 mesh of two v5p chips (the grid driver, Mosaic) and of two H100s (the loop
+    driver, Triton, register spilling refused): each device runs the kernels on its own head (SSD's group
+    repeated for it), inside shard_map. On the H100 the delta rule's one backward kernel fits the registers only
+    at small head dims and chunks (at head dim 128 it spills at chunk 16 and exceeds shared memory from 32; it
+    takes ~40 s to compile at chunk 32): splitting it as SSD's is the next step."""
     mesh = make_mesh(MeshConfig(data=1, tensor=2), _devices(target)[:2])
-    B, T, N, H, S = 2, 200, 2, 64, 128
+    B, T, N, H, S, Dk = 2, 200, 2, 64, 128, delta_dim
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+    f32 = functools.partial(spec, dtype=jnp.float32)
+    total = lambda outs: sum(out.astype(jnp.float32).sum() for out in outs)
 
-    def grads(x, dt, A, b, c, h0, segments):
-        loss = lambda *args: sum(out.astype(jnp.float32).sum() for out in ssd_ops.ssd(
-            *args, segment_ids=segments, impl="pallas", chunk_size=chunk))
-        return jax.grad(loss, argnums=tuple(range(5)))(x, dt, A, b, c)
+    def grads(ssd_args, delta_args, segments):
+        ssd_loss = lambda x, dt, A, b, c, h0: total(ssd_ops.ssd(
+            x, dt, A, b, c, initial_state=h0, segment_ids=segments, impl="pallas", chunk_size=chunk))
+        delta_loss = lambda q, k, v, g, beta, h0: total(delta_ops.gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, segment_ids=segments, impl="pallas", chunk_size=delta_chunk))
+        return (jax.grad(ssd_loss, argnums=tuple(range(6)))(*ssd_args),
+                jax.grad(delta_loss, argnums=tuple(range(6)))(*delta_args))
 
+    ssd_args = (spec((B, T, N, H)), f32((B, T, N)), f32((N,)), spec((B, T, 1, S)), spec((B, T, 1, S)), f32((B, N, H, S)))
+    delta_args = (spec((B, T, N, Dk)), spec((B, T, N, Dk)), spec((B, T, N, Dk)), f32((B, T, N)), f32((B, T, N)),
+                  f32((B, N, Dk, Dk)))
     with jax.set_mesh(mesh):
-        hlo = jax.jit(grads).lower(
-            spec((B, T, N, H)), spec((B, T, N), jnp.float32), spec((N,), jnp.float32), spec((B, T, 1, S)),
-            spec((B, T, 1, S)), spec((B, N, H, S), jnp.float32), spec((B, T), jnp.int32)).compile(
+        hlo = jax.jit(grads).lower(ssd_args, delta_args, spec((B, T), jnp.int32)).compile(
             compiler_options=REFUSE_SPILLS if kernel_calls == "h100-1" else None).as_text()
     calls = [line for line in hlo.splitlines() if KERNEL_CALLS[kernel_calls] in line]
-    assert sorted(re.search(r"ssd_(fwd|bwd_\w+)", line).group(1) for line in calls) == [
-        "bwd_across", "bwd_intra", "bwd_state", "fwd"]
-    assert all(f"bf16[{B},1," in line for line in calls)  # x * dt per device: [B, N / 2, T, H]
+    assert sorted(re.search(r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_[a-z]+)", line).group(1) for line in calls) == [
+        "gated_delta_bwd", "gated_delta_fwd", "ssd_bwd_across", "ssd_bwd_intra", "ssd_bwd_state", "ssd_fwd"]
+    assert all(f"bf16[{B},1," in line for line in calls)  # per device: [B, N / 2, T, head dim]

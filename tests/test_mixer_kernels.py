@@ -1,9 +1,10 @@
-"""The Pallas SSD kernels (tfm.kernels.ssd, interpreted on CPU) against the chunked JAX form (tfm.ops.ssd).
+"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule; interpreted on CPU)
+against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule).
 
-One case: 37 tokens in chunks of 16 (the last chunk partial), 4 heads reading 2 groups of B/C, packed
-segments with padding on both ends, an initial state. Values (y, final state) and the gradients of x, dt, A,
-B, C and the initial state: fp32 max-abs error <= 1e-5 of each quantity's largest magnitude, bf16 <= 1e-2. The
-inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked form computes in fp32).
+One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
+and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of B/C. Values (output, final state) and the
+gradients of every input: fp32 max-abs error <= 1e-5 of each quantity's largest magnitude, bf16 <= 1e-2. The
+inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked forms compute in fp32).
 """
 import functools
 
@@ -12,69 +13,101 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.kernels import ssd as kernel
+from tfm.kernels import delta_rule as delta_kernel
+from tfm.kernels import ssd as ssd_kernel
+from tfm.ops import delta_rule as delta_ops
 from tfm.ops import ssd as ssd_ops
 from tfm.ops.segments import sequence_starts
 
 TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # of the largest magnitude of each compared array
-Bsz, T, N, P, G, S, CHUNK = 2, 37, 4, 8, 2, 16, 16
+Bsz, T, CHUNK = 1, 37, 16
+N, P, G, S = 4, 8, 2, 16  # Mamba-2: heads, head dim, groups, state size
+H, K, V = 2, 8, 16  # gated DeltaNet: heads, key and value head dims
+NAMES = {"ssd": ("x", "dt", "A", "B", "C", "h0"), "delta": ("q", "k", "v", "g", "beta", "h0")}
 
 
-def _inputs(dtype):
+def _segments():
+    """Left padding, sequences starting mid-chunk (10) and on a chunk boundary (32), right padding."""
+    return jnp.asarray(np.repeat([0, 1, 2, 3, 0], [3, 7, 22, 3, 2])[None], jnp.int32)
+
+
+def _inputs(family, dtype):
+    """(the scan's six differentiable inputs, its output dtype taken from the sequences), cotangents of
+    (output, final state). Sequences are bf16 values in `dtype`; decays, A and the state fp32."""
     keys = jax.random.split(jax.random.PRNGKey(0), 8)
-    x = jax.random.normal(keys[0], (Bsz, T, N, P))
-    dt = jax.nn.softplus(jax.random.normal(keys[1], (Bsz, T, N)))
-    A = -jnp.exp(jax.random.normal(keys[2], (N,)))
-    B, C = (jax.random.normal(k, (Bsz, T, G, S)) for k in keys[3:5])
-    h0 = jax.random.normal(keys[5], (Bsz, N, P, S))
-    segments = np.ones((Bsz, T), np.int32)
-    segments[0, 10:25], segments[0, 25:] = 2, 0  # a second sequence mid-chunk, right padding
-    segments[1, :3], segments[1, 20:] = 0, 3  # left padding, a sequence starting mid-chunk
-    cotangents = (jax.random.normal(keys[6], (Bsz, T, N, P)), jax.random.normal(keys[7], (Bsz, N, P, S)))
-    # bf16 values in either dtype, so the one fp32 reference serves both (the chunked form computes in fp32)
-    sequences = tuple(a.astype(jnp.bfloat16).astype(dtype) for a in (x, dt, B, C))
-    return sequences[:2] + (A,) + sequences[2:] + (h0,), jnp.asarray(segments), cotangents
+    rounded = lambda a: a.astype(jnp.bfloat16).astype(dtype)
+    if family == "ssd":
+        x = jax.random.normal(keys[0], (Bsz, T, N, P))
+        dt = jax.nn.softplus(jax.random.normal(keys[1], (Bsz, T, N)))
+        B, C = (jax.random.normal(key, (Bsz, T, G, S)) for key in keys[3:5])
+        args = (rounded(x), rounded(dt), -jnp.exp(jax.random.normal(keys[2], (N,))), rounded(B), rounded(C),
+                jax.random.normal(keys[5], (Bsz, N, P, S)))
+        shapes = ((Bsz, T, N, P), (Bsz, N, P, S))
+    else:
+        unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+        q = unit(jax.random.normal(keys[0], (Bsz, T, H, K))) * K ** -0.5
+        k = unit(jax.random.normal(keys[1], (Bsz, T, H, K)))
+        v = jax.random.normal(keys[2], (Bsz, T, H, V))
+        g = -jax.nn.softplus(jax.random.normal(keys[3], (Bsz, T, H)))
+        beta = jax.nn.sigmoid(jax.random.normal(keys[4], (Bsz, T, H)))
+        args = (rounded(q), rounded(k), rounded(v), g, beta, jax.random.normal(keys[5], (Bsz, H, K, V)))
+        shapes = ((Bsz, T, H, V), (Bsz, H, K, V))
+    return args, tuple(jax.random.normal(key, shape) for key, shape in zip(keys[6:], shapes))
 
 
-def _by_kernel(x, dt, A, B, C, h0, segments, backend):
-    """ssd's inputs as the kernel takes them: dt 0 at padding, x * dt, the log decays, the sequence starts."""
+def _by_entry_point(family, impl, *args):
+    *args, h0, segments = args
+    scan = ssd_ops.ssd if family == "ssd" else delta_ops.gated_delta_rule
+    return scan(*args, segment_ids=segments, initial_state=h0, impl=impl, chunk_size=CHUNK)
+
+
+def _by_kernel(family, *args):
+    """The scans' inputs as the kernels take them (padding an identity step, the sequence starts), the TPU
+    driver interpreted."""
+    *args, h0, segments = args
     real, reset = sequence_starts(segments)
-    dt = jnp.where(real[..., None], dt.astype(jnp.float32), 0)
-    xdt = (x.astype(jnp.float32) * dt[..., None]).astype(x.dtype)
-    return kernel.chunked_ssd(xdt, dt * A, B, C, reset, h0, chunk=CHUNK, backend=backend, interpret=True)
+    real = real[..., None]
+    options = dict(chunk=CHUNK, backend="tpu", interpret=True)
+    if family == "ssd":
+        x, dt, A, B, C = args
+        dt = jnp.where(real, dt.astype(jnp.float32), 0)
+        xdt = (x.astype(jnp.float32) * dt[..., None]).astype(x.dtype)
+        return ssd_kernel.chunked_ssd(xdt, dt * A, B, C, reset, h0, **options)
+    q, k, v, g, beta = args
+    return delta_kernel.chunked_gated_delta_rule(q, k, v, jnp.where(real, g, 0), jnp.where(real, beta, 0), reset,
+                                                 h0, **options)
 
 
-def _by_entry_point(x, dt, A, B, C, h0, segments, impl):
-    return ssd_ops.ssd(x, dt, A, B, C, segment_ids=segments, initial_state=h0, impl=impl, chunk_size=CHUNK)
+def _values_and_grads(run, args, cotangents):
+    segments = _segments()
 
-
-def _values_and_grads(run, args, segments, cotangents):
     def loss(*args):
-        y, h = run(*args, segments)
-        return jnp.sum(y.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (y, h)
+        out, h = run(*args, segments)
+        return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (out, h)
     (_, values), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
     return values, grads
 
 
 @functools.cache
-def _reference():
-    args, segments, cotangents = _inputs(jnp.float32)
-    return _values_and_grads(functools.partial(_by_entry_point, impl="chunked"), args, segments, cotangents)
+def _reference(family):
+    return _values_and_grads(functools.partial(_by_entry_point, family, "chunked"), *_inputs(family, jnp.float32))
 
 
-@pytest.mark.parametrize("dtype,driver", [(jnp.float32, "loop"), (jnp.float32, "grid"), (jnp.bfloat16, "loop")],
-                         ids=["fp32-loop", "fp32-grid", "bf16-loop"])
-def test_kernel_equals_the_chunked_form(dtype, driver):
-    """The loop driver (GPU's) through the entry point, ssd(impl="pallas") on CPU; the grid driver (TPU's: a
+@pytest.mark.parametrize("family,dtype,driver", [
+    ("ssd", jnp.float32, "loop"), ("ssd", jnp.float32, "grid"), ("ssd", jnp.bfloat16, "loop"),
+    ("delta", jnp.float32, "grid"), ("delta", jnp.bfloat16, "loop")],
+    ids=["ssd-fp32-loop", "ssd-fp32-grid", "ssd-bf16-loop", "delta-fp32-grid", "delta-bf16-loop"])
+def test_kernels_equal_the_chunked_forms(family, dtype, driver):
+    """The loop driver (GPU's) through the entry point, impl="pallas" on CPU; the grid driver (TPU's: a
     sequential chunk axis, the state in scratch) called directly; both interpreted."""
-    args, segments, cotangents = _inputs(dtype)
-    run = (functools.partial(_by_entry_point, impl="pallas") if driver == "loop"
-           else functools.partial(_by_kernel, backend="tpu"))
-    (y, h), grads = _values_and_grads(run, args, segments, cotangents)
-    (y_ref, h_ref), grads_ref = _reference()
-    assert y.dtype == dtype and y.shape == (Bsz, T, N, P) and h.dtype == jnp.float32 and h.shape == (Bsz, N, P, S)
-    names = ("y", "final state") + tuple(f"d{name}" for name in ("x", "dt", "A", "B", "C", "h0"))
-    for name, got, want, primal in zip(names, (y, h, *grads), (y_ref, h_ref, *grads_ref), (y, h, *args)):
+    args, cotangents = _inputs(family, dtype)
+    run = (functools.partial(_by_entry_point, family, "pallas") if driver == "loop"
+           else functools.partial(_by_kernel, family))
+    (out, h), grads = _values_and_grads(run, args, cotangents)
+    (out_ref, h_ref), grads_ref = _reference(family)
+    assert out.dtype == dtype and out.shape == out_ref.shape and h.dtype == jnp.float32 and h.shape == h_ref.shape
+    names = ("output", "final state") + tuple(f"d{name}" for name in NAMES[family])
+    for name, got, want, primal in zip(names, (out, h, *grads), (out_ref, h_ref, *grads_ref), (out, h, *args)):
         assert got.dtype == primal.dtype, name
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         scale = np.abs(want).max()
@@ -88,7 +121,7 @@ def test_kernel_equals_the_chunked_form(dtype, driver):
 def test_chunk_is_a_validated_tile(chunk, backend, message):
     with pytest.raises(ValueError, match=f"^mixer_chunk_size={chunk}: the Pallas SSD kernel on {backend} needs "
                                          f".*{message}.*ModelConfig.execution.mixer_chunk_size") as error:
-        kernel.check_chunk(chunk, backend)
+        ssd_kernel.check_chunk(chunk, backend)
     assert "\n" not in str(error.value)
     for ok, backend in ((8, "cpu"), (16, "gpu"), (256, "tpu")):
-        kernel.check_chunk(ok, backend)
+        ssd_kernel.check_chunk(ok, backend)

@@ -15,7 +15,8 @@ running sums taken in the order that makes them <= 0, and masked entries are cho
 Segments enter as `starts`, the number of sequence starts so far within the chunk (0 = the chunk's first
 sequence, the one continuing the entering state).
 
-The chunks of a row run in order, carrying the state. Two drivers share the per-chunk math:
+The per-chunk decays (`decays`), tiles (`check_chunk`) and padding are shared with the gated delta rule's kernels
+(tfm.kernels.delta_rule). The chunks of a row run in order, carrying the state. Two drivers share the per-chunk math:
   grid  (TPU Mosaic)  grid (B, N, chunks), the chunk axis sequential ("arbitrary"), the state in VMEM scratch.
   loop  (GPU Triton, CPU interpret)  grid (B, N), a `fori_loop` over chunks carrying the state.
 The forward also writes the state entering every chunk [B, N, chunks * P, S] fp32, which the backward reads.
@@ -46,26 +47,26 @@ from jax.experimental import pallas as pl
 from tfm.kernels.tiles import Launch
 
 _BACKENDS = ("tpu", "gpu", "cpu")
-_FLOORS = {"tpu": 128, "gpu": 16, "cpu": 8}  # the smallest chunk per backend (`check_chunk`)
-_NEG = -1e30  # finite: exp() of it is 0, and nothing masked can make inf - inf
+FLOORS = {"tpu": 128, "gpu": 16, "cpu": 8}  # the smallest chunk per backend (`check_chunk`)
+NEG = -1e30  # finite: exp() of it is 0, and nothing masked can make inf - inf
 
 
-def check_chunk(chunk: int, backend: str) -> None:
-    """Raises a one-line ValueError unless `chunk` is a tile the SSD kernel lowers on `backend`: a power
+def check_chunk(chunk: int, backend: str, kernel: str = "SSD") -> None:
+    """Raises a one-line ValueError unless `chunk` is a tile the `kernel` kernels lower on `backend`: a power
     of two >= 8 (cpu, interpreted), >= 16 (gpu: Triton's dot), a multiple of 128 (tpu: a lane dimension). On an
     H100 the backward fits its registers up to chunk 64 at P 64, S 128 (compiled, not yet timed); larger ones spill."""
-    floor = _FLOORS[backend]
+    floor = FLOORS[backend]
     ok = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= floor and not chunk & (chunk - 1)
     if not ok or (backend == "tpu" and chunk % 128):
         need = "a multiple of 128 (and a power of two)" if backend == "tpu" else f"a power of two >= {floor}"
-        raise ValueError(f"mixer_chunk_size={chunk!r}: the Pallas SSD kernel on {backend} needs {need}; "
+        raise ValueError(f"mixer_chunk_size={chunk!r}: the Pallas {kernel} kernel on {backend} needs {need}; "
                          f"set ModelConfig.execution.mixer_chunk_size to one")
 
 
-class _Config(NamedTuple):
+class Config(NamedTuple):
     """Static settings of one call (hashable: a nondiff argument)."""
     chunk: int
-    heads_per_group: int
+    heads_per_group: int  # SSD: heads reading one group of B and C
     driver: str  # "grid" | "loop"
     backend: str
     interpret: bool
@@ -76,7 +77,7 @@ class _Config(NamedTuple):
 # as a column of the [L, L] tiles; starts are int32.
 # --------------------------------------------------------------------------------------
 
-def _dot(a, b, contract=(1, 0)):
+def dot(a, b, contract=(1, 0)):
     """a @ b contracting a's dim contract[0] with b's dim contract[1]; fp32 result."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())), precision=precision,
@@ -89,31 +90,31 @@ def _last(col):
     return jnp.sum(jnp.where(rows == col.shape[0] - 1, col, jnp.zeros_like(col)), axis=0, keepdims=True)
 
 
-def _state_decays(cs_col, st_col):
+def state_decays(cs_col, st_col):
     """e [L, 1], w [L, 1], tau [1, 1] (module docstring), fp32."""
     cs_last, st_last = _last(cs_col), _last(st_col)
-    e = jnp.exp(jnp.where(st_col == 0, cs_col, _NEG))
-    w = jnp.exp(jnp.where(st_col == st_last, cs_last - cs_col, _NEG))
-    tau = jnp.exp(jnp.where(st_last == 0, cs_last, _NEG))
+    e = jnp.exp(jnp.where(st_col == 0, cs_col, NEG))
+    w = jnp.exp(jnp.where(st_col == st_last, cs_last - cs_col, NEG))
+    tau = jnp.exp(jnp.where(st_last == 0, cs_last, NEG))
     return e, w, tau
 
 
-def _decays(cs_col, cs_row, st_col, st_row):
+def decays(cs_col, cs_row, st_col, st_row):
     """D [L, L] and `_state_decays`, fp32."""
     L = cs_col.shape[0]
     i = lax.broadcasted_iota(jnp.int32, (L, L), 0)
     j = lax.broadcasted_iota(jnp.int32, (L, L), 1)
     within = (i >= j) & (st_col == st_row)
-    return (jnp.exp(jnp.where(within, cs_col - cs_row, _NEG)),) + _state_decays(cs_col, st_col)
+    return (jnp.exp(jnp.where(within, cs_col - cs_row, NEG)),) + state_decays(cs_col, st_col)
 
 
 def _chunk_forward(X, B, C, cs_col, cs_row, st_col, st_row, H):
     """X [L, P], B, C [L, S] (input dtype), H [P, S] fp32 -> y [L, P] fp32, H_next [P, S] fp32."""
     dtype = X.dtype
-    D, e, w, tau = _decays(cs_col, cs_row, st_col, st_row)
-    M = _dot(C, B, (1, 1)) * D
-    y = _dot(M.astype(dtype), X) + e * _dot(C, H.astype(dtype), (1, 1))
-    H_next = tau * H + _dot((w * X).astype(dtype), B, (0, 0))
+    D, e, w, tau = decays(cs_col, cs_row, st_col, st_row)
+    M = dot(C, B, (1, 1)) * D
+    y = dot(M.astype(dtype), X) + e * dot(C, H.astype(dtype), (1, 1))
+    H_next = tau * H + dot((w * X).astype(dtype), B, (0, 0))
     return y, H_next
 
 
@@ -121,13 +122,13 @@ def _intra_backward(X, B, C, cs_col, cs_row, st_col, st_row, dy):
     """The gradients of the chunk's y through (C B^T) o D: dX, dB, dC [L, .], dcs_col [L, 1], dcs_row [1, L]
     (the row and the column sums of Q), fp32."""
     dtype = X.dtype
-    D = _decays(cs_col, cs_row, st_col, st_row)[0]
-    scores = _dot(C, B, (1, 1))
-    dS = _dot(dy, X, (1, 1)) * D  # d scores = dM o D
+    D = decays(cs_col, cs_row, st_col, st_row)[0]
+    scores = dot(C, B, (1, 1))
+    dS = dot(dy, X, (1, 1)) * D  # d scores = dM o D
     Q = dS * scores  # d (cs_i - cs_j)
-    dX = _dot((scores * D).astype(dtype), dy, (0, 0))
-    dC = _dot(dS.astype(dtype), B)
-    dB = _dot(dS.astype(dtype), C, (0, 0))
+    dX = dot((scores * D).astype(dtype), dy, (0, 0))
+    dC = dot(dS.astype(dtype), B)
+    dB = dot(dS.astype(dtype), C, (0, 0))
     return dX, dB, dC, jnp.sum(Q, axis=1, keepdims=True), -jnp.sum(Q, axis=0, keepdims=True)
 
 
@@ -136,24 +137,24 @@ def _across_backward(X, B, C, cs_col, st_col, H, G, dy):
     [L, .] and dcs_col [L, 1], fp32."""
     dtype = X.dtype
     L = X.shape[0]
-    e, w, tau = _state_decays(cs_col, st_col)
+    e, w, tau = state_decays(cs_col, st_col)
     H_in, G_in = H.astype(dtype), G.astype(dtype)  # as the matrix units take them
-    BG = _dot(B, G_in, (1, 1))  # [L, P]
+    BG = dot(B, G_in, (1, 1))  # [L, P]
     dX = w * BG
-    dC = e * _dot(dy, H_in)
-    dB = w * _dot(X, G_in)
+    dC = e * dot(dy, H_in)
+    dB = w * dot(X, G_in)
     to_state = w * jnp.sum(X.astype(jnp.float32) * BG, axis=1, keepdims=True)  # [L, 1]: dw o w
     through = jnp.sum(jnp.sum(G * H, axis=1, keepdims=True), axis=0, keepdims=True) * tau  # [1, 1]
     last = lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
-    from_state = e * jnp.sum(dy.astype(jnp.float32) * _dot(C, H_in, (1, 1)), axis=1, keepdims=True)
+    from_state = e * jnp.sum(dy.astype(jnp.float32) * dot(C, H_in, (1, 1)), axis=1, keepdims=True)
     dcs_col = from_state - to_state + jnp.where(last, jnp.sum(to_state, axis=0, keepdims=True) + through, 0.0)
     return dX, dB, dC, dcs_col
 
 
 def _state_backward(C, cs_col, st_col, G, dy):
     """dLoss/dH for the state H entering a chunk, given G = dLoss/dH_next: tau G + dy^T (e o C), fp32."""
-    e, _, tau = _state_decays(cs_col, st_col)
-    return tau * G + _dot(dy, (e * C).astype(C.dtype), (0, 0))
+    e, _, tau = state_decays(cs_col, st_col)
+    return tau * G + dot(dy, (e * C).astype(C.dtype), (0, 0))
 
 
 # --------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def _chunk_refs(refs, c, L: int):
             str_ref[:, rows])
 
 
-def _fwd_loop_kernel(*refs, cfg: _Config):
+def _fwd_loop_kernel(*refs, cfg: Config):
     """Grid (B, N); whole-row blocks, a loop over chunks."""
     inputs, h0_ref, (y_ref, states_ref, h_ref) = refs[:7], refs[7], refs[8:]
     L, P = cfg.chunk, h0_ref.shape[0]
@@ -223,7 +224,7 @@ def _state_bwd_grid_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_r
         dh0_ref[...] = G.astype(dh0_ref.dtype)
 
 
-def _state_bwd_loop_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, *, cfg: _Config):
+def _state_bwd_loop_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, *, cfg: Config):
     """Grid (B, N); whole-row blocks, a loop over chunks from the last."""
     L, P = cfg.chunk, dh_ref.shape[0]
     n = dy_ref.shape[0] // L
@@ -260,23 +261,24 @@ def _across_bwd_kernel(x_ref, b_ref, c_ref, csc_ref, stc_ref, h_ref, g_ref, dy_r
 # states [B, N, chunks * P, S] fp32; h [B, N, P, S] fp32.
 # --------------------------------------------------------------------------------------
 
-def _div(x, d: int):
+def div(x, d: int):
+    """x // d for a non-negative int32 x (lax.div lowers on every backend)."""
     return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
 
 
-def _specs(cfg: _Config, Tp: int, P: int, S: int, n: int, reverse: bool = False) -> dict:
+def _specs(cfg: Config, Tp: int, P: int, S: int, n: int, reverse: bool = False) -> dict:
     """Block specs by operand kind for the driver's grid ((B, N) or (B, N, chunks)); reverse: the grid's
     chunk k reads chunk n - 1 - k (the backward)."""
     L, R = cfg.chunk, cfg.heads_per_group
     if cfg.driver == "loop":
         whole = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, h: (b, h) + (0,) * len(shape))
         batch = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, h: (b,) + (0,) * len(shape))
-        return dict(x=whole(Tp, P), bc=pl.BlockSpec((None, None, Tp, S), lambda b, h: (b, _div(h, R), 0, 0)),
+        return dict(x=whole(Tp, P), bc=pl.BlockSpec((None, None, Tp, S), lambda b, h: (b, div(h, R), 0, 0)),
                     head_s=whole(Tp, S), cs_col=whole(Tp, 1), cs_row=whole(1, Tp), st_col=batch(Tp, 1),
                     st_row=batch(1, Tp), state=whole(P, S), states=whole(n * P, S))
     chunk = (lambda k: n - 1 - k) if reverse else (lambda k: k)
     at = lambda shape, where: pl.BlockSpec((None, None) + shape, lambda b, h, k: where(b, h, chunk(k)))
-    return dict(x=at((L, P), lambda b, h, c: (b, h, c, 0)), bc=at((L, S), lambda b, h, c: (b, _div(h, R), c, 0)),
+    return dict(x=at((L, P), lambda b, h, c: (b, h, c, 0)), bc=at((L, S), lambda b, h, c: (b, div(h, R), c, 0)),
                 head_s=at((L, S), lambda b, h, c: (b, h, c, 0)),
                 cs_col=at((L, 1), lambda b, h, c: (b, h, c, 0)), cs_row=at((1, L), lambda b, h, c: (b, h, 0, c)),
                 st_col=pl.BlockSpec((None, L, 1), lambda b, h, k: (b, chunk(k), 0)),
@@ -284,7 +286,7 @@ def _specs(cfg: _Config, Tp: int, P: int, S: int, n: int, reverse: bool = False)
                 state=at((P, S), lambda b, h, c: (b, h, 0, 0)), states=at((P, S), lambda b, h, c: (b, h, c, 0)))
 
 
-def _params(cfg: _Config, num_axes: int, sequential: bool = True):
+def params(cfg: Config, num_axes: int, sequential: bool = True):
     """TPU: the last grid axis sequential (it carries the state) unless not `sequential`; GPU: Triton's."""
     if cfg.interpret:
         return None
@@ -297,14 +299,15 @@ def _params(cfg: _Config, num_axes: int, sequential: bool = True):
     return pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
-def _scratch(cfg: _Config, P: int, S: int):
+def scratch(cfg: Config, P: int, S: int):
+    """The grid driver's fp32 state [P, S] in VMEM; the loop driver's lives in the loop."""
     if cfg.driver == "loop":
         return ()
     from jax.experimental.pallas import tpu as pltpu
     return (pltpu.VMEM((P, S), jnp.float32),)
 
 
-def _views(cs, starts):
+def views(cs, starts):
     """cs [B, N, Tp], starts [B, Tp] -> their column and row views (free reshapes)."""
     return cs[..., None], cs[..., None, :], starts[..., None], starts[:, None, :]
 
@@ -313,7 +316,7 @@ def _inputs(specs):
     return [specs[name] for name in ("x", "bc", "bc", "cs_col", "cs_row", "st_col", "st_row")]
 
 
-def _forward(xdt, B, C, cs, starts, h0, cfg: _Config):
+def _forward(xdt, B, C, cs, starts, h0, cfg: Config):
     """-> y [B, N, Tp, P] (xdt.dtype), states [B, N, chunks * P, S], h [B, N, P, S] (h0.dtype)."""
     Bsz, N, Tp, P = xdt.shape
     S, n = B.shape[-1], Tp // cfg.chunk
@@ -327,14 +330,14 @@ def _forward(xdt, B, C, cs, starts, h0, cfg: _Config):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=_inputs(specs) + [specs["state"]],
         out_specs=(specs["x"], specs["states"], specs["state"]), out_shape=out_shape,
-        scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)), interpret=cfg.interpret,
+        scratch_shapes=scratch(cfg, P, S), compiler_params=params(cfg, len(grid)), interpret=cfg.interpret,
         name="ssd_fwd", cost_estimate=pl.CostEstimate(
             flops=flops, transcendentals=Bsz * N * Tp * (L + 2),
             bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (2 * N * P + 2 * B.shape[1] * S) + 4 * Bsz * N * n * P * S),
-    )(xdt, B, C, *_views(cs, starts), h0)
+    )(xdt, B, C, *views(cs, starts), h0)
 
 
-def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
+def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: Config):
     """Two kernels: the state gradients in reverse chunk order (the loop or grid driver), then every chunk's
     gradients at once (a parallel grid (B, N, chunks) on every backend).
     -> dxdt [B, N, Tp, P], dB, dC per head [B, N, Tp, S], dcs_col [B, N, Tp, 1], dcs_row [B, N, 1, Tp],
@@ -342,7 +345,7 @@ def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
     Bsz, N, Tp, P = xdt.shape
     S, n, L = B.shape[-1], Tp // cfg.chunk, cfg.chunk
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    cs_col, cs_row, st_col, st_row = _views(cs, starts)
+    cs_col, cs_row, st_col, st_row = views(cs, starts)
 
     specs = _specs(cfg, Tp, P, S, n, reverse=True)
     grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
@@ -350,7 +353,7 @@ def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
     leaving, dh0 = pl.pallas_call(
         kernel, grid=grid, in_specs=[specs[name] for name in ("bc", "cs_col", "st_col", "x", "state")],
         out_specs=(specs["states"], specs["state"]), out_shape=(f32(Bsz, N, n * P, S), f32(Bsz, N, P, S)),
-        scratch_shapes=_scratch(cfg, P, S), compiler_params=_params(cfg, len(grid)), interpret=cfg.interpret,
+        scratch_shapes=scratch(cfg, P, S), compiler_params=params(cfg, len(grid)), interpret=cfg.interpret,
         name="ssd_bwd_state", cost_estimate=pl.CostEstimate(
             flops=2 * Bsz * N * Tp * P * S, transcendentals=Bsz * N * Tp,
             bytes_accessed=xdt.dtype.itemsize * Bsz * Tp * (N * P + B.shape[1] * S) + 4 * Bsz * N * n * P * S),
@@ -358,7 +361,7 @@ def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
 
     specs = _specs(cfg._replace(driver="grid"), Tp, P, S, n)
     sizes = lambda *widths: tuple(f32(Bsz, N, Tp, width) for width in widths)
-    per_chunk = dict(grid=(Bsz, N, n), compiler_params=_params(cfg, 3, sequential=False), interpret=cfg.interpret)
+    per_chunk = dict(grid=(Bsz, N, n), compiler_params=params(cfg, 3, sequential=False), interpret=cfg.interpret)
     intra = pl.pallas_call(
         _intra_bwd_kernel, in_specs=_inputs(specs) + [specs["x"]],
         out_specs=(specs["x"], specs["head_s"], specs["head_s"], specs["cs_col"], specs["cs_row"]),
@@ -381,7 +384,7 @@ def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: _Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ssd(xdt, B, C, cs, starts, h0, cfg: _Config):
+def _ssd(xdt, B, C, cs, starts, h0, cfg: Config):
     y, _, h = _forward(xdt, B, C, cs, starts, h0, cfg)
     return y, h
 
@@ -405,7 +408,8 @@ def _ssd_bwd(cfg, residuals, cotangents):
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
-def _backend_name(backend: Optional[str]) -> str:
+def backend_name(backend: Optional[str]) -> str:
+    """"tpu", "gpu" or "cpu" for a backend name (None: JAX's default)."""
     name = backend or jax.default_backend()
     name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
     if name not in _BACKENDS:
@@ -413,10 +417,20 @@ def _backend_name(backend: Optional[str]) -> str:
     return name
 
 
-def _padded(size: int, backend: str) -> int:
+def padded(size: int, backend: str) -> int:
     """Head dim P and state size S as the kernel takes them: as they are when interpreted, else a power of
     two >= 16 (Triton's dot; zero padding changes nothing)."""
     return size if backend == "cpu" else max(16, pl.next_power_of_2(size))
+
+
+def tiling(T: int, chunk: int, backend: Optional[str], interpret: Optional[bool], kernel: str = "SSD"):
+    """(backend, interpret, the backend whose tiles apply: "cpu" when interpreted, the chunk for T tokens:
+    `chunk` checked, shrunk to the power of two covering a shorter T, not below that backend's floor)."""
+    backend = backend_name(backend)
+    interpret = backend == "cpu" if interpret is None else interpret
+    tiles = "cpu" if interpret else backend  # the interpreter takes any power-of-two chunk >= 8
+    check_chunk(chunk, tiles, kernel)
+    return backend, interpret, tiles, min(chunk, max(FLOORS[tiles], pl.next_power_of_2(T)))
 
 
 def chunked_ssd(xdt, log_decay, B, C, reset, h0=None, *, chunk: int, backend: Optional[str] = None,
@@ -426,26 +440,33 @@ def chunked_ssd(xdt, log_decay, B, C, reset, h0=None, *, chunk: int, backend: Op
     xdt [B, T, N, P]: x * dt, in the compute dtype (bf16 feeds the matrix units); log_decay [B, T, N]: dt * A,
     <= 0 (0 at padding); B, C [B, T, G, S] (head n reads group n // (N // G)); reset [B, T] bool, True where a
     sequence starts (the state carried into that token is dropped); h0 [B, N, P, S] or None (zeros).
-    chunk: tokens per chunk (`check_chunk`, against the cpu floor when interpreted; shrunk to the power of two covering a shorter T, not below the
-    backend's floor). backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu"; default JAX's.
+    chunk: tokens per chunk (`tiling`). backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu"; default JAX's.
     interpret: the Pallas interpreter; default on cpu.
     Returns y [B, T, N, P] in xdt.dtype and the final state [B, N, P, S] (float32; float64 for float64 xdt).
     """
-    backend = _backend_name(backend)
-    interpret = backend == "cpu" if interpret is None else interpret
-    tiles = "cpu" if interpret else backend  # the interpreter takes any power-of-two chunk >= 8
-    check_chunk(chunk, tiles)
+    backend, interpret, tiles, L = tiling(xdt.shape[1], chunk, backend, interpret)
     Bsz, T, N, P = xdt.shape
     G, S = B.shape[2:]
-    L = min(chunk, max(_FLOORS[tiles], pl.next_power_of_2(T)))
-    Tp, Pp, Sp = -(-T // L) * L, _padded(P, tiles), _padded(S, tiles)
+    Tp, Pp, Sp = -(-T // L) * L, padded(P, tiles), padded(S, tiles)
     acc = jnp.promote_types(xdt.dtype, jnp.float32)
-    pad = lambda a, *widths: jnp.pad(a, [(0, 0)] + [(0, w) for w in widths])
     xdt = pad(xdt, Tp - T, 0, Pp - P).transpose(0, 2, 1, 3)  # [B, N, Tp, Pp]
     B, C = (pad(a, Tp - T, 0, Sp - S).transpose(0, 2, 1, 3) for a in (B, C))  # [B, G, Tp, Sp]
-    cs = jnp.cumsum(pad(log_decay.astype(acc), Tp - T, 0).transpose(0, 2, 1).reshape(Bsz, N, Tp // L, L), -1)
-    starts = jnp.cumsum(pad(reset, Tp - T).reshape(Bsz, Tp // L, L), -1, dtype=jnp.int32).reshape(Bsz, Tp)
+    cs, starts = chunk_sums(log_decay.astype(acc), reset, L, Tp)
     h0 = jnp.zeros((Bsz, N, P, S), acc) if h0 is None else h0.astype(acc)
-    cfg = _Config(L, N // G, "grid" if backend == "tpu" else "loop", backend, interpret)
-    y, h = _ssd(xdt, B, C, cs.reshape(Bsz, N, Tp), starts, pad(h0, 0, Pp - P, Sp - S), cfg)
+    cfg = Config(L, N // G, "grid" if backend == "tpu" else "loop", backend, interpret)
+    y, h = _ssd(xdt, B, C, cs, starts, pad(h0, 0, Pp - P, Sp - S), cfg)
     return y.transpose(0, 2, 1, 3)[:, :T, :, :P], h[:, :, :P, :S]
+
+
+def pad(a, *widths):
+    """a padded at the end of its dims 1, 2, ... by `widths` (zeros)."""
+    return jnp.pad(a, [(0, 0)] + [(0, w) for w in widths])
+
+
+def chunk_sums(log_decay, reset, L: int, Tp: int):
+    """log_decay [B, T, N], reset [B, T] -> (cs [B, N, Tp]: the running sums of the log decays within each chunk
+    of L tokens, starts [B, Tp] int32: the sequence starts so far within the chunk), T padded to Tp."""
+    Bsz, T, N = log_decay.shape
+    cs = jnp.cumsum(pad(log_decay, Tp - T, 0).transpose(0, 2, 1).reshape(Bsz, N, Tp // L, L), -1)
+    starts = jnp.cumsum(pad(reset, Tp - T).reshape(Bsz, Tp // L, L), -1, dtype=jnp.int32)
+    return cs.reshape(Bsz, N, Tp), starts.reshape(Bsz, Tp)

@@ -17,9 +17,11 @@ import jax.numpy as jnp
 
 from jax.scipy.linalg import solve_triangular
 
-from tfm.ops import context_scan
+from tfm.kernels.delta_rule import chunked_gated_delta_rule
+from tfm.ops import context_scan, segments, shard
+from tfm.parallel.mesh import current_platform
 
-IMPLS = ("reference", "chunked")
+IMPLS = ("reference", "chunked", "pallas")
 
 
 def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, impl="chunked",
@@ -32,8 +34,12 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     segment_ids [B, T] int, 0 = padding: the state is dropped where a sequence starts
     (tfm.ops.segments; t = 0 continues from initial_state [B, H, K, V], None = zeros), and
     padding tokens act as g = 0, beta = 0. State and decays are float32 (float64 for float64 v).
-    impl: "reference" (a scan over time) or "chunked" (a scan over chunks of chunk_size tokens)."""
+    impl: "reference" (a scan over time), "chunked" (a scan over chunks of chunk_size tokens) or "pallas" (the
+    chunked form's kernels, tfm.kernels.delta_rule, on each device's batch rows and heads; chunk_size a tile
+    they take)."""
     _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
+    if impl == "pallas":
+        return _pallas(q, k, v, g, beta, segment_ids, initial_state, chunk_size)
     B, T, H, K = q.shape
     dtype = jnp.promote_types(v.dtype, jnp.float32)
     state = (jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None
@@ -121,6 +127,30 @@ def _chunked(q, k, v, g, beta, reset, state, C):
     state, o = jax.lax.scan(step, state, xs)                          # o [n, B, H, C, V]
     o = jnp.moveaxis(o, 0, 2).reshape(B, H, n * C, V)[:, :, :T]
     return jnp.moveaxis(o, 1, 2), state
+
+
+def _pallas(q, k, v, g, beta, segment_ids, initial_state, chunk_size):
+    """gated_delta_rule by the Pallas kernels: g and beta 0 at padding and the sequence starts prepared here, q
+    and k in v's dtype, the kernels run on each device's batch rows and heads (`shard.per_device_heads`: an
+    opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
+    if shard.context_size() > 1:
+        raise ValueError("mixer_impl='pallas' does not run with the sequence split over `context` yet: "
+                         "use mixer_impl='chunked' there")
+    B, T, H, K = q.shape
+    dtype = jnp.promote_types(v.dtype, jnp.float32)
+    g, beta = g.astype(dtype), beta.astype(dtype)
+    reset = jnp.zeros((B, T), bool)
+    if segment_ids is not None:
+        real, reset = segments.sequence_starts(segment_ids)
+        g, beta = jnp.where(real[..., None], g, 0), jnp.where(real[..., None], beta, 0)
+    state = (jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype))
+    backend = current_platform()
+
+    def kernel(q, k, v, g, beta, reset, state):
+        return chunked_gated_delta_rule(q, k, v, g, beta, reset, state, chunk=chunk_size, backend=backend)
+
+    return shard.per_device_heads(kernel, (q.astype(v.dtype), k.astype(v.dtype), v, g, beta, reset, state),
+                                  heads_dims=(2, 2, 2, 2, 2, None, 1), out_heads_dims=(2, 1))
 
 
 def _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size):
