@@ -29,6 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure  # not pyplot: a notebook's inline backend stays as it is
 
 from experiments import common
+from experiments import compare as runs  # the Markdown table of experiments.compare
 from experiments.long_context import documents, train
 from experiments.long_context.configs import tiny
 from experiments.long_context.settings import LongContextSettings
@@ -107,15 +108,13 @@ def _mib(x) -> str:
 
 def table(rows: dict, lengths, near: int) -> str:
     long = lengths[-1]
-    head = (f"| variant | held-out acc. | needle <= {near} | needle > {near} | parameters | step time / full | "
-            + " | ".join(f"temp MiB L={L}" for L in lengths) + f" | temp MiB L={long} chunked | scores computed L={long} |")
-    lines = [head, "|" + "---|" * (8 + len(lengths))]
-    for name, r in rows.items():
-        s = r["scores"]
-        lines.append(f"| `{name}` | {s['accuracy']:.1%} | {train.percent(s['near_accuracy'])} | {train.percent(s['far_accuracy'])} "
-                     f"| {s['num_params']:,} | {r['time_ratio']:.2f} | " + " | ".join(_mib(r["memory"][L]) for L in lengths)
-                     + f" | {_mib(r['chunked'])} | {r['share'][long]:.1%} |")
-    return "\n".join(lines)
+    header = (["variant", "held-out acc.", f"needle <= {near}", f"needle > {near}", "parameters", "step time / full"]
+              + [f"temp MiB L={L}" for L in lengths] + [f"temp MiB L={long} chunked", f"scores computed L={long}"])
+    cells = [[f"`{name}`", f"{r['scores']['accuracy']:.1%}", train.percent(r["scores"]["near_accuracy"]),
+              train.percent(r["scores"]["far_accuracy"]), f"{r['scores']['num_params']:,}", f"{r['time_ratio']:.2f}",
+              *(_mib(r["memory"][L]) for L in lengths), _mib(r["chunked"]), f"{r['share'][long]:.1%}"]
+             for name, r in rows.items()]
+    return runs.table(header, cells)
 
 
 def plot(path: str, rows: dict, lengths) -> None:

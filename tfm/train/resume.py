@@ -18,16 +18,17 @@ import jax
 from tfm.train.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat(d: dict, prefix: str = "") -> dict:
+    """A nested config record as {"optimizer.learning_rate": value, ...}."""
     out = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
 def config_changes(old: dict, new: dict) -> list[str]:
     """"key: old -> new" for every flattened key whose value differs."""
-    old, new = _flat(old), _flat(new)
+    old, new = flat(old), flat(new)
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
@@ -59,7 +60,7 @@ def _nothing_readable(checkpointer: Checkpointer) -> str:
             f"{broken} out of the workdir, or use a new --workdir")
 
 
-def _latest_record(workdir: str) -> str:
+def latest_record(workdir: str) -> str:
     """The newest config record: config.json, or the config.step<N>.json of the largest N."""
     steps = [int(m.group(1)) for m in map(re.compile(r"config\.step(\d+)\.json$").match, os.listdir(workdir)) if m]
     return os.path.join(workdir, f"config.step{max(steps)}.json" if steps else "config.json")
@@ -70,7 +71,7 @@ def record_config(workdir: str, config_dict: Optional[dict], *, start: int, chan
     config.step<start>.json beside it."""
     if config_dict is None or jax.process_index() != 0:
         return
-    record, latest = os.path.join(workdir, "config.json"), _latest_record(workdir)
+    record, latest = os.path.join(workdir, "config.json"), latest_record(workdir)
     path = record if not os.path.exists(record) else os.path.join(workdir, f"config.step{start}.json")
     if path == record or changes:
         with open(path, "w") as f:
@@ -95,7 +96,7 @@ def skip_trained(iterator, *, first, data_state, start: int, say) -> Iterator[di
 def changes_since_record(workdir: str, config_dict: Optional[dict]) -> tuple[str, list[str]]:
     """(the latest config record's path, how `config_dict` differs from it: none where there is
     no record or no config to compare)."""
-    record = _latest_record(workdir)
+    record = latest_record(workdir)
     if config_dict is None or not os.path.exists(record):
         return record, []
     with open(record) as f:
