@@ -114,7 +114,8 @@ def test_command_line_overrides_reach_a_translation_recipe():
 # A valid value other than the recipe's for the fields whose type alone does not give one.
 OTHER_VALUES = {"on_nonfinite": "skip", "keep_best_mode": "min", "parallelism": "fsdp+tensor", "dcn_axis": "fsdp",
                 "keep_best": "bleu", "wandb_project": "tfm-test", "batch_size": 12, "microbatches": 3,
-                "decay_mask": "all", "frozen": "embed/"}
+                "decay_mask": "all", "frozen": "embed/",
+                "spike_factor": 3.0, "spike_skip_batches": 200}  # >= checkpoint_every (102 on that line)
 # Optimizer fields are read only under some optimizers and schedules (others are refused), so
 # they are set in two command lines: these fields in the second, every other field in the first.
 SECOND_LINE = ("optimizer.weight_decay", "optimizer.decay_mask", "optimizer.decay_steps", "optimizer.end_lr_factor")
