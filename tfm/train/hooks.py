@@ -119,6 +119,7 @@ class SpikeRecovery(Hook):
     def _recover(self, run, step: int, loss: float, median: float, finite: bool) -> None:
         what = (f"loss spike at step {step} (loss {loss:.4g} > {self.factor:g} x the running median {median:.4g})"
                 if finite else f"non-finite loss or gradient at step {step} (loss {loss:.4g})")
+        run.checkpointer.wait()  # a save still in flight may be the newest before the spike
         earlier = [s for s in run.checkpointer.all_steps() if s < step]
         if not earlier:
             raise LossSpikeError(f"{what} and no checkpoint before it to roll back to; stopped. Checkpoints come "

@@ -230,7 +230,6 @@ class Run:
         """Back to the checkpoint of `step`: its train state, and the data stream at its position
         with the next `skip` batches dropped, which the checkpoint's data state then records (a
         resume from it drops them too); the metrics after `step` are forgotten."""
-        self.checkpointer.wait()
         self.state, data_state = self.checkpointer.restore(self.trainer.abstract_state, step)
         iterator = self.batches.iterator
         iterator.set_state(data_state)
