@@ -2,9 +2,10 @@
 against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule).
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
-and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of B/C. Values (output, final state) and the
-gradients of every input: fp32 max-abs error <= 1e-5 of each quantity's largest magnitude, bf16 <= 1e-2. The
-inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked forms compute in fp32).
+and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
+B/C. Values (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each
+quantity's largest magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one
+reference (the chunked forms compute in fp32).
 """
 import functools
 
@@ -94,9 +95,8 @@ def _reference(family):
 
 
 @pytest.mark.parametrize("family,dtype,driver", [
-    ("ssd", jnp.float32, "loop"), ("ssd", jnp.float32, "grid"), ("ssd", jnp.bfloat16, "loop"),
-    ("delta", jnp.float32, "grid"), ("delta", jnp.bfloat16, "loop")],
-    ids=["ssd-fp32-loop", "ssd-fp32-grid", "ssd-bf16-loop", "delta-fp32-grid", "delta-bf16-loop"])
+    ("ssd", jnp.float32, "loop"), ("ssd", jnp.bfloat16, "grid"), ("delta", jnp.float32, "loop"),
+    ("delta", jnp.bfloat16, "grid")], ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid"])
 def test_kernels_equal_the_chunked_forms(family, dtype, driver):
     """The loop driver (GPU's) through the entry point, impl="pallas" on CPU; the grid driver (TPU's: a
     sequential chunk axis, the state in scratch) called directly; both interpreted."""

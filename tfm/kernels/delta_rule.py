@@ -18,15 +18,19 @@ the input dtype (fp32 accumulation).
 Drivers as tfm.kernels.ssd's: grid (TPU: a sequential chunk axis, the state in VMEM scratch) and loop (GPU
 Triton, CPU interpret: a loop over chunks). The forward writes the state entering every chunk.
 
-Backward (`jax.custom_vjp`): one Pallas kernel running the chunks in reverse, carrying G = dLoss/dS_next
-(initially the final state's cotangent). Per chunk it recomputes the forward's tiles and, with
-dW = (D o q k^T)^T do + (w k) G and [dRv | dRk] = T^T [dW | -dW S^T]:
+Backward (`jax.custom_vjp`), two Pallas kernels, each recomputing the chunk's tiles. With G = dLoss/dS_next
+(the final state's cotangent after the last chunk) and dW = (D o q k^T)^T do + (w k) G:
+  gated_delta_bwd_state  the chunks in reverse (loop or grid driver): G <- tau G + (e q)^T do - Wk^T dW,
+                         writing each chunk's G and, past the first chunk, dh0.
+  gated_delta_bwd_chunk  every chunk at once (grid (B, H, chunks), parallel), from its entering S and leaving G,
+                         with [dRv | dRk] = T^T [dW | -dW S^T]:
   dq = (dattn o D) k + e (do S^T)              dattn = do W^T
   dv = beta dRv        dA = -(dRv U^T + dRk Wk^T) on the strict lower part
   dk = (dattn o D)^T q + w (W G^T) + beta e dRk + (dkk + dkk^T) k,  dkk = dA o beta D
   dbeta = <v, dRv> + e <k, dRk> + sum_j dA_ij D_ij k_i.k_j
-  dcs from (dattn o q k^T + dA o beta k k^T) o D (rows minus columns), e, w and tau, as in the SSD kernels;
-  G <- tau G + (e q)^T do - Wk^T dW.
+  dcs from (dattn o q k^T + dA o beta k k^T) o D (rows minus columns), e, w and tau, as in the SSD kernels.
+On an H100 these fit the registers only at small head dims (16 at chunk 16; K = V = 128 spills, the forward
+too): blocking V across programs (the state's columns are independent) is the next step.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def _inverse(A):
 
 
 def _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
-    """The chunk's forward tiles: D, e, w, tau, k k^T, A, T, U, Wk, W (module docstring), fp32."""
+    """The chunk's forward tiles: D, e, w, tau, k k^T, A, T, U, Wk, W (module docstring; W None without S), fp32."""
     L = q.shape[0]
     D, e, w, tau = decays(cs_col, cs_row, st_col, st_row)
     i, j = (lax.broadcasted_iota(jnp.int32, (L, L), axis) for axis in (0, 1))
@@ -64,7 +68,7 @@ def _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
     kf = k.astype(jnp.float32)
     U = dot(T, beta * v.astype(jnp.float32))
     Wk = dot(T, (beta * e) * kf)
-    return D, e, w, tau, kk, A, T, U, Wk, U - dot(Wk, S)
+    return D, e, w, tau, kk, A, T, U, Wk, None if S is None else U - dot(Wk, S)
 
 
 def _chunk_forward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
@@ -76,9 +80,22 @@ def _chunk_forward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
     return o, tau * S + dot((w * k).astype(dtype), W_in, (0, 0))
 
 
+def _dW(attn, w, k, G, do):
+    """dLoss/dW [L, V], fp32: (D o q k^T)^T do + (w k) G."""
+    dtype = k.dtype
+    return dot(attn.astype(dtype), do, (0, 0)) + dot((w * k).astype(dtype), G.astype(dtype))
+
+
+def _state_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, G, do):
+    """dLoss/dS for the state S entering the chunk, given G = dLoss/dS_next: tau G + (e q)^T do - Wk^T dW, fp32."""
+    D, e, w, tau, _, _, _, _, Wk, _ = _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, None)
+    dW = _dW(D * dot(q, k, (1, 1)), w, k, G, do)
+    return tau * G + dot((e * q).astype(q.dtype), do, (0, 0)) - dot(Wk, dW, (0, 0))
+
+
 def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
-    """The chunk's gradients given S (entering) and G = dLoss/dS_next: dq, dk, dv, dbeta [L, 1], dcs_col [L, 1],
-    dcs_row [1, L] and the gradient of S, fp32."""
+    """The chunk's gradients given S (entering) and G = dLoss/dS_next: dq, dk, dv, dbeta [L, 1], dcs_col [L, 1]
+    and dcs_row [1, L], fp32."""
     dtype = q.dtype
     L = q.shape[0]
     D, e, w, tau, kk, A, T, U, Wk, W = _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, S)
@@ -86,7 +103,7 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
     qk = dot(q, k, (1, 1))
     attn = D * qk
     S_in, G_in = S.astype(dtype), G.astype(dtype)
-    dW = dot(attn.astype(dtype), do, (0, 0)) + dot((w * k).astype(dtype), G_in)  # [L, V]
+    dW = _dW(attn, w, k, G, do)
     dattn = dot(do, W.astype(dtype), (1, 1))  # [L, L]
     dq = dot((dattn * D).astype(dtype), k) + e * dot(do, S_in, (1, 1))
     dk = dot((dattn * D).astype(dtype), q, (0, 0))
@@ -96,7 +113,6 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
     dw = jnp.sum(f32(k) * WG, axis=1, keepdims=True)
     dtau = jnp.sum(jnp.sum(G * S, axis=1, keepdims=True), axis=0, keepdims=True)
     dWk = -dot(dW, S, (1, 1))  # [L, K], fp32
-    dS = tau * G + dot((e * q).astype(dtype), do, (0, 0)) - dot(Wk, dW, (0, 0))
     dRv, dRk = dot(T, dW, (0, 0)), dot(T, dWk, (0, 0))  # T^T [dU | dWk]
     i, j = (lax.broadcasted_iota(jnp.int32, (L, L), axis) for axis in (0, 1))
     dA = jnp.where(i > j, -(dot(dRv, U, (1, 1)) + dot(dRk, Wk, (1, 1))), 0.0)
@@ -112,7 +128,7 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
     last = lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
     dcs_col = (jnp.sum(Q, axis=1, keepdims=True) + de * e - to_state
                + jnp.where(last, jnp.sum(to_state, axis=0, keepdims=True) + dtau * tau, 0.0))
-    return dq, dk, dv, dbeta, dcs_col, -jnp.sum(Q, axis=0, keepdims=True), dS
+    return dq, dk, dv, dbeta, dcs_col, -jnp.sum(Q, axis=0, keepdims=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -163,48 +179,46 @@ def _fwd_loop_kernel(*refs, cfg: Config):
     h_ref[...] = lax.fori_loop(0, o_ref.shape[0] // L, body, h0_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
 
 
-def _bwd_grid_kernel(*refs):
-    """Grid (B, H, chunks), chunks sequential from the last (the index maps reverse them)."""
-    inputs, (states_ref, do_ref, dh_ref), rest = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:_NUM_INPUTS + 3], \
-        refs[_NUM_INPUTS + 3:]
-    outputs, dh0_ref, g_acc = rest[:6], rest[6], rest[7]
+def _state_bwd_grid_kernel(*refs):
+    """Grid (B, H, chunks), chunks sequential from the last (the index maps reverse them): writes each chunk's
+    G (the gradient of the state leaving it) and, at the first chunk, dh0."""
+    inputs, (do_ref, dh_ref, g_ref, dh0_ref, g_acc) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:]
     k = pl.program_id(2)
 
     @pl.when(k == 0)
     def _init():
         g_acc[...] = dh_ref[...].astype(jnp.float32)
 
-    grads = _chunk_backward(*(ref[...] for ref in inputs), states_ref[...], g_acc[...], do_ref[...])
-    for ref, value in zip(outputs, grads):
-        ref[...] = value.astype(ref.dtype)
-    g_acc[...] = grads[-1]
+    g_ref[...] = g_acc[...]
+    G = _state_backward(*(ref[...] for ref in inputs), g_acc[...], do_ref[...])
+    g_acc[...] = G
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _finish():
-        dh0_ref[...] = grads[-1].astype(dh0_ref.dtype)
+        dh0_ref[...] = G.astype(dh0_ref.dtype)
 
 
-def _bwd_loop_kernel(*refs, cfg: Config):
+def _state_bwd_loop_kernel(*refs, cfg: Config):
     """Grid (B, H); whole-row blocks, a loop over chunks from the last."""
-    inputs, (states_ref, do_ref, dh_ref), rest = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:_NUM_INPUTS + 3], \
-        refs[_NUM_INPUTS + 3:]
-    outputs, dh0_ref = rest[:6], rest[6]
+    inputs, (do_ref, dh_ref, g_ref, dh0_ref) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:]
     L, K = cfg.chunk, dh_ref.shape[0]
     n = do_ref.shape[0] // L
 
     def body(step, G):
         c = n - 1 - step
-        rows = pl.ds(pl.multiple_of(c * L, L), L)
-        S = states_ref[pl.ds(pl.multiple_of(c * K, K), K), :]
-        *grads, G = _chunk_backward(*_chunk_refs(inputs, c, L), S, G, do_ref[rows, :])
-        for name, ref, value in zip(_OUTPUT_NAMES, outputs, grads):
-            if name.endswith("row"):
-                ref[:, rows] = value
-            else:
-                ref[rows, :] = value
-        return G
+        g_ref[pl.ds(pl.multiple_of(c * K, K), K), :] = G
+        return _state_backward(*_chunk_refs(inputs, c, L), G, do_ref[pl.ds(pl.multiple_of(c * L, L), L), :])
 
     dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
+
+
+def _chunk_bwd_kernel(*refs):
+    """Grid (B, H, chunks), every chunk independent (its entering state and leaving gradient given)."""
+    inputs, (s_ref, g_ref, do_ref), outputs = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:_NUM_INPUTS + 3], \
+        refs[_NUM_INPUTS + 3:]
+    grads = _chunk_backward(*(ref[...] for ref in inputs), s_ref[...], g_ref[...], do_ref[...])
+    for ref, value in zip(outputs, grads):
+        ref[...] = value.astype(ref.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -234,11 +248,15 @@ def _specs(cfg: Config, Tp: int, K: int, V: int, n: int, reverse: bool = False) 
                 state=at((K, V), lambda b, h, c: (b, h, 0, 0)), states=at((K, V), lambda b, h, c: (b, h, c, 0)))
 
 
-def _call(kernel, cfg: Config, specs: dict, grid, ins, outs, out_shape, name: str, *, K: int, V: int, cost):
+def _call(kernel, cfg: Config, specs: dict, grid, ins, outs, out_shape, name: str, *, K: int, V: int, cost,
+          sequential: bool = True):
+    """The pallas_call of `kernel` (operands and outputs named by kind, `_specs`); `sequential`: its last grid
+    axis carries a state (scratch on the grid driver)."""
     kernel = functools.partial(kernel, cfg=cfg) if cfg.driver == "loop" else kernel
     return pl.pallas_call(kernel, grid=grid, in_specs=[specs[n] for n in ins], out_specs=tuple(specs[n] for n in outs),
-                          out_shape=out_shape, scratch_shapes=scratch(cfg, K, V), compiler_params=params(cfg, len(grid)),
-                          interpret=cfg.interpret, name=name, cost_estimate=cost)
+                          out_shape=out_shape, scratch_shapes=scratch(cfg, K, V) if sequential else (),
+                          compiler_params=params(cfg, len(grid), sequential), interpret=cfg.interpret, name=name,
+                          cost_estimate=cost)
 
 
 def _cost(q, v, n: int, passes: int) -> pl.CostEstimate:
@@ -264,18 +282,25 @@ def _forward(q, k, v, beta, cs, starts, h0, cfg: Config):
 
 
 def _backward(q, k, v, beta, cs, starts, states, do, dh, cfg: Config):
-    """-> dq, dk, dv, dbeta [B, H, Tp, 1], dcs_col [B, H, Tp, 1], dcs_row [B, H, 1, Tp], dh0, all fp32."""
+    """Two kernels: the state gradients in reverse chunk order (the loop or grid driver), then every chunk's
+    gradients at once (a parallel grid (B, H, chunks) on every backend).
+    -> dq, dk, dv, dbeta [B, H, Tp, 1], dcs_col [B, H, Tp, 1], dcs_row [B, H, 1, Tp], dh0, all fp32."""
     Bsz, H, Tp, K = q.shape
     V, n = v.shape[-1], Tp // cfg.chunk
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    operands = (q, k, v, beta, *views(cs, starts))
     specs = _specs(cfg, Tp, K, V, n, reverse=True)
     grid = (Bsz, H) if cfg.driver == "loop" else (Bsz, H, n)
-    kernel = _bwd_loop_kernel if cfg.driver == "loop" else _bwd_grid_kernel
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    out_shape = (f32(*q.shape), f32(*q.shape), f32(*v.shape), f32(*beta.shape), f32(*beta.shape),
-                 f32(Bsz, H, 1, Tp), f32(Bsz, H, K, V))
-    return _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("states", "v", "state"), _OUTPUT_NAMES + ("state",),
-                 out_shape, "gated_delta_bwd", K=K, V=V, cost=_cost(q, v, n, 3)
-                 )(q, k, v, beta, *views(cs, starts), states, do, dh)
+    kernel = _state_bwd_loop_kernel if cfg.driver == "loop" else _state_bwd_grid_kernel
+    leaving, dh0 = _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("v", "state"), ("states", "state"),
+                         (f32(Bsz, H, n * K, V), f32(Bsz, H, K, V)), "gated_delta_bwd_state", K=K, V=V,
+                         cost=_cost(q, v, n, 1))(*operands, do, dh)
+    parallel = cfg._replace(driver="grid")
+    specs = _specs(parallel, Tp, K, V, n)
+    out_shape = (f32(*q.shape), f32(*q.shape), f32(*v.shape), f32(*beta.shape), f32(*beta.shape), f32(Bsz, H, 1, Tp))
+    return _call(_chunk_bwd_kernel, parallel, specs, (Bsz, H, n), _INPUT_NAMES + ("states", "states", "v"),
+                 _OUTPUT_NAMES, out_shape, "gated_delta_bwd_chunk", K=K, V=V, cost=_cost(q, v, n, 2),
+                 sequential=False)(*operands, states, leaving, do) + (dh0,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

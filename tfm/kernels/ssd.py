@@ -440,7 +440,8 @@ def chunked_ssd(xdt, log_decay, B, C, reset, h0=None, *, chunk: int, backend: Op
     xdt [B, T, N, P]: x * dt, in the compute dtype (bf16 feeds the matrix units); log_decay [B, T, N]: dt * A,
     <= 0 (0 at padding); B, C [B, T, G, S] (head n reads group n // (N // G)); reset [B, T] bool, True where a
     sequence starts (the state carried into that token is dropped); h0 [B, N, P, S] or None (zeros).
-    chunk: tokens per chunk (`tiling`). backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu"; default JAX's.
+    chunk: tokens per chunk (`tiling`). backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu";
+    default JAX's.
     interpret: the Pallas interpreter; default on cpu.
     Returns y [B, T, N, P] in xdt.dtype and the final state [B, N, P, S] (float32; float64 for float64 xdt).
     """
