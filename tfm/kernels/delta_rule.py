@@ -29,8 +29,10 @@ Backward (`jax.custom_vjp`), two Pallas kernels, each recomputing the chunk's ti
   dk = (dattn o D)^T q + w (W G^T) + beta e dRk + (dkk + dkk^T) k,  dkk = dA o beta D
   dbeta = <v, dRv> + e <k, dRk> + sum_j dA_ij D_ij k_i.k_j
   dcs from (dattn o q k^T + dA o beta k k^T) o D (rows minus columns), e, w and tau, as in the SSD kernels.
-On an H100 these fit the registers only at small head dims (16 at chunk 16; K = V = 128 spills, the forward
-too): blocking V across programs (the state's columns are independent) is the next step.
+On an H100 these fit the registers only at small head dims (16 at chunk 16, 64 at chunk 16 for the forward):
+at K = V = 128 every kernel spills, the forward even at chunk 16, and (tried, compile-only) still with V split
+into blocks of 16 columns per program (the state's columns are independent), with 2 or 4 warps, or with every
+product in bf16; the cause is not yet found.
 """
 from __future__ import annotations
 
