@@ -187,7 +187,7 @@ def test_continuation_equals_one_call(impl):
 def test_errors_name_the_argument():
     q, k, v, g, beta, s0 = inputs(T=5)
     cases = {
-        "impl": dict(impl="pallas"),
+        "impl": dict(impl="triton"),
         "chunk_size": dict(chunk_size=0),
         "k": dict(k=k[:, :, :1]),
         "v": dict(v=v[:, :4]),

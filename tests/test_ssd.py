@@ -196,7 +196,7 @@ def test_continuation_equals_one_call(scan, impl):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(impl="pallas"), "impl='pallas'"),
+    (dict(impl="triton"), "impl='triton'"),
     (dict(chunk_size=0), "chunk_size=0"),
     (dict(dt=np.ones((1, 3, 2))), "^dt: "),
     (dict(A=-np.ones(3)), "^A: "),
