@@ -6,7 +6,7 @@ over the mesh axes that the active logical rules give "batch" and "heads", so ea
 runs it on its own [B/b, T, N/n, H] shard. The sequence axes T and S stay whole on every
 device, except for a kernel that exchanges keys itself (`split_length`, context parallelism:
 T and S split over the `context` axis when the rules give it "length"; `context_size`).
-`per_device_heads` splits another kernel's arrays the same way (the SSD kernels of the mixers).
+`per_device_heads` splits another kernel's arrays the same way (the linear-time mixers' kernels).
 
 The mesh is the one `jax.set_mesh` makes current and the rules those of
 `flax.linen.logical_axis_rules`; the trainer holds both while it traces the model
