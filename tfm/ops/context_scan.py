@@ -53,9 +53,11 @@ class Algebra:
 _plus = lambda a, b: jax.tree.map(jnp.add, a, b)
 # h [B, ...] and a decay broadcasting against it, entry by entry (SSD, the selective scan, RG-LRU).
 DIAGONAL = Algebra(apply=lambda a, h: a * h, add=_plus, compose=lambda a1, a2: a1 * a2)
-# S [B, H, K, V] and A [B, H, K, K]: S -> A S (the delta rule's products of alpha (I - beta k k^T)).
-MATRIX = Algebra(apply=lambda a, s: jnp.einsum("bhij,bhjv->bhiv", a, s), add=_plus,
-                 compose=lambda a1, a2: jnp.einsum("bhij,bhjk->bhik", a2, a1))
+# S [B, H, K, V] and A [B, H, K, K]: S -> A S (the delta rule's products of alpha (I - beta k k^T)), in
+# float32 on every chip (TPU's default precision would round the maps to bf16; they are state-sized).
+_matmul = lambda spec, a, b: jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+MATRIX = Algebra(apply=lambda a, s: _matmul("bhij,bhjv->bhiv", a, s), add=_plus,
+                 compose=lambda a1, a2: _matmul("bhij,bhjk->bhik", a2, a1))
 
 
 def splits(length: int) -> int:
@@ -70,25 +72,29 @@ def _where(pred, a, b):
 
 
 def _over_context(fn, split, whole, out_specs):
-    """fn(split, whole) on each device inside shard_map over `context` alone (the other mesh axes stay
-    XLA's): each array of the pytree `split` [B, T, ...] split along T, `whole` passed whole."""
+    """fn(split, whole, index) on each device inside shard_map over `context` alone (the other mesh axes
+    stay XLA's): each array of the pytree `split` [B, T, ...] split along T, `whole` passed whole, index
+    the device's place along `context` (int32 []: an operand, since XLA's partitioner refuses the
+    partition id that `axis_index` reads where other axes stay automatic)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return jax.shard_map(fn, mesh=mesh, in_specs=(SPLIT, WHOLE), out_specs=out_specs,
-                         axis_names=frozenset({CONTEXT}), check_vma=False)(split, whole)
+    index = jnp.arange(mesh.shape[CONTEXT], dtype=jnp.int32)
+    return jax.shard_map(lambda split, whole, index: fn(split, whole, index[0]), mesh=mesh,
+                         in_specs=(SPLIT, WHOLE, P(CONTEXT)), out_specs=out_specs, axis_names=frozenset({CONTEXT}),
+                         check_vma=False)(split, whole, index)
 
 
-def previous(x, first):
-    """Inside `shard_map` over `context`: the pytree `x` of the device before this one, `first` on the
-    first device (one ppermute per array)."""
+def previous(x, first, index):
+    """Inside `_over_context`: the pytree `x` of the device before this one, `first` on the first
+    device (index 0; one ppermute per array)."""
     c = jax.lax.axis_size(CONTEXT)
     got = jax.tree.map(lambda a: jax.lax.ppermute(a, CONTEXT, [(i, i + 1) for i in range(c - 1)]), x)
-    return _where(jax.lax.axis_index(CONTEXT) == 0, first, got)
+    return _where(index == 0, first, got)
 
 
-def _entering(algebra: Algebra, transfer, contribution, initial):
-    """Inside `shard_map`: the state entering this device's share, given each share's map (h ->
-    apply(transfer, h) + contribution), by a log-depth inclusive prefix over the devices."""
-    c, i = jax.lax.axis_size(CONTEXT), jax.lax.axis_index(CONTEXT)
+def _entering(algebra: Algebra, transfer, contribution, initial, i):
+    """Inside `_over_context` (device i): the state entering this device's share, given each share's map
+    (h -> apply(transfer, h) + contribution), by a log-depth inclusive prefix over the devices."""
+    c = jax.lax.axis_size(CONTEXT)
     # The first device starts from `initial`: its map is constant, so every prefix from it is too.
     contribution = _where(i == 0, algebra.add(algebra.apply(transfer, initial), contribution), contribution)
     acc, d = (transfer, contribution), 1
@@ -96,12 +102,12 @@ def _entering(algebra: Algebra, transfer, contribution, initial):
         t, b = jax.tree.map(lambda a: jax.lax.ppermute(a, CONTEXT, [(j, j + d) for j in range(c - d)]), acc)
         composed = (algebra.compose(t, acc[0]), algebra.add(algebra.apply(acc[0], b), acc[1]))
         acc, d = _where(i >= d, composed, acc), 2 * d
-    return previous(acc[1], initial)
+    return previous(acc[1], initial, i)
 
 
-def _last(x):
-    """Inside `shard_map`: the last device's pytree `x` on every device (one psum per array)."""
-    last = jax.lax.axis_index(CONTEXT) == jax.lax.axis_size(CONTEXT) - 1
+def _last(x, index):
+    """Inside `_over_context`: the last device's pytree `x` on every device (one psum per array)."""
+    last = index == jax.lax.axis_size(CONTEXT) - 1
     return jax.tree.map(lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), CONTEXT), x)
 
 
@@ -126,16 +132,16 @@ def scan(run: Callable, chunk_map: Callable, algebra: Algebra, sequences, params
         able = [name for name, s in capabilities.MIXER.items() if s.context]
         raise ValueError(f"mixer_impl={impl!r} cannot run with the sequence split over 'context'; use one of {able}")
 
-    def per_device(split, whole):
+    def per_device(split, whole, index):
         sequences, segment_ids = split
         params, initial = whole
         if segment_ids is None:
             real, starts = jnp.ones((B, T // c), bool), jnp.zeros((B, T // c), bool)
         else:
-            real, starts = sequence_starts(segment_ids, previous(segment_ids[:, -1], segment_ids[:, 0]))
+            real, starts = sequence_starts(segment_ids, previous(segment_ids[:, -1], segment_ids[:, 0], index))
         transfer, contribution = chunk_map(sequences, params, real, starts)
-        y, final = run(sequences, params, real, starts, _entering(algebra, transfer, contribution, initial))
-        return y, _last(final)
+        y, final = run(sequences, params, real, starts, _entering(algebra, transfer, contribution, initial, index))
+        return y, _last(final, index)
 
     return _over_context(per_device, (sequences, segment_ids), (params, initial), (SPLIT, WHOLE))
 
@@ -154,9 +160,9 @@ def with_previous(fn: Callable, width: int, first, sequences, params=()):
         raise ValueError(f"a window of {width} earlier tokens needs at least {width} tokens per 'context' device; "
                          f"got {T} tokens over {c} devices: shorten the convolution or split over fewer devices")
 
-    def per_device(sequences, whole):
+    def per_device(sequences, whole, index):
         first, params = whole
         tail = [s[:, s.shape[1] - width:] for s in sequences]
-        return fn(*extend(previous(tail, list(first)), sequences), *params)
+        return fn(*extend(previous(tail, list(first), index), sequences), *params)
 
     return _over_context(per_device, list(sequences), (list(first), tuple(params)), SPLIT)
