@@ -3,6 +3,7 @@ bar with ETA; plain lines when the output is redirected), JSONL, TensorBoard and
 installed and asked for) wandb."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -62,6 +63,19 @@ def last_logged_step(workdir: str) -> int:
     return max((r["step"] for r in _records_upto(os.path.join(workdir, "metrics.jsonl"), math.inf)), default=0)
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter. Its module imports torch only to name a type in annotations (about a
+    second of CPU in every run); unless torch is already loaded, it is imported with torch hidden."""
+    if "tensorboardX.writer" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+        try:
+            importlib.import_module("tensorboardX.writer")
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class MetricLogger:
     """Writes scalars from process 0 only; other processes keep a silent progress count."""
 
@@ -77,8 +91,7 @@ class MetricLogger:
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.previous = self._keep_upto(initial_step)  # a resumed run repeats the steps after its checkpoint
         self.jsonl = open(self.path, "a")
-        from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
+        self.tb = summary_writer_class()(os.path.join(workdir, "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
         if wandb_project:
             try:
                 import wandb
