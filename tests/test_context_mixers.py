@@ -10,7 +10,8 @@ attention equals one device (the same jit without a mesh) in each mixer's output
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
 in its outputs, final state and gradients. The split program gathers nothing (no all-gather or
 all-to-all: maps, states and the convolutions' windows travel by collective-permute). One compile
-each way, shared by the tests.
+each way, shared by the tests. What a split cannot do (a window longer than a device's share, a form
+not declared for `context`) fails in one line.
 """
 import flax.linen as nn
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tfm.models import DecoderLM
 from tfm.models.presets import tiny
+from tfm.ops import context_scan
 from tfm.ops.linear_scan import linear_scan
 from tfm.parallel import MeshConfig, flax_rules, make_mesh, make_rules
 
@@ -114,3 +116,15 @@ def test_split_program_gathers_nothing(results):
     text = results[2]
     assert "collective-permute" in text  # maps, states, windows, attention's key/value blocks
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_what_a_split_cannot_do_fails_in_one_line():
+    """A window longer than a device's share, and a mixer form not declared for `context`
+    (tfm.capabilities.MIXER), are refused where they are traced."""
+    mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
+    x = jnp.zeros((1, 8, 2))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("context", activations=True))):
+        with pytest.raises(ValueError, match=r"^a window of 3 earlier tokens needs at least 3 tokens per 'context'"):
+            context_scan.with_previous(lambda x: x, 3, (jnp.zeros((1, 3, 2)),), (x,))
+        with pytest.raises(ValueError, match=r"^mixer_impl='pallas' cannot run .* use one of \['reference', 'chunked'\]"):
+            context_scan.scan(None, None, context_scan.DIAGONAL, (x,), (), None, jnp.zeros((1, 2)), impl="pallas")
