@@ -13,7 +13,8 @@ function of the state before it: h_out = M(h_in) + b. `scan` runs one inside `sh
   2. the maps are composed across devices by a log-depth prefix (Hillis-Steele: ceil(log2 c) rounds of
      `ppermute`, each passing one map, state-sized), and each device is handed the state entering its
      share (`initial_state` on the first);
-  3. each device reruns its share from that state: outputs exact, at about twice the scan's work.
+  3. each device reruns its share from that state: outputs exact, at about twice the scan's work (three
+     times the delta rule's, whose map comes from a run with K more value columns).
 
 Nothing sequence-sized crosses devices: the collectives carry maps and states [B, ...] and one
 segment id per row. The short convolutions and token shifts that precede the scans read across the
