@@ -116,10 +116,11 @@ class TrainConfig:
                                      # with on_nonfinite="stop") rolls the run back to the newest
                                      # checkpoint before it and skips spike_skip_batches batches. None: off
     spike_window: int = 100          # losses in that running median (checked once it is full)
-    spike_skip_batches: Optional[int] = None  # batches of the stream dropped after the checkpoint rolled
-                                     # back to; >= checkpoint_every, so the spike's batch is one. None: that
-    spike_max_recoveries: int = 3    # a spike past this many recoveries within spike_recovery_window
-    spike_recovery_window: int = 1000  # steps stops the run in one line
+    spike_skip_batches: Optional[int] = None  # batches of the stream skipped after rolling back (>=
+                                     # checkpoint_every, so the one that spiked is among them). None: checkpoint_every
+    spike_max_recoveries: int = 3    # recoveries allowed within spike_recovery_window steps; one more spike
+                                     # stops the run in one line
+    spike_recovery_window: int = 1000  # steps over which spike_max_recoveries counts recoveries
     replica_check_every: int = 0     # steps between comparisons of the data-parallel replicas' parameter
                                      # checksums (also before each save); a mismatch stops the run. 0: off
     watchdog_timeout: float = 600.0  # s: a step or batch read that makes no progress for max(this,
