@@ -176,6 +176,44 @@ def test_all_reduces_are_read_by_what_they_do():
     assert "bf16[256,256] over 128 chips" in lines
 
 
+_MULTI_OUTPUT_GATHER = """HloModule m
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %sum = bf16[] add(%x, %y)
+}
+
+%fused (p0: bf16[4,8], p1: bf16[1,8], p2: s32[]) -> (bf16[4,8], bf16[4,8]) {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %p1 = bf16[1,8]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %placed = bf16[4,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %zero)
+  %negated = bf16[4,8]{1,0} negate(%p0)
+  ROOT %both = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) tuple(%placed, %negated)
+}
+
+ENTRY %main (shard: bf16[1,8], at: s32[], zeros: bf16[4,8]) -> (bf16[4,8], bf16[4,8]) {
+  %shard = bf16[1,8]{1,0} parameter(0)
+  %at = s32[] parameter(1)
+  %zeros = bf16[4,8]{1,0} parameter(2)
+  %two = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) fusion(%zeros, %shard, %at), kind=kLoop, calls=%fused
+  %first = bf16[4,8]{1,0} get-tuple-element(%two), index=0
+  %second = bf16[4,8]{1,0} get-tuple-element(%two), index=1
+  ROOT %summed = (bf16[4,8]{1,0}, bf16[4,8]{1,0}) all-reduce(%first, %second), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add
+}
+"""
+
+
+def test_a_gather_from_a_multi_output_fusion_is_a_gather():
+    """libtpu may place FSDP shards into zeros inside a multi-output fusion (the v5p-128 Qwen3-Next step's
+    gated DeltaNet weights, [1, 2048, 16|32, 128]); the summed output that is a dynamic-update-slice there
+    is a gather, its sibling (a negate) a sum."""
+    forms = [(r["form"], r["array"], r["group_size"]) for r in preflight.all_reduce_forms(_MULTI_OUTPUT_GATHER)]
+    assert forms == [("gather", "bf16[4,8]", 4), ("sum", "bf16[4,8]", 4)]
+
+
 def _pallas_trainer(target_name, mesh_config, parallelism):
     cfg = tiny("llama", attention_impl="pallas", num_heads=4, num_kv_heads=2, d_model=64, dtype="bfloat16")
     train = TrainConfig(batch_size=8, mesh=mesh_config, parallelism=parallelism, num_train_steps=10)

@@ -332,13 +332,21 @@ def _called(rest: str, computations: dict) -> Optional[dict]:
 
 
 def _placed_in_zeros(comp: dict, name: str, computations: dict) -> bool:
-    """`name` is a dynamic-update-slice (the result of one, or of a fusion whose root is one), through
-    copies, bitcasts and converts: the partitioner's way of laying a shard into a zeroed whole array."""
+    """`name` is a dynamic-update-slice (the result of one, or of a fusion whose root is one, or one
+    output of a multi-output fusion whose tuple holds one there), through copies, bitcasts and converts:
+    the partitioner's way of laying a shard into a zeroed whole array."""
     for _ in range(8):
         shape, opcode, rest, operands = comp["ops"].get(name, (None, None, "", ()))
+        producer = comp["ops"].get(operands[0], (None, None, "", ())) if operands else None
         if opcode == "fusion" and _called(rest, computations):
             comp = _called(rest, computations)
             name = comp["root"]
+        elif opcode == "get-tuple-element" and producer[1] == "fusion" and _called(producer[2], computations):
+            comp = _called(producer[2], computations)
+            root = comp["ops"].get(comp["root"], (None, None, "", ()))
+            if root[1] != "tuple":
+                return False
+            name = root[3][int(re.search(r"index=(\d+)", rest).group(1))]
         elif opcode in _PASS_THROUGH and operands:
             name = operands[0]
         else:
