@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PLUGINS := $(VENV)/compile-only
 PLUGINS_STAMP := $(PLUGINS)/.installed
 
-.PHONY: install compile-plugins demo test bench bench-full gpu-install gpu-check gpu-mixers clean
+.PHONY: install compile-plugins demo test test-cpu-time bench bench-full gpu-install gpu-check gpu-mixers clean
 
 install: $(STAMP)
 
@@ -31,6 +31,13 @@ demo: install
 
 test: install compile-plugins
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+
+# the suite as `make test` runs it, with each test's CPU seconds (tests/cpu_time.py): where its time goes
+test-cpu-time: install compile-plugins
+	rm -f cpu_time.tsv
+	TFM_CPU_TIME_FILE=$(CURDIR)/cpu_time.tsv PYTHONPATH=tests $(PY) -m pytest -q -n 2 --dist loadfile \
+		--no-loadscope-reorder -p cpu_time tests
+	$(PY) tests/cpu_time.py cpu_time.tsv
 
 # fits 2 cores and 24 GB beside other jobs: 4.9 GB peak, 13 min measured on shared cores
 bench: install
