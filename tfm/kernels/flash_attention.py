@@ -47,7 +47,6 @@ The blocks of context parallelism take no dropout.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -59,10 +58,9 @@ from jax.experimental import pallas as pl
 
 from tfm.kernels import dropout as dropout_lib
 from tfm.kernels import sparsity as sparsity_lib
-from tfm.kernels.tiles import GPU_DTYPES, BlockSizes, Launch
+from tfm.kernels.tiles import GPU_DTYPES, BlockSizes, Launch, kernel_backend
 
 _NEG_INF = -1e30  # finite, as in tfm.ops.masks: masked logits never make NaN
-_BACKENDS = ("tpu", "gpu", "cpu")
 
 
 # --------------------------------------------------------------------------------------
@@ -822,14 +820,6 @@ def pad_to(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _backend_name(backend: Optional[str]) -> str:
-    name = backend or jax.default_backend()
-    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
-    if name not in _BACKENDS:
-        raise ValueError(f"flash attention backend must be one of {_BACKENDS}, got {name!r}")
-    return name
-
-
 class _Prepared(NamedTuple):
     """Kernel-layout operands of one call (q [B, N, Tp, Hp], k, v [B, K, Sp, Hp], q_seg [B, Tp, 1],
     kv_seg [B, 1, Sp], slopes [N, 1, 1]) and its static settings."""
@@ -862,7 +852,7 @@ def _prepare(q, k, v, *, causal: bool = False, q_segment_ids=None, kv_segment_id
     if dropout_rate and shifted:
         raise ValueError("the blocks of context-parallel attention (block_forward/backward) take no dropout")
     S, K = k.shape[1], k.shape[2]
-    backend = _backend_name(backend)
+    backend = kernel_backend(backend, "flash attention")
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     if backend == "gpu" and not interpret:
         dtypes = sorted({jnp.dtype(x.dtype).name for x in (q, k, v)} - set(GPU_DTYPES))

@@ -44,9 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tfm.kernels.tiles import Launch
+from tfm.kernels.tiles import Launch, kernel_backend
 
-_BACKENDS = ("tpu", "gpu", "cpu")
 FLOORS = {"tpu": 128, "gpu": 16, "cpu": 8}  # the smallest chunk per backend (`check_chunk`)
 NEG = -1e30  # finite: exp() of it is 0, and nothing masked can make inf - inf
 
@@ -408,15 +407,6 @@ def _ssd_bwd(cfg, residuals, cotangents):
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
-def backend_name(backend: Optional[str]) -> str:
-    """"tpu", "gpu" or "cpu" for a backend name (None: JAX's default)."""
-    name = backend or jax.default_backend()
-    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
-    if name not in _BACKENDS:
-        raise ValueError(f"SSD kernel backend must be one of {_BACKENDS}, got {name!r}")
-    return name
-
-
 def padded(size: int, backend: str) -> int:
     """Head dim P and state size S as the kernel takes them: as they are when interpreted, else a power of
     two >= 16 (Triton's dot; zero padding changes nothing)."""
@@ -426,7 +416,7 @@ def padded(size: int, backend: str) -> int:
 def tiling(T: int, chunk: int, backend: Optional[str], interpret: Optional[bool], kernel: str = "SSD"):
     """(backend, interpret, the backend whose tiles apply: "cpu" when interpreted, the chunk for T tokens:
     `chunk` checked, shrunk to the power of two covering a shorter T, not below that backend's floor)."""
-    backend = backend_name(backend)
+    backend = kernel_backend(backend, "SSD kernel")
     interpret = backend == "cpu" if interpret is None else interpret
     tiles = "cpu" if interpret else backend  # the interpreter takes any power-of-two chunk >= 8
     check_chunk(chunk, tiles, kernel)

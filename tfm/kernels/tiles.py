@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
+
 GPU_DTYPES = ("bfloat16", "float16")  # Triton: the tensor-core dtypes; float32 is refused
 
 
@@ -119,3 +121,15 @@ class BlockSizes:
             return cls(block_q=128, block_kv=64 if head_dim <= 64 else 32,
                        block_q_bwd=64, block_kv_bwd=64 if head_dim <= 64 else 32)
         return cls(block_q=128, block_kv=128)
+
+
+KERNEL_BACKENDS = ("tpu", "gpu", "cpu")  # Mosaic TPU, Triton / Mosaic GPU, the CPU interpreter
+
+
+def kernel_backend(backend: Optional[str], kernel: str) -> str:
+    """"tpu", "gpu" or "cpu" for a backend name (None: JAX's default); `kernel` names the caller in the error."""
+    name = backend or jax.default_backend()
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"{kernel} backend must be one of {KERNEL_BACKENDS}, got {name!r}")
+    return name
