@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tfm.kernels.ssd import (Config, chunk_sums, decays, dot, pad, padded, params, scratch, tiling, views)
+from tfm.kernels.ssd import (Config, chunk_sums, decays, dot, forward_kernel, pad, padded, params, scratch,
+                             state_backward_kernel, tiling, views)
 
 
 def _inverse(A):
@@ -141,79 +142,6 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
 _NUM_INPUTS = 8
 
 
-def _fwd_grid_kernel(*refs):
-    """Grid (B, H, chunks), chunks sequential."""
-    inputs, h0_ref, (o_ref, states_ref, h_ref, s_acc) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS], refs[_NUM_INPUTS + 1:]
-    c = pl.program_id(2)
-
-    @pl.when(c == 0)
-    def _init():
-        s_acc[...] = h0_ref[...].astype(jnp.float32)
-
-    S = s_acc[...]
-    states_ref[...] = S
-    o, S = _chunk_forward(*(ref[...] for ref in inputs), S)
-    o_ref[...] = o.astype(o_ref.dtype)
-    s_acc[...] = S
-
-    @pl.when(c == pl.num_programs(2) - 1)
-    def _finish():
-        h_ref[...] = S.astype(h_ref.dtype)
-
-
-def _chunk_refs(refs, c, L: int):
-    """The chunk-c views of the loop driver's whole-row input refs."""
-    rows = pl.ds(pl.multiple_of(c * L, L), L)
-    return tuple(ref[:, rows] if name.endswith("row") else ref[rows, :] for name, ref in zip(_INPUT_NAMES, refs))
-
-
-def _fwd_loop_kernel(*refs, cfg: Config):
-    """Grid (B, H); whole-row blocks, a loop over chunks."""
-    inputs, h0_ref, (o_ref, states_ref, h_ref) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS], refs[_NUM_INPUTS + 1:]
-    L, K = cfg.chunk, h0_ref.shape[0]
-
-    def body(c, S):
-        states_ref[pl.ds(pl.multiple_of(c * K, K), K), :] = S
-        o, S = _chunk_forward(*_chunk_refs(inputs, c, L), S)
-        o_ref[pl.ds(pl.multiple_of(c * L, L), L), :] = o.astype(o_ref.dtype)
-        return S
-
-    h_ref[...] = lax.fori_loop(0, o_ref.shape[0] // L, body, h0_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
-
-
-def _state_bwd_grid_kernel(*refs):
-    """Grid (B, H, chunks), chunks sequential from the last (the index maps reverse them): writes each chunk's
-    G (the gradient of the state leaving it) and, at the first chunk, dh0."""
-    inputs, (do_ref, dh_ref, g_ref, dh0_ref, g_acc) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:]
-    k = pl.program_id(2)
-
-    @pl.when(k == 0)
-    def _init():
-        g_acc[...] = dh_ref[...].astype(jnp.float32)
-
-    g_ref[...] = g_acc[...]
-    G = _state_backward(*(ref[...] for ref in inputs), g_acc[...], do_ref[...])
-    g_acc[...] = G
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _finish():
-        dh0_ref[...] = G.astype(dh0_ref.dtype)
-
-
-def _state_bwd_loop_kernel(*refs, cfg: Config):
-    """Grid (B, H); whole-row blocks, a loop over chunks from the last."""
-    inputs, (do_ref, dh_ref, g_ref, dh0_ref) = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:]
-    L, K = cfg.chunk, dh_ref.shape[0]
-    n = do_ref.shape[0] // L
-
-    def body(step, G):
-        c = n - 1 - step
-        g_ref[pl.ds(pl.multiple_of(c * K, K), K), :] = G
-        return _state_backward(*_chunk_refs(inputs, c, L), G, do_ref[pl.ds(pl.multiple_of(c * L, L), L), :])
-
-    dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
-
-
 def _chunk_bwd_kernel(*refs):
     """Grid (B, H, chunks), every chunk independent (its entering state and leaving gradient given)."""
     inputs, (s_ref, g_ref, do_ref), outputs = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:_NUM_INPUTS + 3], \
@@ -229,6 +157,7 @@ def _chunk_bwd_kernel(*refs):
 # --------------------------------------------------------------------------------------
 
 _INPUT_NAMES = ("qk", "qk", "v", "col", "col", "row", "st_col", "st_row")
+_ROWS = tuple(name.endswith("row") for name in _INPUT_NAMES)  # the inputs held as [1, Tp] rows
 _OUTPUT_NAMES = ("qk", "qk", "v", "col", "col", "row")
 
 
@@ -254,7 +183,6 @@ def _call(kernel, cfg: Config, specs: dict, grid, ins, outs, out_shape, name: st
           sequential: bool = True):
     """The pallas_call of `kernel` (operands and outputs named by kind, `_specs`); `sequential`: its last grid
     axis carries a state (scratch on the grid driver)."""
-    kernel = functools.partial(kernel, cfg=cfg) if cfg.driver == "loop" else kernel
     return pl.pallas_call(kernel, grid=grid, in_specs=[specs[n] for n in ins], out_specs=tuple(specs[n] for n in outs),
                           out_shape=out_shape, scratch_shapes=scratch(cfg, K, V) if sequential else (),
                           compiler_params=params(cfg, len(grid), sequential), interpret=cfg.interpret, name=name,
@@ -276,7 +204,7 @@ def _forward(q, k, v, beta, cs, starts, h0, cfg: Config):
     V, n = v.shape[-1], Tp // cfg.chunk
     specs = _specs(cfg, Tp, K, V, n)
     grid = (Bsz, H) if cfg.driver == "loop" else (Bsz, H, n)
-    kernel = _fwd_loop_kernel if cfg.driver == "loop" else _fwd_grid_kernel
+    kernel = forward_kernel(cfg, _chunk_forward, _ROWS)
     out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((Bsz, H, n * K, V), h0.dtype),
                  jax.ShapeDtypeStruct(h0.shape, h0.dtype))
     return _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("state",), ("v", "states", "state"), out_shape,
@@ -293,7 +221,7 @@ def _backward(q, k, v, beta, cs, starts, states, do, dh, cfg: Config):
     operands = (q, k, v, beta, *views(cs, starts))
     specs = _specs(cfg, Tp, K, V, n, reverse=True)
     grid = (Bsz, H) if cfg.driver == "loop" else (Bsz, H, n)
-    kernel = _state_bwd_loop_kernel if cfg.driver == "loop" else _state_bwd_grid_kernel
+    kernel = state_backward_kernel(cfg, _state_backward, _ROWS)
     leaving, dh0 = _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("v", "state"), ("states", "state"),
                          (f32(Bsz, H, n * K, V), f32(Bsz, H, K, V)), "gated_delta_bwd_state", K=K, V=V,
                          cost=_cost(q, v, n, 1))(*operands, do, dh)

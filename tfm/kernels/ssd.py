@@ -161,80 +161,101 @@ def _state_backward(C, cs_col, st_col, G, dy):
 # states, dy, dh; outputs; scratch (grid driver).
 # --------------------------------------------------------------------------------------
 
-def _fwd_grid_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, h0_ref,
-                     y_ref, states_ref, h_ref, h_acc):
-    """Grid (B, N, chunks), chunks sequential; blocks are one chunk's."""
+def chunk_views(refs, rows, c, L: int):
+    """Chunk c of the loop driver's whole-row refs: a [Tp, ...] ref by its rows, a [1, Tp] ref (rows[i]) by
+    its columns."""
+    span = pl.ds(pl.multiple_of(c * L, L), L)
+    return tuple(ref[:, span] if row else ref[span, :] for ref, row in zip(refs, rows))
+
+
+def _forward_grid(*refs, chunk_forward, rows):
+    """Grid (B, heads, chunks), chunks sequential; blocks are one chunk's. refs: the inputs, h0; out, states,
+    h; the state's scratch."""
+    n = len(rows)
+    inputs, h0_ref, (o_ref, states_ref, h_ref, acc) = refs[:n], refs[n], refs[n + 1:]
     c = pl.program_id(2)
 
     @pl.when(c == 0)
     def _init():
-        h_acc[...] = h0_ref[...].astype(jnp.float32)
+        acc[...] = h0_ref[...].astype(jnp.float32)
 
-    H = h_acc[...]
-    states_ref[...] = H
-    y, H = _chunk_forward(x_ref[...], b_ref[...], c_ref[...], csc_ref[...], csr_ref[...], stc_ref[...],
-                          str_ref[...], H)
-    y_ref[...] = y.astype(y_ref.dtype)
-    h_acc[...] = H
+    state = acc[...]
+    states_ref[...] = state
+    o, state = chunk_forward(*(ref[...] for ref in inputs), state)
+    o_ref[...] = o.astype(o_ref.dtype)
+    acc[...] = state
 
     @pl.when(c == pl.num_programs(2) - 1)
     def _finish():
-        h_ref[...] = H.astype(h_ref.dtype)
+        h_ref[...] = state.astype(h_ref.dtype)
 
 
-def _chunk_refs(refs, c, L: int):
-    """The chunk-c views of the loop driver's whole-row refs (xdt, B, C, cs_col, cs_row, st_col, st_row)."""
-    rows = pl.ds(pl.multiple_of(c * L, L), L)
-    x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref = refs
-    return (x_ref[rows, :], b_ref[rows, :], c_ref[rows, :], csc_ref[rows, :], csr_ref[:, rows], stc_ref[rows, :],
-            str_ref[:, rows])
+def _forward_loop(*refs, chunk_forward, rows, chunk: int):
+    """Grid (B, heads); whole-row blocks, a loop over chunks. refs as the grid driver's, less the scratch."""
+    n = len(rows)
+    inputs, h0_ref, (o_ref, states_ref, h_ref) = refs[:n], refs[n], refs[n + 1:]
+    L, R = chunk, h0_ref.shape[0]
+
+    def body(c, state):
+        states_ref[pl.ds(pl.multiple_of(c * R, R), R), :] = state
+        o, state = chunk_forward(*chunk_views(inputs, rows, c, L), state)
+        o_ref[pl.ds(pl.multiple_of(c * L, L), L), :] = o.astype(o_ref.dtype)
+        return state
+
+    h_ref[...] = lax.fori_loop(0, o_ref.shape[0] // L, body, h0_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
 
 
-def _fwd_loop_kernel(*refs, cfg: Config):
-    """Grid (B, N); whole-row blocks, a loop over chunks."""
-    inputs, h0_ref, (y_ref, states_ref, h_ref) = refs[:7], refs[7], refs[8:]
-    L, P = cfg.chunk, h0_ref.shape[0]
-
-    def body(c, H):
-        states_ref[pl.ds(pl.multiple_of(c * P, P), P), :] = H
-        y, H = _chunk_forward(*_chunk_refs(inputs, c, L), H)
-        y_ref[pl.ds(pl.multiple_of(c * L, L), L), :] = y.astype(y_ref.dtype)
-        return H
-
-    H = lax.fori_loop(0, y_ref.shape[0] // L, body, h0_ref[...].astype(jnp.float32))
-    h_ref[...] = H.astype(h_ref.dtype)
-
-
-def _state_bwd_grid_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, g_acc):
-    """Grid (B, N, chunks), chunks sequential from the last (the index maps reverse them): writes each
-    chunk's G (the gradient of the state leaving it) and, at the first chunk, dh0."""
+def _state_backward_grid(*refs, state_backward, rows):
+    """Grid (B, heads, chunks), chunks sequential from the last (the index maps reverse them): writes each
+    chunk's G (the gradient of the state leaving it) and, at the first chunk, dh0. refs: the inputs, dout,
+    dh; G, dh0; the gradient's scratch."""
+    n = len(rows)
+    inputs, (do_ref, dh_ref, g_ref, dh0_ref, acc) = refs[:n], refs[n:]
     k = pl.program_id(2)
 
     @pl.when(k == 0)
     def _init():
-        g_acc[...] = dh_ref[...].astype(jnp.float32)
+        acc[...] = dh_ref[...].astype(jnp.float32)
 
-    g_ref[...] = g_acc[...]
-    G = _state_backward(c_ref[...], csc_ref[...], stc_ref[...], g_acc[...], dy_ref[...])
-    g_acc[...] = G
+    g_ref[...] = acc[...]
+    G = state_backward(*(ref[...] for ref in inputs), acc[...], do_ref[...])
+    acc[...] = G
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _finish():
         dh0_ref[...] = G.astype(dh0_ref.dtype)
 
 
-def _state_bwd_loop_kernel(c_ref, csc_ref, stc_ref, dy_ref, dh_ref, g_ref, dh0_ref, *, cfg: Config):
-    """Grid (B, N); whole-row blocks, a loop over chunks from the last."""
-    L, P = cfg.chunk, dh_ref.shape[0]
-    n = dy_ref.shape[0] // L
+def _state_backward_loop(*refs, state_backward, rows, chunk: int):
+    """Grid (B, heads); whole-row blocks, a loop over chunks from the last. refs as the grid driver's, less
+    the scratch."""
+    n = len(rows)
+    inputs, (do_ref, dh_ref, g_ref, dh0_ref) = refs[:n], refs[n:]
+    L, R = chunk, dh_ref.shape[0]
+    count = do_ref.shape[0] // L
 
-    def body(k, G):
-        c = n - 1 - k
-        rows = pl.ds(pl.multiple_of(c * L, L), L)
-        g_ref[pl.ds(pl.multiple_of(c * P, P), P), :] = G
-        return _state_backward(c_ref[rows, :], csc_ref[rows, :], stc_ref[rows, :], G, dy_ref[rows, :])
+    def body(step, G):
+        c = count - 1 - step
+        g_ref[pl.ds(pl.multiple_of(c * R, R), R), :] = G
+        return state_backward(*chunk_views(inputs, rows, c, L), G, do_ref[pl.ds(pl.multiple_of(c * L, L), L), :])
 
-    dh0_ref[...] = lax.fori_loop(0, n, body, dh_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
+    dh0_ref[...] = lax.fori_loop(0, count, body, dh_ref[...].astype(jnp.float32)).astype(dh0_ref.dtype)
+
+
+def forward_kernel(cfg: Config, chunk_forward, rows):
+    """The forward's kernel on cfg's driver: `chunk_forward(*chunk inputs, state) -> (out, state)` over the
+    chunks of each row, the state carried in fp32; rows[i]: input i is a [1, Tp] row (else [Tp, ...])."""
+    if cfg.driver == "loop":
+        return functools.partial(_forward_loop, chunk_forward=chunk_forward, rows=rows, chunk=cfg.chunk)
+    return functools.partial(_forward_grid, chunk_forward=chunk_forward, rows=rows)
+
+
+def state_backward_kernel(cfg: Config, state_backward, rows):
+    """The backward's state pass on cfg's driver: `state_backward(*chunk inputs, G, dout) -> G` over the
+    chunks from the last, G the gradient of the state leaving each chunk."""
+    if cfg.driver == "loop":
+        return functools.partial(_state_backward_loop, state_backward=state_backward, rows=rows, chunk=cfg.chunk)
+    return functools.partial(_state_backward_grid, state_backward=state_backward, rows=rows)
 
 
 def _intra_bwd_kernel(x_ref, b_ref, c_ref, csc_ref, csr_ref, stc_ref, str_ref, dy_ref,
@@ -321,7 +342,7 @@ def _forward(xdt, B, C, cs, starts, h0, cfg: Config):
     S, n = B.shape[-1], Tp // cfg.chunk
     specs = _specs(cfg, Tp, P, S, n)
     grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
-    kernel = (functools.partial(_fwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _fwd_grid_kernel)
+    kernel = forward_kernel(cfg, _chunk_forward, rows=(False, False, False, False, True, False, True))
     out_shape = (jax.ShapeDtypeStruct(xdt.shape, xdt.dtype), jax.ShapeDtypeStruct((Bsz, N, n * P, S), h0.dtype),
                  jax.ShapeDtypeStruct(h0.shape, h0.dtype))
     L = cfg.chunk
@@ -348,7 +369,7 @@ def _backward(xdt, B, C, cs, starts, states, dy, dh, cfg: Config):
 
     specs = _specs(cfg, Tp, P, S, n, reverse=True)
     grid = (Bsz, N) if cfg.driver == "loop" else (Bsz, N, n)
-    kernel = (functools.partial(_state_bwd_loop_kernel, cfg=cfg) if cfg.driver == "loop" else _state_bwd_grid_kernel)
+    kernel = state_backward_kernel(cfg, _state_backward, rows=(False, False, False))
     leaving, dh0 = pl.pallas_call(
         kernel, grid=grid, in_specs=[specs[name] for name in ("bc", "cs_col", "st_col", "x", "state")],
         out_specs=(specs["states"], specs["state"]), out_shape=(f32(Bsz, N, n * P, S), f32(Bsz, N, P, S)),
