@@ -109,8 +109,7 @@ class MetricLogger:
         if not self.primary:
             return
         scalars = {k: float(v) for k, v in scalars.items()}
-        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
-        self.jsonl.flush()
+        self._record(step, prefix, scalars)
         for k, v in scalars.items():
             self.tb.add_scalar(f"{prefix}/{k}", v, step)
         self.tb.flush()
@@ -152,9 +151,13 @@ class MetricLogger:
         `text` saying it in words."""
         if not self.primary:
             return
+        self._record(step, split, fields)
+        self.message(text)
+
+    def _record(self, step: int, split: str, fields: dict) -> None:
+        """One line of metrics.jsonl, flushed."""
         self.jsonl.write(json.dumps({"step": step, "split": split, **fields}) + "\n")
         self.jsonl.flush()
-        self.message(text)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
