@@ -44,12 +44,11 @@ class Hook:
         pass
 
 
-class NonFiniteCheck(Hook):
-    """Raises FloatingPointError naming the first step whose loss or gradient was not finite.
-
-    Flags are read `lag` steps late, so the host never waits on the step it just dispatched;
-    `check(run, step)` settles everything up to `step` (the checkpoint hook calls it before
-    saving, so no non-finite state is ever saved)."""
+class LaggedCheck(Hook):
+    """Settles each step's metrics `lag` steps late, so the host never waits on the step it just
+    dispatched; `check(run, step)` settles every step up to `step` (the checkpoint hook calls it
+    before saving, so no state that fails the check is saved). A subclass's `settle(run, step,
+    metrics)` judges one step; it returns True when it rolled the run back (the later steps undone)."""
 
     def __init__(self, lag: int = 2):
         self.lag, self.pending = lag, collections.deque()
@@ -60,14 +59,25 @@ class NonFiniteCheck(Hook):
 
     def check(self, run, upto: float) -> None:
         while self.pending and self.pending[0][0] <= upto:
-            step, m = self.pending.popleft()
-            if float(m["finite"]) != 1.0:
-                good = run.checkpointer.all_steps()
-                raise FloatingPointError(
-                    f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
-                    f"grad_norm={float(m['grad_norm'])}); stopped without saving. Last good "
-                    f"checkpoint: {good[-1] if good else 'none'} in {run.checkpointer.directory}. "
-                    "Set on_nonfinite='skip' to drop such updates instead.")
+            if self.settle(run, *self.pending.popleft()):
+                return
+
+    def settle(self, run, step: int, metrics: dict) -> bool:
+        raise NotImplementedError
+
+
+class NonFiniteCheck(LaggedCheck):
+    """Raises FloatingPointError naming the first step whose loss or gradient was not finite."""
+
+    def settle(self, run, step, m):
+        if float(m["finite"]) != 1.0:
+            good = run.checkpointer.all_steps()
+            raise FloatingPointError(
+                f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
+                f"grad_norm={float(m['grad_norm'])}); stopped without saving. Last good "
+                f"checkpoint: {good[-1] if good else 'none'} in {run.checkpointer.directory}. "
+                "Set on_nonfinite='skip' to drop such updates instead.")
+        return False
 
     def end(self, run):
         self.check(run, math.inf)
@@ -77,7 +87,7 @@ class LossSpikeError(FloatingPointError):
     """Loss spikes that rolling back and skipping batches did not cure, or a spike with nothing to roll back to."""
 
 
-class SpikeRecovery(Hook):
+class SpikeRecovery(LaggedCheck):
     """A loss above `factor` x the median of the last `window` losses (once that many are in), or a
     non-finite loss or gradient (`nonfinite`: with on_nonfinite="stop", in place of NonFiniteCheck),
     rolls the run back to the newest checkpoint before that step and skips the `skip` batches of
@@ -89,9 +99,9 @@ class SpikeRecovery(Hook):
 
     def __init__(self, factor: float, window: int, skip: int, max_recoveries: int, period: int,
                  nonfinite: bool, lag: int = 2):
+        super().__init__(lag)
         self.factor, self.skip, self.max_recoveries, self.period = factor, skip, max_recoveries, period
-        self.nonfinite, self.lag = nonfinite, lag
-        self.losses, self.pending, self.recoveries = collections.deque(maxlen=window), collections.deque(), []
+        self.nonfinite, self.losses, self.recoveries = nonfinite, collections.deque(maxlen=window), []
 
     def start(self, run):
         if not hasattr(run.batches.iterator, "set_state"):
@@ -102,19 +112,17 @@ class SpikeRecovery(Hook):
         self.pending.append((step, metrics))
         self.check(run, step if step == run.config.num_train_steps else step - self.lag)
 
-    def check(self, run, upto: float) -> None:
-        while self.pending and self.pending[0][0] <= upto:
-            step, m = self.pending.popleft()
-            loss, finite = float(m["loss"]), float(m["finite"]) == 1.0
-            if not finite and not self.nonfinite:
-                continue  # on_nonfinite="skip": the step dropped the update itself
-            full = len(self.losses) == self.losses.maxlen
-            median = float(np.median(self.losses)) if full else math.nan
-            if finite and not (full and loss > self.factor * median):
-                self.losses.append(loss)
-                continue
-            self._recover(run, step, loss, median, finite)
-            return
+    def settle(self, run, step, m):
+        loss, finite = float(m["loss"]), float(m["finite"]) == 1.0
+        if not finite and not self.nonfinite:
+            return False  # on_nonfinite="skip": the step dropped the update itself
+        full = len(self.losses) == self.losses.maxlen
+        median = float(np.median(self.losses)) if full else math.nan
+        if finite and not (full and loss > self.factor * median):
+            self.losses.append(loss)
+            return False
+        self._recover(run, step, loss, median, finite)
+        return True
 
     def _recover(self, run, step: int, loss: float, median: float, finite: bool) -> None:
         what = (f"loss spike at step {step} (loss {loss:.4g} > {self.factor:g} x the running median {median:.4g})"
