@@ -305,9 +305,9 @@ def correctness(smoke: bool, budget: Budget, selection: Selection = Selection())
                 rows.append(row)
                 if failed:
                     failures.append(f"{case.name} {impl} {dtype}: {row[-1]}")
-    lines = [f"Each case against the float32 xla reference with `Precision.HIGHEST` matmuls on the same "
-             f"device, from the same bf16-rounded inputs; gradients of <o, do> for a random do. Error is "
-             f"max|x - ref| / max|ref| per array. Tolerance: "
+    lines = ["Each case against the float32 xla reference with `Precision.HIGHEST` matmuls on the same "
+             "device, from the same bf16-rounded inputs; gradients of <o, do> for a random do. Error is "
+             "max|x - ref| / max|ref| per array. Tolerance: "
              + ", ".join(f"{d} {t:.0e}" for d, t in TOLERANCE.items())
              + " (fp32 allows TF32 matmul units on the GPU).", ""]
     lines += table(["case", "impl", "dtype", "o", "dq", "dk", "dv", "tolerance", "status"], rows)

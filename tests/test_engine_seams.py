@@ -5,7 +5,6 @@ import json
 import os
 import typing
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
