@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,7 +72,7 @@ def test_bert_runlocal_pretraining_then_fine_tuning_offline(tmp_path):
     shrink = ["--config.num_train_steps=30", "--config.phase2_start_step=0", "--config.synthetic_documents=300",
               "--config.eval_documents=40", "--config.optimizer.warmup_steps=3", "--config.eval_every=30",
               "--config.checkpoint_every=30", "--config.log_every=10", "--config.progress_bar=False"]
-    env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "no_tfds"), "HF_HUB_OFFLINE": "1"}
+    env = xla_env.subprocess_env(TFDS_DATA_DIR=str(tmp_path / "no_tfds"), HF_HUB_OFFLINE="1")  # one device, as a user's CPU
     for args in (pretrain + shrink, finetune + ["--config.progress_bar=False"]):
         run = subprocess.run([sys.executable] + args[1:], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=600)
@@ -119,8 +121,10 @@ def test_local_translation_commands_in_order(tmp_path):
     assert [c[2] for c in commands] == ["experiments.demo", "experiments.translation.evaluate",
                                         "experiments.translation.train", "experiments.translation.train",
                                         "experiments.translation.evaluate"]
-    run = lambda args, **kw: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, **kw)
-    # the demo and its evaluation as a user's machine runs them: one CPU device, XLA's default compile flags
+    one_device = xla_env.subprocess_env()  # as a user's CPU; the tests' compile flags
+    run = lambda args, env=one_device: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                                                      env=env)
+    # the demo and its evaluation exactly as a user's machine runs them: XLA's default compile flags too
     user = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     demo = run(commands[0], env=user)
@@ -135,7 +139,8 @@ def test_local_translation_commands_in_order(tmp_path):
     assert scored.returncode == 0 and scored.stderr == "", scored.stderr[-3000:]  # no absl INFO lines
     assert _bleu_line(scored.stdout) == f"{_bleu_line(demo.stdout)}; translations in {tmp_path}/demo/translations.test.txt"
 
-    first, log = subprocess.Popen(commands[2], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), []
+    first, log = subprocess.Popen(commands[2], cwd=ROOT, env=one_device, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True), []
     for line in first.stdout:
         log.append(line)
         if line.startswith("step 3 train"):

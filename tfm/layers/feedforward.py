@@ -110,15 +110,17 @@ def _best_groups_only(choice, groups: int, top: int):
 
 @jax.custom_vjp
 def balance_signal(score_bias, load):
-    """0.0, whose gradient with respect to score_bias [E] is load [E] minus its mean: added to the
-    objective, it hands the optimizer each expert's excess load, which `tfm.train.optim` turns into
-    DeepSeek-V3's auxiliary-loss-free update score_bias -= rate * sign(excess). load: tokens per expert."""
+    """0.0, whose gradient with respect to score_bias [E] is E * load [E] minus the total load (E times
+    each expert's excess over the mean): added to the objective, it hands the optimizer the excesses,
+    which `tfm.train.optim` turns into DeepSeek-V3's auxiliary-loss-free update
+    score_bias -= rate * sign(excess). load: tokens per expert. Not `load - load.mean()`: XLA may divide
+    by E as a multiplication by 1/E, whose rounding moves an expert at exactly the mean load."""
     del score_bias, load
     return jnp.zeros((), jnp.float32)
 
 
 def _balance_signal_fwd(score_bias, load):
-    return balance_signal(score_bias, load), load - load.mean()
+    return balance_signal(score_bias, load), load * load.shape[-1] - load.sum()
 
 
 def _balance_signal_bwd(excess, g):
