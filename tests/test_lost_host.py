@@ -42,7 +42,7 @@ def _job(workdir, data, cache) -> list:
 
 def _finish(procs, timeout=300) -> list:
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(o[-3000:] for o in outs)  # a str: shown whole
     return outs
 
 

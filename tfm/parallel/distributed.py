@@ -11,10 +11,13 @@ keeps a heartbeat of its own, a counter in JAX's key-value store, and watches th
 a peer's has not moved for TFM_HEARTBEAT_TIMEOUT seconds (default 60), or the store itself (on
 process 0) has not answered for as long, the process prints one line naming the lost process and
 what to run, and exits with status 75 (EX_TEMPFAIL: run again). JAX's heartbeat timeout is set to
-twice that, so this comes first.
+twice that, so this comes first. At exit the processes meet before the watch stops (so none stops
+beating while another still watches), and it stops between two calls into the store: a daemon thread
+still inside one when the interpreter finalises aborts the process as it takes the GIL back.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -26,6 +29,7 @@ from jax._src import distributed as jax_distributed  # its key-value store clien
 
 EXIT_LOST_PROCESS = 75  # EX_TEMPFAIL: the job can run again as it is
 _heard = {}  # peer -> time.monotonic() its heartbeat (or the store's answer) last moved: the watch's view
+_leaving = threading.Event()  # set at exit: the peer watch stops
 
 
 def _is_auto_cluster() -> bool:
@@ -51,8 +55,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids, heartbeat_timeout_seconds=2 * timeout)
     if jax.process_count() > 1:
-        threading.Thread(target=_watch_peers, args=(jax_distributed.global_state.client, timeout),
-                         name="tfm-peer-watch", daemon=True).start()
+        client = jax_distributed.global_state.client
+        watch = threading.Thread(target=_watch_peers, args=(client, timeout), name="tfm-peer-watch", daemon=True)
+        watch.start()
+        atexit.register(_leave, client, watch, timeout)  # runs before JAX's own shutdown (registered earlier)
 
 
 def await_lost_peer() -> None:
@@ -67,6 +73,17 @@ def await_lost_peer() -> None:
     time.sleep(3 * _interval(timeout))
     while time.monotonic() - start < 1.5 * timeout and any(time.monotonic() - t > late for t in _heard.values()):
         time.sleep(0.2)
+
+
+def _leave(client, watch: threading.Thread, timeout: int) -> None:
+    """At exit (module doc): every process waits for the others (up to `timeout` s: one that never
+    comes is gone, or its error ended it), then stops its watch and waits for the watch's thread."""
+    try:
+        client.wait_at_barrier("tfm/exit", 1000 * timeout)
+    except Exception:  # noqa: BLE001 - a peer that did not come: leave anyway, as JAX's shutdown will
+        pass
+    _leaving.set()
+    watch.join(timeout)
 
 
 def _interval(timeout: int) -> float:
@@ -87,7 +104,7 @@ def _watch_peers(client, timeout: int) -> None:
     seen = {p: (None, time.monotonic()) for p in range(count) if p != me}  # last value, when it last moved
     store_ok = time.monotonic()
     _heard.update({p: since for p, (_, since) in seen.items()})
-    while True:
+    while not _leaving.is_set():
         now = time.monotonic()
         try:
             client.key_value_increment(f"tfm/heartbeat/{me}", 1)
@@ -105,7 +122,7 @@ def _watch_peers(client, timeout: int) -> None:
             _heard[peer] = min(since, store_ok)
             if now - since > timeout:
                 _lost(peer, count, timeout)
-        time.sleep(_interval(timeout))
+        _leaving.wait(_interval(timeout))
 
 
 def _lost(peer: int, count: int, timeout: int, what: str = "") -> None:

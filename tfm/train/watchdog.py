@@ -77,7 +77,10 @@ class Watchdog:
             self.pending.append(loss)
 
     def stop(self) -> None:
+        """Ends the watch and waits for its thread (none may be inside a call into JAX at exit)."""
         self.halt.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(max(10 * self.poll, 5.0))
 
     def settle(self) -> None:
         """On the main thread's way out with an error: if the watchdog is ending the job (a peer that
