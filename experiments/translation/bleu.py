@@ -26,7 +26,6 @@ import re
 from typing import Sequence
 
 from sacrebleu.metrics import BLEU
-from sacremoses import MosesTokenizer
 
 PAPER_BLEU = "bleu_moses_compound_split"
 PAPER_BLEU_DESCRIPTION = "tokenized BLEU as in Vaswani et al. (t2t get_ende_bleu.sh)"
@@ -44,7 +43,8 @@ _COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
 
 
 @functools.lru_cache(maxsize=None)
-def _moses(lang: str) -> MosesTokenizer:
+def _moses(lang: str):
+    from sacremoses import MosesTokenizer  # 0.4 s of regexes: loaded when a score is first computed
     return MosesTokenizer(lang=lang)
 
 
