@@ -429,7 +429,7 @@ LEGACY_ROPE_FIELDS = {"rope_theta": "theta", "rope_scaling": "scaling", "rope_sc
 class ModelConfig:
     """Hyperparameters of one transformer. Sizes use the shape letters of docs/DESIGN.md."""
 
-    vocab_size: int  # V
+    vocab_size: int  # V; an experiment takes it from its tokenizer (its own vocab_size setting), not model.overrides
     d_model: int  # D
     num_heads: int  # N
     num_layers: int  # encoder layers, or decoder layers for a decoder-only model
