@@ -496,7 +496,9 @@ def throughput_cell(row: dict, impl: str, shape, backward: bool, iters: int, dty
 
 def release_memory() -> None:
     """Frees the previous run's model, optimizer state and compiled step, and gives torch's
-    cached GPU memory back for JAX."""
+    cached GPU memory back for JAX. Nothing to give back without a GPU (the CPU smoke run)."""
+    if jax.default_backend() != "gpu":
+        return
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
