@@ -110,17 +110,18 @@ def _best_groups_only(choice, groups: int, top: int):
 
 @jax.custom_vjp
 def balance_signal(score_bias, load):
-    """0.0, whose gradient with respect to score_bias [E] is E * load [E] minus the total load (E times
-    each expert's excess over the mean): added to the objective, it hands the optimizer the excesses,
-    which `tfm.train.optim` turns into DeepSeek-V3's auxiliary-loss-free update
-    score_bias -= rate * sign(excess). load: tokens per expert. Not `load - load.mean()`: XLA may divide
-    by E as a multiplication by 1/E, whose rounding moves an expert at exactly the mean load."""
+    """0.0, whose gradient with respect to score_bias [E] is each expert's excess load over the mean
+    (load: tokens per expert [E]): added to the objective, it hands the optimizer the excesses, which
+    `tfm.train.optim` turns into DeepSeek-V3's auxiliary-loss-free update score_bias -= rate * sign(excess).
+    The excess is (E * load - total) / E, not `load - load.mean()`: XLA may compute the mean with a
+    multiplication by 1/E, whose rounding moved an expert at exactly the mean load; the difference of the
+    integer-valued counts is exact, and scaling it by 1/E keeps its sign and its zeros."""
     del score_bias, load
     return jnp.zeros((), jnp.float32)
 
 
 def _balance_signal_fwd(score_bias, load):
-    return balance_signal(score_bias, load), load * load.shape[-1] - load.sum()
+    return balance_signal(score_bias, load), (load * load.shape[-1] - load.sum()) / load.shape[-1]
 
 
 def _balance_signal_bwd(excess, g):
