@@ -20,6 +20,7 @@ from tfm.train.batch_checks import check_batch
 from tfm.train import resume
 from tfm.train.checkpoint import Checkpointer
 from tfm.train.config import TrainConfig
+from tfm.train.host_memory import keep_freed_buffers
 from tfm.train.hooks import Hook, default_hooks
 from tfm.train.metrics import MetricLogger
 from tfm.train.optim import make_optimizer
@@ -61,6 +62,8 @@ class Trainer:
                              "model has no experts (ModelConfig.num_experts=0); leave it at 1.0")
         self.model, self.task, self.config = model, task, config
         self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
+        if self.mesh.devices.flat[0].platform == "cpu":  # steps' buffers are host memory: keep them
+            keep_freed_buffers()
         styles = parallel.parse_parallelism(config.parallelism)
         self.rules = parallel.make_rules(*styles)
         self.activation_rules = parallel.flax_rules(parallel.make_rules(*styles, activations=True))
