@@ -13,20 +13,7 @@ import tempfile
 
 import xla_env
 
-
-def _one_core_per_worker() -> None:
-    """Pin each of `make test`'s xdist workers (and the commands it starts) to a core of its own when
-    there are as many cores as workers. XLA then sizes its thread pools for one core: the same files
-    took 6-8% less CPU time than two workers free to use both cores (test_models + test_faults beside
-    test_zoo_recurrent + test_notebooks: 382 -> 352 CPU s; the multi-process files beside the model
-    files: 419 -> 392), and the suite is CPU-bound on its two cores."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if worker.startswith("gw") and 1 < count == len(cores):
-        os.sched_setaffinity(0, {cores[int(worker[2:])]})
-
-
-_one_core_per_worker()  # before JAX starts: its thread pools are sized by the cores it may use
+xla_env.one_core_per_worker()  # before JAX starts: its thread pools are sized by the cores it may use
 os.environ.setdefault("XLA_FLAGS", xla_env.flags(devices=8))  # LLVM -O0: xla_env says why
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _JAX_CACHE = tempfile.mkdtemp(prefix="tfm-tests-jax-cache-")

@@ -1,5 +1,5 @@
-"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule; interpreted on CPU)
-against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule).
+"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.linear_scan;
+interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule, tfm.ops.linear_scan).
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
 and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
@@ -9,15 +9,20 @@ reference (the chunked forms compute in fp32).
 """
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tfm.kernels import delta_rule as delta_kernel
+from tfm.kernels import linear_scan as scan_kernel
 from tfm.kernels import ssd as ssd_kernel
+from tfm.models import DecoderLM
+from tfm.models.presets import tiny
 from tfm.ops import delta_rule as delta_ops
 from tfm.ops import ssd as ssd_ops
+from tfm.ops.linear_scan import linear_scan
 from tfm.ops.segments import sequence_starts
 
 TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # of the largest magnitude of each compared array
@@ -115,6 +120,50 @@ def test_kernels_equal_the_chunked_forms(family, dtype, driver):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCES[dtype] * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("driver,dtype", [("loop", jnp.float32), ("grid", jnp.float32), ("loop", jnp.bfloat16)])
+def test_linear_scan_kernel_equals_the_associative_scan(driver, dtype):
+    """RG-LRU's diagonal recurrence h_t = a_t h_{t-1} + b_t over the same packed 37 tokens, channels [3 heads, 5],
+    an initial state: the loop driver (GPU's) through linear_scan(impl="pallas"); the grid driver (TPU's: chunks of
+    8 rows in order, the backward's pass over them from the last) called directly on the steps the entry point
+    makes of the segments (a = 0 where a sequence starts, padding a = 1, b = 0). Output, final state and the
+    gradients of a, b and h0 against impl="chunked" (an associative scan): within the module's tolerances."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    shape = (2, T, 3, 5)
+    a = jax.nn.sigmoid(jax.random.normal(keys[0], shape)).astype(dtype)
+    b = jax.random.normal(keys[1], shape).astype(dtype)
+    h0 = jax.random.normal(keys[2], (2, 3, 5))
+    segments = jnp.concatenate([_segments(), jnp.asarray(np.repeat([1, 2], [16, T - 16])[None], jnp.int32)])
+    cotangents = (jax.random.normal(keys[3], shape), jax.random.normal(keys[4], (2, 3, 5)))
+
+    def by_kernel(a, b, h0):
+        real, starts = (x[..., None, None] for x in sequence_starts(segments))
+        a, b = jnp.where(starts, 0.0, jnp.where(real, a, 1.0)), jnp.where(real, b, 0.0)
+        out, h = scan_kernel.linear_scan(a, b, h0, chunk=8, backend="tpu", interpret=True)
+        return out.astype(dtype), h
+
+    def values_and_grads(run):
+        def loss(*args):
+            out, h = run(*args)
+            return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (out, h)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(a, b, h0)
+
+    entry = lambda impl: lambda a, b, h0: linear_scan(a, b, segment_ids=segments, initial_state=h0, impl=impl)
+    (_, got), got_grads = values_and_grads(entry("pallas") if driver == "loop" else by_kernel)
+    (_, want), want_grads = values_and_grads(entry("chunked"))
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    for name, g, w in zip(("output", "final state", "da", "db", "dh0"), got + got_grads, want + want_grads):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCES[dtype] * np.abs(w).max(), err_msg=name)
+
+
+def test_linear_scan_chunk_is_checked_on_tpu():
+    with pytest.raises(ValueError, match=r"^mixer_chunk_size=12: the Pallas linear-scan kernel on tpu .* of 8"):
+        scan_kernel.check_chunk(12, "tpu")
+    scan_kernel.check_chunk(12, "gpu")  # the loop driver reads whole rows: any chunk
+    scan_kernel.check_chunk(64, "tpu")
+
+
 @pytest.mark.parametrize("chunk,backend,message", [
     (48, "cpu", "power of two >= 8"), (4, "cpu", "power of two >= 8"), (8, "gpu", "power of two >= 16"),
     (64, "tpu", "multiple of 128"), (16.0, "cpu", "power of two")])
@@ -125,3 +174,25 @@ def test_chunk_is_a_validated_tile(chunk, backend, message):
     assert "\n" not in str(error.value)
     for ok, backend in ((8, "cpu"), (16, "gpu"), (256, "tpu")):
         ssd_kernel.check_chunk(ok, backend)
+
+
+def test_an_rglru_model_trains_through_the_kernel():
+    """A tiny RG-LRU + attention model (recurrent blocks [B, T, heads, head dim]) with mixer_impl="pallas":
+    the loss and every parameter's gradient over a packed, padded batch equal mixer_impl="chunked"'s
+    (1e-5 of the largest), so the layer hands the kernel its scan as the associative form gets it."""
+    cfg = tiny("llama", mixer_pattern=("rglru", "attention"), mixer_chunk_size=8)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
+    seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12])
+    params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.PRNGKey(0), tokens)["params"])
+
+    def loss_and_grads(impl):
+        model = DecoderLM(cfg.replace(mixer_impl=impl))
+        loss = lambda p: jnp.sum(jnp.square(model.apply({"params": p}, tokens, segment_ids=seg).logits)
+                                 * (seg > 0)[..., None])
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    (got, grads), (want, want_grads) = loss_and_grads("pallas"), loss_and_grads("chunked")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)

@@ -124,10 +124,11 @@ def test_local_translation_commands_in_order(tmp_path):
     one_device = xla_env.subprocess_env()  # as a user's CPU; the tests' compile flags
     run = lambda args, env=one_device: subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
                                                       env=env)
-    # the demo and its evaluation exactly as a user's machine runs them: XLA's default compile flags too
+    # the demo and its evaluation exactly as a user's machine runs them: XLA's default compile flags, every core
     user = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
-    demo = run(commands[0], env=user)
+    with xla_env.every_core():
+        demo = run(commands[0], env=user)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert _bleu_line(demo.stdout).endswith("(checkpoint step 600)"), demo.stdout[-3000:]
     printed = re.search(r"bleu_moses_compound_split ([\d.]+) .* sacreBLEU ([\d.]+) ", _bleu_line(demo.stdout)).groups()
@@ -135,7 +136,8 @@ def test_local_translation_commands_in_order(tmp_path):
                                         f"{_demo_figures()}: update the README (and RESULTS' seed spread if it moved far)")
     assert not re.search(r"\b(z_loss|moe_aux_loss)=", demo.stdout), demo.stdout[-3000:]  # no such terms here
     assert f"python -m experiments.translation.evaluate --workdir={tmp_path}/demo" in demo.stdout
-    scored = run(commands[1], env=user)
+    with xla_env.every_core():
+        scored = run(commands[1], env=user)
     assert scored.returncode == 0 and scored.stderr == "", scored.stderr[-3000:]  # no absl INFO lines
     assert _bleu_line(scored.stdout) == f"{_bleu_line(demo.stdout)}; translations in {tmp_path}/demo/translations.test.txt"
 

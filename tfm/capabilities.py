@@ -121,10 +121,10 @@ MIXER = {
     # The parallel form: chunked SSD, the chunked gated delta rule (WY form), chunked or associative
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
-    # The chunked forms' Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: Mosaic on TPU, Triton on GPU,
-    # interpreted on CPU), per device under shard_map; Mamba-2 and gated DeltaNet so far. Not yet timed against
-    # "chunked": "auto" never picks it.
-    "pallas": MixerSupport(parallel=True, context=False, kinds=("mamba2", "gated_deltanet")),
+    # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan: the
+    # RG-LRU's diagonal scan; Mosaic on TPU, Triton on GPU, interpreted on CPU), per device under shard_map; Mamba-2,
+    # gated DeltaNet and RG-LRU so far. Not yet timed against "chunked": "auto" never picks it.
+    "pallas": MixerSupport(parallel=True, context=False, kinds=("mamba2", "gated_deltanet", "rglru")),
 }
 MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
 

@@ -101,7 +101,8 @@ class RecurrentBlock(nn.Module):
         norm = jnp.where(first, 1.0, _sqrt_clipped_grad(-jnp.expm1(2.0 * log_a)))
         h0 = None if state is None else jnp.where(first[:, 0], 0.0, state["rnn_state"])
         h, final = linear_scan(jnp.exp(log_a), xs * input_gate * norm, segment_ids=segment_ids, initial_state=h0,
-                               impl=capabilities.mixer_impl(cfg.execution.mixer_impl, T))
+                               impl=capabilities.mixer_impl(cfg.execution.mixer_impl, T),
+                               chunk_size=cfg.execution.mixer_chunk_size)
         write({"rnn_state": final, "last_segment_id": seg[:, -1]})
         y = constrain(h.astype(dtype) * gate, ("batch", "length", "heads", None))
         return Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", None, "embed"), ("embed",), use_bias=True, dtype=dtype,

@@ -1,26 +1,30 @@
 """A diagonal linear recurrence h_t = a_t * h_{t-1} + b_t (Griffin's RG-LRU, De et al. 2024), pure JAX.
 
-Two forms of one recurrence: `reference` scans over time (a decode step); `chunked`, the parallel
+Three forms of one recurrence: `reference` scans over time (a decode step); `chunked`, the parallel
 training form (tfm.capabilities.MIXER's name for it), is `jax.lax.associative_scan` over time in float32
-(O(log T) depth; a diagonal recurrence needs no chunks).
+(O(log T) depth; a diagonal recurrence needs no chunks); `pallas` is tfm.kernels.linear_scan's sequential
+kernel (one pass over the sequence, the state in registers), on each device's batch rows and heads.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from tfm.ops import context_scan
+from tfm.kernels import linear_scan as kernel
+from tfm.ops import context_scan, shard
+from tfm.parallel.mesh import current_platform
 
-IMPLS = ("reference", "chunked")
+IMPLS = ("reference", "chunked", "pallas")
 
 
-def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked"):
+def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", chunk_size=256):
     """h_t = a_t * h_{t-1} + b_t elementwise. a, b [B, T, ...] (a in [0, 1], e.g. RG-LRU's decay);
     initial_state [B, ...] (None = zeros) is h_{-1}.
     segment_ids [B, T] int, 0 = padding: h_{t-1} is dropped (taken as 0) where a sequence starts
     (tfm.ops.segments); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
     float32 whatever the input dtype.
-    impl: "reference" (lax.scan over time) or "chunked" (lax.associative_scan).
+    impl: "reference" (lax.scan over time), "chunked" (lax.associative_scan) or "pallas" (the kernel, reading
+    chunk_size rows per block on TPU; not with the sequence split over `context`).
     Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
     _check(a, b, segment_ids, initial_state, impl)
     h0 = (jnp.zeros((b.shape[0],) + b.shape[2:], jnp.float32) if initial_state is None
@@ -35,6 +39,12 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked"):
 
             final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
             h = jnp.moveaxis(h, 0, 1)
+        elif impl == "pallas":
+            backend = current_platform()
+            scan = lambda a, b, h0: kernel.linear_scan(a, b, h0, chunk=chunk_size, backend=backend)
+            heads = b.ndim > 2  # [B, T, N, ...]: split as attention's heads (an opaque kernel needs shard_map)
+            h, final = shard.per_device_heads(scan, (a, b, h0), heads_dims=(2, 2, 1) if heads else (None,) * 3,
+                                              out_heads_dims=(2, 1) if heads else (None, None))
         else:
             b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
 

@@ -3,10 +3,9 @@
 XLA:CPU takes an execution's buffers from malloc. glibc maps a block above its mmap threshold (128 KiB,
 rising to at most 32 MiB as such blocks are freed) straight from the kernel and unmaps it when freed, and
 gives the top of a heap back once more than 128 KiB of it is free; a step whose buffers are larger (a
-translation model's logits and their gradient) then faults in fresh zeroed pages on every step. The
-demo's 600 steps took 7.6 million page faults, a quarter of its CPU time in the kernel. With both
-thresholds raised, a freed buffer stays in the process for the next step: 0.5 million faults, the
-demo's CPU time 78 -> 63 s (measured with `/usr/bin/time`, 2-core VM)."""
+translation model's logits and their gradient) then faults in fresh zeroed pages on every step: the
+demo spent a quarter of its CPU time in the kernel. With both thresholds raised, a freed buffer stays in
+the process for the next step (the demo before and after: benchmarks/RESULTS.md, "CPU train steps")."""
 from __future__ import annotations
 
 import ctypes
