@@ -1,5 +1,6 @@
-"""linear_scan: both impls against a float64 NumPy loop (fp32 and bf16), the parallel ("chunked") form's gradients
-against the reference scan's, segment semantics (packed, padded, continued) and input errors."""
+"""linear_scan: every impl (the Pallas kernel interpreted) against a float64 NumPy loop (fp32 and bf16), the parallel
+forms' ("chunked", "pallas") gradients against the reference scan's, segment semantics (packed, padded, continued)
+and input errors."""
 import functools
 
 import jax
@@ -82,9 +83,10 @@ def test_gradients():
 
     grads = {impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2)))(a, b, h0)
              for impl in IMPLS}
-    for got, want in zip(grads["chunked"], grads["reference"]):
-        assert np.isfinite(got).all()
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for impl in ("chunked", "pallas"):
+        for got, want in zip(grads[impl], grads["reference"]):
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -116,7 +118,7 @@ def test_segments(impl):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(impl="pallas"), "impl='pallas'"),
+    (dict(impl="triton"), "impl='triton'"),
     (dict(a=np.zeros((B, T, N))), "a has shape"),
     (dict(b=np.zeros((B,))), "b has shape"),
     (dict(segment_ids=np.zeros((B, T + 1), np.int32)), "segment_ids has shape"),
