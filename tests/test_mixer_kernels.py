@@ -84,13 +84,15 @@ def _by_kernel(family, *args):
                                                  h0, **options)
 
 
-def _values_and_grads(run, args, cotangents):
-    segments = _segments()
+def _values_and_grads(run, args, cotangents, segments=None):
+    """run(*args, segment ids) -> (output, final state): those and the gradients of every arg (segment ids
+    `_segments()` unless given)."""
+    segments = _segments() if segments is None else segments
 
     def loss(*args):
         out, h = run(*args, segments)
         return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (out, h)
-    (_, values), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+    (_, values), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
     return values, grads
 
 
@@ -135,21 +137,17 @@ def test_linear_scan_kernel_equals_the_associative_scan(driver, dtype):
     segments = jnp.concatenate([_segments(), jnp.asarray(np.repeat([1, 2], [16, T - 16])[None], jnp.int32)])
     cotangents = (jax.random.normal(keys[3], shape), jax.random.normal(keys[4], (2, 3, 5)))
 
-    def by_kernel(a, b, h0):
+    def by_kernel(a, b, h0, segments):
         real, starts = (x[..., None, None] for x in sequence_starts(segments))
         a, b = jnp.where(starts, 0.0, jnp.where(real, a, 1.0)), jnp.where(real, b, 0.0)
         out, h = scan_kernel.linear_scan(a, b, h0, chunk=8, backend="tpu", interpret=True)
         return out.astype(dtype), h
 
-    def values_and_grads(run):
-        def loss(*args):
-            out, h = run(*args)
-            return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (out, h)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(a, b, h0)
-
-    entry = lambda impl: lambda a, b, h0: linear_scan(a, b, segment_ids=segments, initial_state=h0, impl=impl)
-    (_, got), got_grads = values_and_grads(entry("pallas") if driver == "loop" else by_kernel)
-    (_, want), want_grads = values_and_grads(entry("chunked"))
+    entry = lambda impl: lambda a, b, h0, segments: linear_scan(a, b, segment_ids=segments, initial_state=h0,
+                                                                impl=impl)
+    got, got_grads = _values_and_grads(entry("pallas") if driver == "loop" else by_kernel, (a, b, h0), cotangents,
+                                       segments)
+    want, want_grads = _values_and_grads(entry("chunked"), (a, b, h0), cotangents, segments)
     assert got[0].dtype == dtype and got[1].dtype == jnp.float32
     for name, g, w in zip(("output", "final state", "da", "db", "dh0"), got + got_grads, want + want_grads):
         assert g.shape == w.shape and g.dtype == w.dtype, name

@@ -33,15 +33,16 @@ class Config(NamedTuple):
     chunk: int  # rows per block (grid driver); the loop driver's blocks are whole rows
     lanes: int
     driver: str  # "grid" | "loop"
-    backend: str
     interpret: bool
 
 
-def _rows(a_ref, b_ref, h_ref, state, start, count: int, reverse: bool):
-    """The recurrence over rows [start, start + count) of the refs (from the last when `reverse`), from
-    `state` [1, lanes] fp32; writes each row's state to h_ref and returns the last."""
+def _rows(a_ref, b_ref, h_ref, state, reverse: bool):
+    """The recurrence over the refs' rows (from the last when `reverse`), from `state` [1, lanes] fp32; writes
+    each row's state to h_ref and returns the last."""
+    count = h_ref.shape[0]
+
     def step(i, h):
-        row = pl.ds(start + (count - 1 - i if reverse else i), 1)
+        row = pl.ds(count - 1 - i if reverse else i, 1)
         h = a_ref[row, :] * h + b_ref[row, :]
         h_ref[row, :] = h
         return h
@@ -50,7 +51,7 @@ def _rows(a_ref, b_ref, h_ref, state, start, count: int, reverse: bool):
 
 
 def _loop_kernel(a_ref, b_ref, h0_ref, h_ref, final_ref, *, reverse: bool):
-    final_ref[...] = _rows(a_ref, b_ref, h_ref, h0_ref[...], 0, h_ref.shape[0], reverse)
+    final_ref[...] = _rows(a_ref, b_ref, h_ref, h0_ref[...], reverse)
 
 
 def _grid_kernel(a_ref, b_ref, h0_ref, h_ref, final_ref, state_ref, *, reverse: bool):
@@ -60,7 +61,7 @@ def _grid_kernel(a_ref, b_ref, h0_ref, h_ref, final_ref, state_ref, *, reverse: 
     def _init():
         state_ref[...] = h0_ref[...]
 
-    state_ref[...] = _rows(a_ref, b_ref, h_ref, state_ref[...], 0, h_ref.shape[0], reverse)
+    state_ref[...] = _rows(a_ref, b_ref, h_ref, state_ref[...], reverse)
 
     @pl.when(c == pl.num_programs(2) - 1)
     def _finish():
@@ -151,6 +152,6 @@ def linear_scan(a, b, h0=None, *, chunk: int, backend: Optional[str] = None, int
     a, b = flat(a, 1.0), flat(b, 0.0)  # padded steps leave the state as it is
     h0 = jnp.zeros((Bsz, 1, Wp), jnp.float32) if h0 is None else jnp.pad(
         h0.astype(jnp.float32).reshape(Bsz, 1, W), ((0, 0), (0, 0), (0, Wp - W)))
-    cfg = Config(L, lanes, driver, backend, interpret)
+    cfg = Config(L, lanes, driver, interpret)
     h, final = _linear_scan(a, b, h0, cfg)
     return h[:, :T, :W].reshape(b.shape[:1] + (T,) + channels), final[:, 0, :W].reshape((Bsz,) + channels)
