@@ -8,10 +8,11 @@ that begins at one (24): a hybrid decoder with every mixer (Mamba, Mamba-2, gate
 its channel mix, RG-LRU; their chunked forms, short convolutions and token shifts) beside ring
 attention equals one device (the same jit without a mesh) in each mixer's output, the loss and every
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
-in its outputs, final state and gradients. The split program gathers nothing (no all-gather or
-all-to-all: maps, states and the convolutions' windows travel by collective-permute). One compile
-each way, shared by the tests. What a split cannot do (a window longer than a device's share, a form
-not declared for `context`) fails in one line.
+in its outputs, final state and gradients. The same with the Pallas kernels (interpreted; Mamba-2,
+gated DeltaNet, RG-LRU, chunks of 8) split, against the chunked forms on one device. The split programs
+gather nothing (no all-gather or all-to-all: maps, states and the convolutions' windows travel by
+collective-permute). One compile each way, shared by the tests. A window longer than a device's share
+fails in one line.
 """
 import flax.linen as nn
 import jax
@@ -31,11 +32,14 @@ SEGMENTS = np.asarray([[1] * 11 + [2] * 13 + [0] * 5 + [3] * 3,   # a start at 1
                        [1] * 8 + [2] * 13 + [3] * 11])            # starts at 8 (a device boundary) and 21
 POSITIONS = np.asarray([np.r_[0:11, 0:13, [0] * 5, 0:3], np.r_[0:8, 0:13, 0:11]])
 MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru")  # layers 0-4; layer 5 is attention
+KERNEL_MIXERS = ("mamba2", "gated_deltanet", "rglru")  # the kinds with a Pallas form; then attention
 
 
-def _model():
-    cfg = tiny("llama", num_layers=6, mixer_chunk_size=4, mixer_pattern=MIXERS + ("attention",),
-               ffn_pattern=("none", "none", "none", "rwkv", "none", "dense"), mamba=dict(state_size=4),
+def _model(mixers=MIXERS, impl="chunked", chunk=4):
+    """A hybrid decoder: `mixers`, then an attention layer; channel mix after RWKV, a dense FFN after attention."""
+    ffn = tuple("rwkv" if kind == "rwkv" else "none" for kind in mixers) + ("dense",)
+    cfg = tiny("llama", num_layers=len(mixers) + 1, mixer_chunk_size=chunk, mixer_pattern=mixers + ("attention",),
+               ffn_pattern=ffn, mixer_impl=impl, mamba=dict(state_size=4),
                mamba2=dict(state_size=4, head_dim=8, groups=2),
                deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8))
     return DecoderLM(cfg)
@@ -54,7 +58,7 @@ def _inputs(model):
     return params, (ids, SEGMENTS, POSITIONS, ct) + scan
 
 
-def _step(model):
+def _step(model, layers):
     """jit(value_and_grad) of the model's sum(logits * ct) plus a linear scan's sum(h * ct) + sum(final)
     -> ((loss, (each mixer's output, logits, h, final)), gradients of the parameters, a, b and the initial state)."""
     def f(params, a, b, h0, ids, segments, positions, ct, scan_ct):
@@ -62,8 +66,7 @@ def _step(model):
                                  capture_intermediates=lambda module, _: module.name == "mixer",
                                  mutable=["intermediates"])
         h, final = linear_scan(a, b, segment_ids=segments, initial_state=h0)
-        layers = found["intermediates"]["decoder"]
-        mixed = [layers[f"layer_{i}"]["mixer"]["__call__"][0] for i in range(len(MIXERS))]
+        mixed = [found["intermediates"]["decoder"][f"layer_{i}"]["mixer"]["__call__"][0] for i in range(layers)]
         return jnp.sum(out.logits * ct) + jnp.sum(h * scan_ct) + jnp.sum(final), (mixed, out.logits, h, final)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
 
@@ -74,18 +77,28 @@ def _split(mesh, arrays):
     return [jax.device_put(x, NamedSharding(mesh, spec(x))) for x in arrays]
 
 
-@pytest.fixture(scope="module")
-def results():
-    """(one device, split over context) results of `_step`, and the split program's compiled text."""
-    model = _model()
+def _one_and_split(mixers, split_impl, chunk):
+    """(one device with the chunked forms, split over context with `split_impl`) results of `_step`, and the split
+    program's compiled text."""
+    model = _model(mixers, "chunked", chunk)
     params, (ids, segments, positions, ct, a, b, h0, scan_ct) = _inputs(model)
     args = (a, b, h0, ids, segments, positions, ct, scan_ct)
-    step = _step(model)
-    one = step(params, *args)
+    one = _step(model, len(mixers))(params, *args)
+    step = _step(_model(mixers, split_impl, chunk), len(mixers))
     mesh = make_mesh(MeshConfig(data=2, context=4), jax.devices()[:8])
     with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("data", "context", activations=True))):
         compiled = step.lower(params, *_split(mesh, args)).compile()
     return one, compiled(params, *_split(mesh, args)), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _one_and_split(MIXERS, "chunked", 4)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return _one_and_split(KERNEL_MIXERS, "pallas", 8)
 
 
 def _close(got, want, atol=1e-5):
@@ -103,28 +116,37 @@ def test_mixer_split_over_context_equals_one_device(results, layer, mixer):
     _close(got_grads["decoder"][f"layer_{layer}"], want_grads["decoder"][f"layer_{layer}"])
 
 
-def test_hybrid_and_initial_state_split_over_context_equal_one_device(results):
+@pytest.mark.parametrize("layer,mixer", list(enumerate(KERNEL_MIXERS)))
+def test_mixer_kernel_split_over_context_equals_one_device(kernels, layer, mixer):
+    """mixer_impl='pallas' split over context: each kernel mixer's output and its layer's gradients equal the
+    chunked form's on one device."""
+    ((_, (want, *_)), (want_grads, *_)), ((_, (got, *_)), (got_grads, *_)), _ = kernels
+    _close(got[layer], want[layer])
+    _close(got_grads["decoder"][f"layer_{layer}"], want_grads["decoder"][f"layer_{layer}"])
+
+
+@pytest.mark.parametrize("fixture", ["results", "kernels"])
+def test_hybrid_and_initial_state_split_over_context_equal_one_device(request, fixture):
     """The logits, every parameter's gradient (attention by ring, embeddings, head), and a linear scan's
-    outputs, final state and gradients from a given initial state."""
-    ((_, (_, want_logits, *want_scan)), want_grads), ((_, (_, got_logits, *got_scan)), got_grads), _ = results
+    outputs, final state and gradients from a given initial state; the chunked forms and the kernels."""
+    ((_, (_, want_logits, *want_scan)), want_grads), ((_, (_, got_logits, *got_scan)), got_grads), _ = \
+        request.getfixturevalue(fixture)
     _close(got_logits, want_logits)
     _close(got_grads[0], want_grads[0])
     _close((got_scan, got_grads[1:]), (want_scan, want_grads[1:]))
 
 
-def test_split_program_gathers_nothing(results):
-    text = results[2]
+@pytest.mark.parametrize("fixture", ["results", "kernels"])
+def test_split_program_gathers_nothing(request, fixture):
+    text = request.getfixturevalue(fixture)[2]
     assert "collective-permute" in text  # maps, states, windows, attention's key/value blocks
     assert "all-gather" not in text and "all-to-all" not in text
 
 
-def test_what_a_split_cannot_do_fails_in_one_line():
-    """A window longer than a device's share, and a mixer form not declared for `context`
-    (tfm.capabilities.MIXER), are refused where they are traced."""
+def test_a_window_longer_than_a_share_fails_in_one_line():
+    """A short convolution reading more earlier tokens than a device holds is refused where it is traced."""
     mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
     x = jnp.zeros((1, 8, 2))
     with jax.set_mesh(mesh), nn.logical_axis_rules(flax_rules(make_rules("context", activations=True))):
         with pytest.raises(ValueError, match=r"^a window of 3 earlier tokens needs at least 3 tokens per 'context'"):
             context_scan.with_previous(lambda x: x, 3, (jnp.zeros((1, 3, 2)),), (x,))
-        with pytest.raises(ValueError, match=r"^mixer_impl='pallas' cannot run .* use one of \['reference', 'chunked'\]"):
-            context_scan.scan(None, None, context_scan.DIAGONAL, (x,), (), None, jnp.zeros((1, 2)), impl="pallas")

@@ -105,12 +105,11 @@ MOE = {
 @dataclasses.dataclass(frozen=True)
 class MixerSupport:
     """One way to run the linear-time token mixers (ModelConfig.mixer_pattern's Mamba, Mamba-2,
-    gated DeltaNet, RWKV, RG-LRU): whether it is the parallel (training) form, whether it runs with the
-    sequence split over `context` (tfm.ops.context_scan: each device's share from the state handed to
-    it), and where it runs."""
+    gated DeltaNet, RWKV, RG-LRU): whether it is the parallel (training) form, and where it runs. Every form
+    runs with the sequence split over `context` (tfm.ops.context_scan: each device's share from the state
+    handed to it)."""
 
     parallel: bool = False
-    context: bool = True
     platforms: Tuple[str, ...] = ("cpu", "gpu", "tpu")
     kinds: Optional[Tuple[str, ...]] = None  # the mixer kinds (ModelConfig.mixer_pattern) it runs; None: all
 
@@ -122,9 +121,10 @@ MIXER = {
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
     # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan: the
-    # RG-LRU's diagonal scan; Mosaic on TPU, Triton on GPU, interpreted on CPU), per device under shard_map; Mamba-2,
-    # gated DeltaNet and RG-LRU so far. Not yet timed against "chunked": "auto" never picks it.
-    "pallas": MixerSupport(parallel=True, context=False, kinds=("mamba2", "gated_deltanet", "rglru")),
+    # RG-LRU's diagonal scan; Mosaic on TPU, Triton on GPU, interpreted on CPU), per device under shard_map (inside
+    # context_scan's over `context` when the sequence is split); Mamba-2, gated DeltaNet and RG-LRU so far. Not yet
+    # timed against "chunked": "auto" never picks it.
+    "pallas": MixerSupport(parallel=True, kinds=("mamba2", "gated_deltanet", "rglru")),
 }
 MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
 

@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tfm import capabilities
 from tfm.ops.segments import sequence_starts
 from tfm.ops.shard import context_size
 from tfm.parallel.mesh import CONTEXT
@@ -112,16 +111,14 @@ def _last(x, index):
     return jax.tree.map(lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), CONTEXT), x)
 
 
-def scan(run: Callable, chunk_map: Callable, algebra: Algebra, sequences, params, segment_ids, initial, *,
-         impl: str):
+def scan(run: Callable, chunk_map: Callable, algebra: Algebra, sequences, params, segment_ids, initial):
     """A scan over [B, T, ...] `sequences`, split over `context` when the mesh splits T.
 
     run(sequences, params, real, starts, h) -> (y [B, T', ...], final state): the scan of T' tokens from
     state h, with real / starts [B, T'] bool as tfm.ops.segments reads segment ids (a start at t = 0
     drops h too). chunk_map(sequences, params, real, starts) -> (transfer, contribution): the same
     tokens as a map of the entering state (`algebra`). params: a pytree every device takes whole;
-    segment_ids [B, T] or None; initial: the state entering t = 0. impl: the mixer form (its
-    `tfm.capabilities.MIXER` entry says whether it runs split). Returns run's (y, final state) for the
+    segment_ids [B, T] or None; initial: the state entering t = 0. Returns run's (y, final state) for the
     whole sequence."""
     B, T = jax.tree.leaves(sequences)[0].shape[:2]
     c = splits(T)
@@ -129,9 +126,6 @@ def scan(run: Callable, chunk_map: Callable, algebra: Algebra, sequences, params
         real, starts = (jnp.ones((B, T), bool), jnp.zeros((B, T), bool)) if segment_ids is None \
             else sequence_starts(segment_ids)
         return run(sequences, params, real, starts, initial)
-    if not capabilities.MIXER[impl].context:
-        able = [name for name, s in capabilities.MIXER.items() if s.context]
-        raise ValueError(f"mixer_impl={impl!r} cannot run with the sequence split over 'context'; use one of {able}")
 
     def per_device(split, whole, index):
         sequences, segment_ids = split

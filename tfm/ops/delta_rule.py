@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from tfm.kernels.delta_rule import chunked_gated_delta_rule
-from tfm.ops import context_scan, segments, shard
+from tfm.ops import context_scan, shard
 from tfm.parallel.mesh import current_platform
 
 IMPLS = ("reference", "chunked", "pallas")
@@ -38,8 +38,6 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     chunked form's kernels, tfm.kernels.delta_rule, on each device's batch rows and heads; chunk_size a tile
     they take)."""
     _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
-    if impl == "pallas":
-        return _pallas(q, k, v, g, beta, segment_ids, initial_state, chunk_size)
     B, T, H, K = q.shape
     dtype = jnp.promote_types(v.dtype, jnp.float32)
     state = (jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None
@@ -50,6 +48,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
         g, beta = jnp.where(real[..., None], g, 0), jnp.where(real[..., None], beta, 0)
         if impl == "reference":
             o, state = _recurrent(q, k, v, g, beta, starts, state)
+        elif impl == "pallas":
+            o, state = _pallas(q, k, sequences[2], g, beta, starts, state, chunk_size)
         else:
             o, state = _chunked(q, k, v, g, beta, starts, state, min(chunk_size, q.shape[1]))
         return o.astype(sequences[2].dtype), state
@@ -57,14 +57,13 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     def chunk_map(sequences, params, real, starts):
         """The share's map S -> A S + b, both from one run: values [0 | v] from the state [I | 0] end as [A | b]."""
         q, k, v, g, beta = sequences
-        probe = jnp.concatenate([jnp.zeros(v.shape[:3] + (K,), dtype), v.astype(dtype)], -1)
+        probe = jnp.concatenate([jnp.zeros(v.shape[:3] + (K,), v.dtype), v], -1)
         eye = jnp.broadcast_to(jnp.eye(K, dtype=dtype), (v.shape[0], H, K, K))
         _, final = run((q, k, probe, g, beta), params, real, starts,
                        jnp.concatenate([eye, jnp.zeros(state.shape, dtype)], -1))
         return final[..., :K], final[..., K:]
 
-    return context_scan.scan(run, chunk_map, context_scan.MATRIX, (q, k, v, g, beta), (), segment_ids, state,
-                             impl=impl)
+    return context_scan.scan(run, chunk_map, context_scan.MATRIX, (q, k, v, g, beta), (), segment_ids, state)
 
 
 def _recurrent(q, k, v, g, beta, reset, state):
@@ -129,21 +128,9 @@ def _chunked(q, k, v, g, beta, reset, state, C):
     return jnp.moveaxis(o, 1, 2), state
 
 
-def _pallas(q, k, v, g, beta, segment_ids, initial_state, chunk_size):
-    """gated_delta_rule by the Pallas kernels: g and beta 0 at padding and the sequence starts prepared here, q
-    and k in v's dtype, the kernels run on each device's batch rows and heads (`shard.per_device_heads`: an
-    opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
-    if shard.context_size() > 1:
-        raise ValueError("mixer_impl='pallas' does not run with the sequence split over `context` yet: "
-                         "use mixer_impl='chunked' there")
-    B, T, H, K = q.shape
-    dtype = jnp.promote_types(v.dtype, jnp.float32)
-    g, beta = g.astype(dtype), beta.astype(dtype)
-    reset = jnp.zeros((B, T), bool)
-    if segment_ids is not None:
-        real, reset = segments.sequence_starts(segment_ids)
-        g, beta = jnp.where(real[..., None], g, 0), jnp.where(real[..., None], beta, 0)
-    state = (jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype))
+def _pallas(q, k, v, g, beta, reset, state, chunk_size):
+    """The chunked form by the Pallas kernels (q and k in v's dtype) on each device's batch rows and heads
+    (`shard.per_device_heads`: an opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
     backend = current_platform()
 
     def kernel(q, k, v, g, beta, reset, state):

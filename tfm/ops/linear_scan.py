@@ -24,7 +24,7 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
     (tfm.ops.segments); padding tokens act as a = 1, b = 0, so they leave the state as it is. Computed in
     float32 whatever the input dtype.
     impl: "reference" (lax.scan over time), "chunked" (lax.associative_scan) or "pallas" (the kernel, reading
-    chunk_size rows per block on TPU; not with the sequence split over `context`).
+    chunk_size rows per block on TPU).
     Returns (h [B, T, ...] in b.dtype, final_state [B, ...] float32)."""
     _check(a, b, segment_ids, initial_state, impl)
     h0 = (jnp.zeros((b.shape[0],) + b.shape[2:], jnp.float32) if initial_state is None
@@ -59,7 +59,7 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
         decay = jnp.prod(_steps(*sequences, real, starts)[0], axis=1)
         return decay, run(sequences, params, real, starts, jnp.zeros(h0.shape, jnp.float32))[1]
 
-    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (a, b), (), segment_ids, h0, impl=impl)
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (a, b), (), segment_ids, h0)
 
 
 def _steps(a, b, real, starts):

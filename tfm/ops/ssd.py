@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels import ssd as ssd_kernels
-from tfm.ops import context_scan, segments, shard
+from tfm.ops import context_scan, shard
 from tfm.parallel.mesh import current_platform
 
 __all__ = ["selective_scan", "ssd"]
@@ -60,20 +60,17 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *
     s = B.shape[3]
     _check_shape("segment_ids", segment_ids, (b, t), "[B, T] from x")
     _check_shape("initial_state", initial_state, (b, n, p, s), "[B, N, P, S] from x and B")
-    if impl == "pallas":
-        return _ssd_pallas(x, dt, A, B, C, segment_ids, initial_state, chunk_size)
-
     acc = jnp.result_type(x.dtype, jnp.float32)
     h0 = jnp.zeros((b, n, p, s), acc) if initial_state is None else initial_state.astype(acc)
-    run = functools.partial(_ssd_run, impl, chunk_size)
+    run = (functools.partial(_ssd_pallas, chunk_size) if impl == "pallas"
+           else functools.partial(_ssd_run, impl, chunk_size))
 
     def chunk_map(sequences, params, real, starts):  # the state decays by exp(A sum dt) per head
         dt, A = _steps(sequences[1].astype(acc), real), params[0].astype(acc)
         decay = jnp.where(starts.any(1)[:, None], 0, jnp.exp(dt.sum(1) * A))  # [B, N]
         return decay[..., None, None], run(sequences, params, real, starts, jnp.zeros(h0.shape, acc))[1]
 
-    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0,
-                             impl=impl)
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0)
 
 
 def _ssd_run(impl, chunk_size, sequences, params, real, starts, h0):
@@ -126,8 +123,7 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
         decay = jnp.where(starts.any(1)[:, None, None], 0, jnp.exp(dt.sum(1)[..., None] * A))  # [B, E, S]
         return decay, run(sequences, params, real, starts, jnp.zeros(h0.shape, acc))[1]
 
-    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0,
-                             impl=impl)
+    return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (x, dt, B, C), (A,), segment_ids, h0)
 
 
 def _selective_run(impl, chunk_size, sequences, params, real, starts, h0):
@@ -254,26 +250,19 @@ def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk):
     return jnp.moveaxis(y, 0, 1).reshape(b, c * chunk, -1)[:, :t], h
 
 
-def _ssd_pallas(x, dt, A, B, C, segment_ids, initial_state, chunk_size):
-    """ssd's arguments by the Pallas kernels: dt 0 at padding, x * dt in x's dtype, the log decays dt * A and
-    the sequence starts prepared here, the kernels run on each device's batch rows and heads
-    (`shard.per_device_heads`: an opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
-    if shard.context_size() > 1:
-        raise ValueError("mixer_impl='pallas' does not run with the sequence split over `context` yet: "
-                         "use mixer_impl='chunked' there")
-    b, t, n, p = x.shape
-    acc = jnp.result_type(x.dtype, jnp.float32)
-    dt = dt.astype(acc)
-    reset = jnp.zeros((b, t), bool)
-    if segment_ids is not None:
-        real, reset = segments.sequence_starts(segment_ids)
-        dt = jnp.where(real[..., None], dt, 0)
-    h0 = jnp.zeros((b, n, p, B.shape[3]), acc) if initial_state is None else initial_state.astype(acc)
+def _ssd_pallas(chunk_size, sequences, params, real, starts, h0):
+    """_ssd_run by the Pallas kernels: dt 0 at padding, x * dt in x's dtype and the log decays dt * A prepared
+    here, the kernels run on each device's batch rows and heads (`shard.per_device_heads`: an opaque kernel in a
+    sharded jit needs an explicit shard_map boundary)."""
+    x, dt, B, C = sequences
+    acc = h0.dtype
+    dt = _steps(dt.astype(acc), real)
     backend = current_platform()
 
     def kernel(xdt, log_decay, B, C, reset, h0):
         return ssd_kernels.chunked_ssd(xdt, log_decay, B, C, reset, h0, chunk=chunk_size, backend=backend)
 
     xdt = (x.astype(acc) * dt[..., None]).astype(x.dtype)
-    return shard.per_device_heads(kernel, (xdt, dt * A.astype(acc), B.astype(x.dtype), C.astype(x.dtype), reset, h0),
+    return shard.per_device_heads(kernel, (xdt, dt * params[0].astype(acc), B.astype(x.dtype), C.astype(x.dtype),
+                                           starts, h0),
                                   heads_dims=(2, 2, 2, 2, None, 1), out_heads_dims=(2, 1), grouped=(2, 3))

@@ -53,7 +53,7 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
         log_decay = -params[0].astype(f32) * real.sum(1, dtype=f32)[:, None]  # [B, C]
         return (log_decay, 1.0 - starts.any(1).astype(f32)), run(sequences, params, real, starts, _empty(*real.shape[:1], C))[1]
 
-    return context_scan.scan(run, chunk_map, _ALGEBRA, (k, v), (w, u), segment_ids, state, impl=impl)
+    return context_scan.scan(run, chunk_map, _ALGEBRA, (k, v), (w, u), segment_ids, state)
 
 
 def _empty(B, C):
