@@ -3,7 +3,7 @@ interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
 and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
-B/C. Values (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each
+B/C; Mamba's selective scan (its chunks scanned by the linear-scan kernel) with 8 channels of state 4. Values (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each
 quantity's largest magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one
 reference (the chunked forms compute in fp32).
 """
@@ -29,7 +29,10 @@ TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # of the largest magnitude
 Bsz, T, CHUNK = 1, 37, 16
 N, P, G, S = 4, 8, 2, 16  # Mamba-2: heads, head dim, groups, state size
 H, K, V = 2, 8, 16  # gated DeltaNet: heads, key and value head dims
-NAMES = {"ssd": ("x", "dt", "A", "B", "C", "h0"), "delta": ("q", "k", "v", "g", "beta", "h0")}
+E, SE = 8, 4  # Mamba: channels, state size
+NAMES = {"ssd": ("x", "dt", "A", "B", "C", "h0"), "selective": ("x", "dt", "A", "B", "C", "h0"),
+         "delta": ("q", "k", "v", "g", "beta", "h0")}
+ENTRY_POINTS = {"ssd": ssd_ops.ssd, "selective": ssd_ops.selective_scan, "delta": delta_ops.gated_delta_rule}
 
 
 def _segments():
@@ -49,6 +52,13 @@ def _inputs(family, dtype):
         args = (rounded(x), rounded(dt), -jnp.exp(jax.random.normal(keys[2], (N,))), rounded(B), rounded(C),
                 jax.random.normal(keys[5], (Bsz, N, P, S)))
         shapes = ((Bsz, T, N, P), (Bsz, N, P, S))
+    elif family == "selective":
+        x = jax.random.normal(keys[0], (Bsz, T, E))
+        dt = jax.nn.softplus(jax.random.normal(keys[1], (Bsz, T, E)))
+        B, C = (jax.random.normal(key, (Bsz, T, SE)) for key in keys[3:5])
+        args = (rounded(x), rounded(dt), -jnp.exp(jax.random.normal(keys[2], (E, SE))), rounded(B), rounded(C),
+                jax.random.normal(keys[5], (Bsz, E, SE)))
+        shapes = ((Bsz, T, E), (Bsz, E, SE))
     else:
         unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
         q = unit(jax.random.normal(keys[0], (Bsz, T, H, K))) * K ** -0.5
@@ -63,8 +73,7 @@ def _inputs(family, dtype):
 
 def _by_entry_point(family, impl, *args):
     *args, h0, segments = args
-    scan = ssd_ops.ssd if family == "ssd" else delta_ops.gated_delta_rule
-    return scan(*args, segment_ids=segments, initial_state=h0, impl=impl, chunk_size=CHUNK)
+    return ENTRY_POINTS[family](*args, segment_ids=segments, initial_state=h0, impl=impl, chunk_size=CHUNK)
 
 
 def _by_kernel(family, *args):
@@ -103,10 +112,13 @@ def _reference(family):
 
 @pytest.mark.parametrize("family,dtype,driver", [
     ("ssd", jnp.float32, "loop"), ("ssd", jnp.bfloat16, "grid"), ("delta", jnp.float32, "loop"),
-    ("delta", jnp.bfloat16, "grid")], ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid"])
+    ("delta", jnp.bfloat16, "grid"), ("selective", jnp.float32, "loop"), ("selective", jnp.bfloat16, "loop")],
+    ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid", "selective-fp32-loop",
+         "selective-bf16-loop"])
 def test_kernels_equal_the_chunked_forms(family, dtype, driver):
     """The loop driver (GPU's) through the entry point, impl="pallas" on CPU; the grid driver (TPU's: a
-    sequential chunk axis, the state in scratch) called directly; both interpreted."""
+    sequential chunk axis, the state in scratch) called directly; both interpreted. (The selective scan's kernel
+    is the linear scan's, whose grid driver is tested below.)"""
     args, cotangents = _inputs(family, dtype)
     run = (functools.partial(_by_entry_point, family, "pallas") if driver == "loop"
            else functools.partial(_by_kernel, family))
@@ -174,11 +186,13 @@ def test_chunk_is_a_validated_tile(chunk, backend, message):
         ssd_kernel.check_chunk(ok, backend)
 
 
-def test_an_rglru_model_trains_through_the_kernel():
-    """A tiny RG-LRU + attention model (recurrent blocks [B, T, heads, head dim]) with mixer_impl="pallas":
-    the loss and every parameter's gradient over a packed, padded batch equal mixer_impl="chunked"'s
-    (1e-5 of the largest), so the layer hands the kernel its scan as the associative form gets it."""
-    cfg = tiny("llama", mixer_pattern=("rglru", "attention"), mixer_chunk_size=8)
+@pytest.mark.parametrize("kind", ["rglru", "mamba"])
+def test_a_recurrent_model_trains_through_the_kernel(kind):
+    """A tiny RG-LRU (recurrent blocks [B, T, heads, head dim]) or Mamba (the selective scan's chunks [B, L, E, S])
+    + attention model with mixer_impl="pallas": the loss and every parameter's gradient over a packed, padded batch
+    equal mixer_impl="chunked"'s (1e-5 of the largest), so the layer hands the kernel its scan as the associative
+    form gets it."""
+    cfg = tiny("llama", mixer_pattern=(kind, "attention"), mixer_chunk_size=8, mamba=dict(state_size=4))
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
     seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12])
     params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.PRNGKey(0), tokens)["params"])

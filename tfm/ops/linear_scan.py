@@ -40,11 +40,7 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
             final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
             h = jnp.moveaxis(h, 0, 1)
         elif impl == "pallas":
-            backend = current_platform()
-            scan = lambda a, b, h0: kernel.linear_scan(a, b, h0, chunk=chunk_size, backend=backend)
-            heads = b.ndim > 2  # [B, T, N, ...]: split as attention's heads (an opaque kernel needs shard_map)
-            h, final = shard.per_device_heads(scan, (a, b, h0), heads_dims=(2, 2, 1) if heads else (None,) * 3,
-                                              out_heads_dims=(2, 1) if heads else (None, None))
+            h, final = by_kernel(a, b, h0, chunk_size)
         else:
             b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
 
@@ -60,6 +56,17 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
         return decay, run(sequences, params, real, starts, jnp.zeros(h0.shape, jnp.float32))[1]
 
     return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (a, b), (), segment_ids, h0)
+
+
+def by_kernel(a, b, h0, chunk_size):
+    """h_t = a_t * h_{t-1} + b_t from h0 by tfm.kernels.linear_scan (float32 a, b [B, T, ...], h0 [B, ...]; chunk_size
+    rows per block on TPU) on each device's batch rows and, for [B, T, N, ...], heads N (split as attention's: an
+    opaque kernel in a sharded jit needs an explicit shard_map boundary). Returns (h, final state), float32."""
+    backend = current_platform()
+    scan = lambda a, b, h0: kernel.linear_scan(a, b, h0, chunk=chunk_size, backend=backend)
+    heads = b.ndim > 2
+    return shard.per_device_heads(scan, (a, b, h0), heads_dims=(2, 2, 1) if heads else (None,) * 3,
+                                  out_heads_dims=(2, 1) if heads else (None, None))
 
 
 def _steps(a, b, real, starts):

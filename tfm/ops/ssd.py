@@ -28,12 +28,12 @@ import jax.numpy as jnp
 
 from tfm.kernels import ssd as ssd_kernels
 from tfm.ops import context_scan, shard
+from tfm.ops.linear_scan import by_kernel
 from tfm.parallel.mesh import current_platform
 
 __all__ = ["selective_scan", "ssd"]
 
-_IMPLS = ("reference", "chunked")
-_SSD_IMPLS = _IMPLS + ("pallas",)  # the Pallas kernels run Mamba-2's scan only (tfm.capabilities.MIXER)
+_IMPLS = ("reference", "chunked", "pallas")
 
 
 @functools.partial(jax.named_call, name="ssd")
@@ -48,7 +48,7 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *
     tokens per chunk; "pallas": the chunked form's kernels, tfm.kernels.ssd, on each device's batch rows and heads,
     chunk_size a tile they take). Returns y [B, T, N, P] in x.dtype and the final state [B, N, P, S] float32.
     """
-    _check_impl(impl, chunk_size, _SSD_IMPLS)
+    _check_impl(impl, chunk_size)
     if x.ndim != 4:
         raise ValueError(f"x: shape {x.shape}, expected [B, T, N, P]")
     b, t, n, p = x.shape
@@ -97,8 +97,10 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     """Mamba-1's scan: per channel e, h_t[e] = exp(dt_t[e] A[e]) h_{t-1}[e] + dt_t[e] x_t[e] B_t, y_t[e] = h_t[e] . C_t.
 
     x, dt [B, T, E] (dt positive); A [E, S] negative; B, C [B, T, S]; segment_ids [B, T] int
-    (0 = padding); initial_state [B, E, S] (None: zeros). impl "reference" (recurrent) or "chunked"
-    (a scan over chunks of chunk_size tokens, each an associative scan, holding O(L E S) at a time).
+    (0 = padding); initial_state [B, E, S] (None: zeros). impl "reference" (recurrent), "chunked" (a scan over
+    chunks of chunk_size tokens, each an associative scan, holding O(L E S) at a time) or "pallas" (the same
+    chunks, each scanned by tfm.kernels.linear_scan: one sequential pass over the chunk instead of the
+    associative scan's 2 log2 L; the decays and inputs [B, L, E, S] are still built in XLA: no fused kernel yet).
     Returns y [B, T, E] in x.dtype and the final state [B, E, S] float32.
     """
     _check_impl(impl, chunk_size)
@@ -134,14 +136,17 @@ def _selective_run(impl, chunk_size, sequences, params, real, starts, h0):
             h0)
     if impl == "reference":
         y, h = _selective_reference(*args)
+    elif impl == "pallas":
+        y, h = _selective_chunked(*args, chunk=min(chunk_size, x.shape[1]),
+                                  scan=lambda decay, added, h: by_kernel(decay, added, h, chunk_size)[0])
     else:
         y, h = _selective_chunked(*args, chunk=min(chunk_size, x.shape[1]))
     return y.astype(x.dtype), h
 
 
-def _check_impl(impl, chunk_size, impls=_IMPLS):
-    if impl not in impls:
-        raise ValueError(f"impl={impl!r}: expected one of {impls}")
+def _check_impl(impl, chunk_size):
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {_IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int")
 
@@ -224,26 +229,33 @@ def _selective_reference(x, dt, A, B, C, reset, h0):
     return jnp.moveaxis(y, 0, 1), h
 
 
-def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk):
-    """The selective scan on the arguments of `_selective_reference`, one chunk of L tokens at a time: an
-    associative scan of (decay, input) pairs [B, L, E, S] within the chunk, recomputed in the backward
-    pass (`jax.checkpoint`), so only the [B, E, S] state between chunks is kept."""
+def _associative(decay, added, h):
+    """Every state [B, L, E, S] of a chunk entered with h [B, E, S], by an associative scan of its (decay, input)
+    pairs [B, L, E, S]."""
+    def combine(earlier, later):
+        (decay_1, h_1), (decay_2, h_2) = earlier, later
+        return decay_1 * decay_2, decay_2 * h_1 + h_2
+
+    decay, added = jax.lax.associative_scan(combine, (decay, added), axis=1)
+    return decay * h[:, None] + added
+
+
+def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk, scan=_associative):
+    """The selective scan on the arguments of `_selective_reference`, one chunk of L tokens at a time: the
+    chunk's (decay, input) pairs [B, L, E, S] scanned by `scan(decay, added, h)` (`_associative`, or the kernel)
+    from the state entering it, recomputed in the backward pass (`jax.checkpoint`), so only the [B, E, S]
+    state between chunks is kept."""
     b, t = x.shape[:2]
     x, dt, B, C, reset = _pad_time(chunk, x, dt, B, C, reset)
     c = x.shape[1] // chunk
     chunks = _time_major(*(a.reshape((b, c, chunk) + a.shape[2:]) for a in (x, dt, B, C, reset)))  # [c, B, L, ...]
-
-    def combine(earlier, later):
-        (decay_1, h_1), (decay_2, h_2) = earlier, later
-        return decay_1 * decay_2, decay_2 * h_1 + h_2
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def step(h, inputs):
         x_c, dt_c, b_c, c_c, reset_c = inputs
         decay = jnp.where(reset_c[..., None, None], 0, jnp.exp(dt_c[..., None] * A))  # [B, L, E, S]
         added = (dt_c * x_c)[..., None] * b_c[:, :, None, :]
-        decay, added = jax.lax.associative_scan(combine, (decay, added), axis=1)
-        states = decay * h[:, None] + added  # [B, L, E, S]
+        states = scan(decay, added, h)  # [B, L, E, S]
         return states[:, -1], jnp.einsum("bles,bls->ble", states, c_c)
 
     h, y = jax.lax.scan(step, h0, chunks)  # y [c, B, L, E]
