@@ -8,8 +8,8 @@ that begins at one (24): a hybrid decoder with every mixer (Mamba, Mamba-2, gate
 its channel mix, RG-LRU; their chunked forms, short convolutions and token shifts) beside ring
 attention equals one device (the same jit without a mesh) in each mixer's output, the loss and every
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
-in its outputs, final state and gradients. The same with the Pallas kernels (interpreted; Mamba,
-Mamba-2, gated DeltaNet, RG-LRU, chunks of 8) split, against the chunked forms on one device. The split programs
+in its outputs, final state and gradients. The same hybrid by the Pallas kernels (interpreted, chunks
+of 8) split, against the chunked forms on one device. The split programs
 gather nothing (no all-gather or all-to-all: maps, states and the convolutions' windows travel by
 collective-permute). One compile each way, shared by the tests. A window longer than a device's share
 fails in one line.
@@ -32,7 +32,6 @@ SEGMENTS = np.asarray([[1] * 11 + [2] * 13 + [0] * 5 + [3] * 3,   # a start at 1
                        [1] * 8 + [2] * 13 + [3] * 11])            # starts at 8 (a device boundary) and 21
 POSITIONS = np.asarray([np.r_[0:11, 0:13, [0] * 5, 0:3], np.r_[0:8, 0:13, 0:11]])
 MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru")  # layers 0-4; layer 5 is attention
-KERNEL_MIXERS = ("mamba", "mamba2", "gated_deltanet", "rglru")  # the kinds with a Pallas form; then attention
 # The kernels against the chunked forms, of each array's largest magnitude: fp32 products and the delta rule's
 # triangular inverse by doubling round apart by up to 1.3e-5 of the largest gradient after five layers (seen).
 KERNEL_ATOL = 5e-5
@@ -101,7 +100,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def kernels():
-    return _one_and_split(KERNEL_MIXERS, "pallas", 8)
+    return _one_and_split(MIXERS, "pallas", 8)
 
 
 def _close(got, want, atol=1e-5):
@@ -119,7 +118,7 @@ def test_mixer_split_over_context_equals_one_device(results, layer, mixer):
     _close(got_grads["decoder"][f"layer_{layer}"], want_grads["decoder"][f"layer_{layer}"])
 
 
-@pytest.mark.parametrize("layer,mixer", list(enumerate(KERNEL_MIXERS)))
+@pytest.mark.parametrize("layer,mixer", list(enumerate(MIXERS)))
 def test_mixer_kernel_split_over_context_equals_one_device(kernels, layer, mixer):
     """mixer_impl='pallas' split over context: each kernel mixer's output and its layer's gradients equal the
     chunked form's on one device."""

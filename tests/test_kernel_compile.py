@@ -27,6 +27,7 @@ from tfm.kernels import flash_attention as fa
 from tfm.ops import pallas, select
 from tfm.ops import delta_rule as delta_ops
 from tfm.ops import ssd as ssd_ops
+from tfm.ops import wkv as wkv_ops
 from tfm.ops.linear_scan import linear_scan
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.parallel import flax_rules, make_rules
@@ -249,15 +250,15 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
     kernels on its own head (SSD's group repeated for it), inside shard_map. On the H100 the delta rule's
     kernels fit the registers only at small head dims (tfm.kernels.delta_rule). Beside them RG-LRU's linear scan
     (fp32, 2 heads of 256 channels, TPU blocks of `chunk` rows) and Mamba's selective scan (bf16, 512 channels of
-    state 16, each device's 256 x 16 scanned by the same kernel a chunk at a time): their forward and reverse
-    (backward) passes."""
+    state 16, each device's 256 x 16 scanned by the same kernel a chunk at a time) and RWKV's WKV (fp32, 512
+    channels, 256 on each device): their forward and reverse (backward) passes."""
     mesh = make_mesh(MeshConfig(data=1, tensor=2), _devices(target)[:2])
     B, T, N, H, S, Dk = 2, 200, 2, 64, 128, delta_dim
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
     f32 = functools.partial(spec, dtype=jnp.float32)
     total = lambda outs: sum(out.astype(jnp.float32).sum() for out in outs)
 
-    def grads(ssd_args, delta_args, scan_args, selective_args, segments):
+    def grads(ssd_args, delta_args, scan_args, selective_args, wkv_args, segments):
         ssd_loss = lambda x, dt, A, b, c, h0: total(ssd_ops.ssd(
             x, dt, A, b, c, initial_state=h0, segment_ids=segments, impl="pallas", chunk_size=chunk))
         delta_loss = lambda q, k, v, g, beta, h0: total(delta_ops.gated_delta_rule(
@@ -266,10 +267,13 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
                                                        chunk_size=chunk))
         selective_loss = lambda x, dt, A, b, c, h0: total(ssd_ops.selective_scan(
             x, dt, A, b, c, initial_state=h0, segment_ids=segments, impl="pallas", chunk_size=chunk))
+        wkv_loss = lambda w, u, k, v, state: total(jax.tree.leaves(wkv_ops.wkv(
+            w, u, k, v, initial_state=state, segment_ids=segments, impl="pallas", chunk_size=chunk)))
         return (jax.grad(ssd_loss, argnums=tuple(range(6)))(*ssd_args),
                 jax.grad(delta_loss, argnums=tuple(range(6)))(*delta_args),
                 jax.grad(scan_loss, argnums=(0, 1, 2))(*scan_args),
-                jax.grad(selective_loss, argnums=tuple(range(6)))(*selective_args))
+                jax.grad(selective_loss, argnums=tuple(range(6)))(*selective_args),
+                jax.grad(wkv_loss, argnums=tuple(range(5)))(*wkv_args))
 
     ssd_args = (spec((B, T, N, H)), f32((B, T, N)), f32((N,)), spec((B, T, 1, S)), spec((B, T, 1, S)),
                 f32((B, N, H, S)))
@@ -279,17 +283,20 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
     E = 512
     selective_args = (spec((B, T, E)), spec((B, T, E)), f32((E, 16)), spec((B, T, 16)), spec((B, T, 16)),
                       f32((B, E, 16)))
+    wkv_args = (f32((E,)), f32((E,)), f32((B, T, E)), f32((B, T, E)), (f32((B, E)),) * 3)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(grads).lower(ssd_args, delta_args, scan_args, selective_args, spec((B, T), jnp.int32)).compile(
+        hlo = jax.jit(grads).lower(ssd_args, delta_args, scan_args, selective_args, wkv_args,
+                                   spec((B, T), jnp.int32)).compile(
             compiler_options=REFUSE_SPILLS if kernel_calls == "h100-1" else None).as_text()
     calls = [line for line in hlo.splitlines() if KERNEL_CALLS[kernel_calls] in line]
-    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|linear_scan_[a-z]+)"
+    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|linear_scan_[a-z]+|wkv_[a-z]+)"
     assert sorted(re.search(pattern, line).group(1) for line in calls) == [
         "gated_delta_bwd_chunk", "gated_delta_bwd_state", "gated_delta_fwd", "linear_scan_bwd", "linear_scan_bwd",
         "linear_scan_fwd", "linear_scan_fwd", "linear_scan_fwd",  # Mamba's chunk forward again in its backward
-        "ssd_bwd_across", "ssd_bwd_intra", "ssd_bwd_state", "ssd_fwd"]
-    chunked = [line for line in calls if "linear_scan_" not in line]
+        "ssd_bwd_across", "ssd_bwd_intra", "ssd_bwd_state", "ssd_fwd", "wkv_bwd", "wkv_fwd"]
+    chunked = [line for line in calls if "linear_scan_" not in line and "wkv_" not in line]
     assert all(f"bf16[{B},1," in line for line in chunked)  # per device: [B, N / 2, T, head dim]
     # per device: one RG-LRU head's state, and Mamba's E / 2 channels of state 16
     assert sum(f"f32[{B},1,256]" in line for line in calls if "linear_scan_" in line) == 2
     assert sum(f"f32[{B},1,{E // 2 * 16}]" in line for line in calls if "linear_scan_" in line) == 3
+    assert all(f"f32[{B},1,{E // 2}]" in line for line in calls if "wkv_" in line)  # per device: half the channels

@@ -1,11 +1,13 @@
-"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.linear_scan;
-interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule, tfm.ops.linear_scan).
+"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.linear_scan,
+tfm.kernels.wkv; interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule,
+tfm.ops.linear_scan, tfm.ops.wkv; the WKV kernel's values and gradients are tested in tests/test_wkv.py).
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
 and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
-B/C; Mamba's selective scan (its chunks scanned by the linear-scan kernel) with 8 channels of state 4. Values (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each
-quantity's largest magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one
-reference (the chunked forms compute in fp32).
+B/C; Mamba's selective scan (its chunks scanned by the linear-scan kernel) with 8 channels of state 4. Values
+(output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each quantity's largest
+magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked forms
+compute in fp32).
 """
 import functools
 
@@ -17,11 +19,14 @@ import pytest
 
 from tfm.kernels import delta_rule as delta_kernel
 from tfm.kernels import linear_scan as scan_kernel
+from tfm.kernels import row_loop
+from tfm.kernels import wkv as wkv_kernel
 from tfm.kernels import ssd as ssd_kernel
 from tfm.models import DecoderLM
 from tfm.models.presets import tiny
 from tfm.ops import delta_rule as delta_ops
 from tfm.ops import ssd as ssd_ops
+from tfm.ops import wkv as wkv_ops
 from tfm.ops.linear_scan import linear_scan
 from tfm.ops.segments import sequence_starts
 
@@ -167,11 +172,43 @@ def test_linear_scan_kernel_equals_the_associative_scan(driver, dtype):
         np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCES[dtype] * np.abs(w).max(), err_msg=name)
 
 
-def test_linear_scan_chunk_is_checked_on_tpu():
+def test_wkv_grid_driver_equals_the_chunked_form():
+    """RWKV's WKV by the TPU driver (chunks of 8 rows, the carry in scratch; interpreted; tests/test_wkv.py runs the
+    loop driver through the entry point) over the module's packed 37 tokens, 6 channels, keys up to ~10, from a given
+    state: output, final state and the gradients of w, u, k, v and the state against the chunked form, 1e-5 of each
+    one's largest magnitude."""
+    keys = jax.random.split(jax.random.PRNGKey(2), 8)
+    w, u = jnp.exp(jax.random.normal(keys[0], (6,))), jax.random.normal(keys[1], (6,))
+    k, v = 3 * jax.random.normal(keys[2], (1, T, 6)), jax.random.normal(keys[3], (1, T, 6))
+    state = (jax.random.normal(keys[4], (1, 6)), 1 + jax.random.uniform(keys[5], (1, 6)),
+             jax.random.normal(keys[6], (1, 6)))
+    cotangents = jax.random.normal(keys[7], (4, 1, T, 6))
+
+    def by_kernel(w, u, k, v, state):
+        real, starts = sequence_starts(_segments())
+        return wkv_kernel.wkv(w[None], u[None], k, v, real, starts, state, chunk=8, backend="tpu", interpret=True)
+
+    def chunked(w, u, k, v, state):
+        return wkv_ops.wkv(w, u, k, v, segment_ids=_segments(), initial_state=state, impl="chunked", chunk_size=8)
+
+    def values_and_grads(run):
+        def loss(*args):
+            out, final = run(*args)
+            return jnp.sum(out * cotangents[0]) + sum(jnp.sum(s * c[:, 0]) for s, c in zip(final, cotangents[1:])), \
+                (out, final)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(w, u, k, v, state)
+
+    (_, got), got_grads = values_and_grads(by_kernel)
+    (_, want), want_grads = values_and_grads(chunked)
+    for g, r in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.abs(r).max()))
+
+
+def test_row_loop_chunk_is_checked_on_tpu():
     with pytest.raises(ValueError, match=r"^mixer_chunk_size=12: the Pallas linear-scan kernel on tpu .* of 8"):
-        scan_kernel.check_chunk(12, "tpu")
-    scan_kernel.check_chunk(12, "gpu")  # the loop driver reads whole rows: any chunk
-    scan_kernel.check_chunk(64, "tpu")
+        scan_kernel.linear_scan(jnp.ones((1, 16, 4)), jnp.ones((1, 16, 4)), chunk=12, backend="tpu", interpret=True)
+    row_loop.check_chunk(12, "gpu", "linear-scan")  # the loop driver reads whole rows: any chunk
+    row_loop.check_chunk(64, "tpu", "linear-scan")
 
 
 @pytest.mark.parametrize("chunk,backend,message", [
@@ -186,12 +223,12 @@ def test_chunk_is_a_validated_tile(chunk, backend, message):
         ssd_kernel.check_chunk(ok, backend)
 
 
-@pytest.mark.parametrize("kind", ["rglru", "mamba"])
+@pytest.mark.parametrize("kind", ["rglru", "mamba", "rwkv"])
 def test_a_recurrent_model_trains_through_the_kernel(kind):
-    """A tiny RG-LRU (recurrent blocks [B, T, heads, head dim]) or Mamba (the selective scan's chunks [B, L, E, S])
-    + attention model with mixer_impl="pallas": the loss and every parameter's gradient over a packed, padded batch
-    equal mixer_impl="chunked"'s (1e-5 of the largest), so the layer hands the kernel its scan as the associative
-    form gets it."""
+    """A tiny RG-LRU (recurrent blocks [B, T, heads, head dim]), Mamba (the selective scan's chunks [B, L, E, S]) or
+    RWKV (WKV over [B, T, C]) + attention model with mixer_impl="pallas": the loss and every parameter's gradient
+    over a packed, padded batch equal mixer_impl="chunked"'s (1e-5 of the largest), so the layer hands the kernel
+    its scan as the chunked form gets it."""
     cfg = tiny("llama", mixer_pattern=(kind, "attention"), mixer_chunk_size=8, mamba=dict(state_size=4))
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
     seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12])

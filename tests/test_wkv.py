@@ -1,6 +1,7 @@
-"""wkv: both impls against a float64 NumPy loop of the formula (fp32, bf16, and large keys in log
-space), against transformers' `rwkv_linear_attention_cpu` (outputs and states), chunked gradients
-against the reference scan's, segment semantics (packed, padded, continued) and input errors."""
+"""wkv: every impl (the recurrence, the chunked form, the Pallas kernel interpreted) against a float64 NumPy loop
+of the formula (fp32, bf16, and large keys in log space), against transformers' `rwkv_linear_attention_cpu`
+(outputs and states), chunked and kernel gradients against the reference scan's, segment semantics (packed,
+padded, continued) and input errors."""
 import ast
 import functools
 import importlib.util
@@ -157,7 +158,7 @@ def test_matches_transformers(impl):
 
 
 def test_gradients():
-    """Chunked gradients (of w, u, k, v and the initial state) equal the reference scan's within
+    """Chunked and kernel gradients (of w, u, k, v and the initial state) equal the reference scan's within
     1e-4 and are finite, across resets and padding, from a given state and from the empty one
     (max -1e38), with moderate keys and with keys of 60 +- 30."""
     rng = np.random.default_rng(1)
@@ -171,11 +172,13 @@ def test_gradients():
     grad = {impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3, 4))) for impl in IMPLS}
     for k_mean, k_scale in ((0.0, 1.0), (60.0, 30.0)):
         args = inputs(k_mean=k_mean, k_scale=k_scale)
-        got, want = (jax.tree.leaves(grad[impl](*args)) for impl in ("chunked", "reference"))
-        assert len(got) == 7
-        for g, r in zip(got, want):
-            assert np.isfinite(g).all()
-            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+        want = jax.tree.leaves(grad["reference"](*args))
+        for impl in ("chunked", "pallas"):
+            got = jax.tree.leaves(grad[impl](*args))
+            assert len(got) == 7
+            for g, r in zip(got, want):
+                assert np.isfinite(g).all(), impl
+                np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

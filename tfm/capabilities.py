@@ -111,7 +111,6 @@ class MixerSupport:
 
     parallel: bool = False
     platforms: Tuple[str, ...] = ("cpu", "gpu", "tpu")
-    kinds: Optional[Tuple[str, ...]] = None  # the mixer kinds (ModelConfig.mixer_pattern) it runs; None: all
 
 
 MIXER = {
@@ -121,10 +120,10 @@ MIXER = {
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
     # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan: the
-    # RG-LRU's diagonal scan, and Mamba's within each chunk; Mosaic on TPU, Triton on GPU, interpreted on CPU), per
-    # device under shard_map (inside context_scan's over `context` when the sequence is split); every kind but RWKV.
-    # Not yet timed against "chunked": "auto" never picks it.
-    "pallas": MixerSupport(parallel=True, kinds=("mamba", "mamba2", "gated_deltanet", "rglru")),
+    # RG-LRU's diagonal scan, and Mamba's within each chunk; tfm.kernels.wkv: RWKV's; Mosaic on TPU, Triton on GPU,
+    # interpreted on CPU), per device under shard_map (inside context_scan's over `context` when the sequence is
+    # split). Not yet timed against "chunked": "auto" never picks it.
+    "pallas": MixerSupport(parallel=True),
 }
 MIXER_IMPLS = tuple(MIXER) + ("auto",)  # "auto": chunked over a sequence, the recurrent step for one token
 

@@ -287,9 +287,9 @@ class ExecutionConfig(_FieldGroup):
       a multiple of 8); 1 = as is; None = 128 on GPU (measured: benchmarks/RESULTS.md), 1 elsewhere.
       The parameters and logits keep V.
     mixer_impl: how the linear-time token mixers run (tfm.capabilities.MIXER): "reference" (the
-      recurrent form, a scan over time), "chunked" (the parallel form), "auto" (chunked over a
-      sequence, the recurrent step for a single token).
-    mixer_chunk_size: tokens per chunk of the chunked form.
+      recurrent form, a scan over time), "chunked" (the parallel form), "pallas" (the Pallas kernels),
+      "auto" (chunked over a sequence, the recurrent step for a single token).
+    mixer_chunk_size: tokens per chunk of the chunked form (of the kernels: their tile, rows per block on TPU).
     embedding_impl: how the token table is read under a mesh whose rules shard it (FSDP on D,
       `tensor` on V): "sharded" keeps it sharded (the ids gathered, the rows exchanged all-to-all,
       a sum over V's group; tfm.layers.embeddings.sharded_lookup), "xla" leaves the layout to XLA's
@@ -769,11 +769,6 @@ class ModelConfig:
         if "rglru" in mixers and width % self.num_heads:
             raise ValueError(f"ModelConfig.rglru.width={width} must be a multiple of num_heads={self.num_heads} "
                              f"(the RG-LRU's gates are block-diagonal over the heads)")
-        runs = capabilities.MIXER.get(self.execution.mixer_impl)
-        untaken = sorted(mixers & set(MIXER_GROUPS) - set(runs.kinds)) if runs and runs.kinds is not None else []
-        if untaken:
-            raise ValueError(f"ModelConfig.execution.mixer_impl={self.execution.mixer_impl!r} runs only "
-                             f"{list(runs.kinds)} layers, not {untaken} of mixer_pattern: use mixer_impl='chunked'")
 
     def layer_mixer(self, layer: int) -> str:
         """Layer `layer`'s token mixer under mixer_pattern (MIXERS)."""

@@ -2,21 +2,24 @@
 
 Letters: B batch, T time, C channels; n chunks of L tokens.
 
-Two forms of one recurrence. `reference` scans over time in the numerically stable form of
+Three forms of one recurrence. `reference` scans over time in the numerically stable form of
 transformers' `rwkv_linear_attention_cpu` (a decode step). `chunked` is the training form: within
 a chunk each output is a masked weighted sum of the chunk's values and the carried state, its log
 weights lowered by their row's maximum before they are exponentiated (so every exponent is <= 0
 and every denominator >= 1); a scan over chunks carries the stable state. Masked log weights are
--inf before exp, so no inf meets a zero in values or gradients.
+-inf before exp, so no inf meets a zero in values or gradients. `pallas` is tfm.kernels.wkv's sequential
+kernel (the reference's recurrence in one pass, the state in registers), on each device's rows and channels.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from tfm.ops import context_scan
+from tfm.kernels import wkv as kernel
+from tfm.ops import context_scan, shard
+from tfm.parallel.mesh import current_platform
 
-IMPLS = ("reference", "chunked")
+IMPLS = ("reference", "chunked", "pallas")
 EMPTY_MAX = -1e38  # the max exponent of the empty state, as in transformers
 
 
@@ -32,8 +35,9 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
     state (initial_state None) is (0, 0, -1e38).
     segment_ids [B, T] int, 0 = padding: the state is emptied where a sequence starts
     (tfm.ops.segments); padding tokens leave it as it is, count as no step of decay, and output 0.
-    impl: "reference" (a scan over time, for decoding) or "chunked" (for training: a scan over chunks
-    of chunk_size tokens, O(B chunk_size^2 C) memory). Computed in float32 whatever the input dtype.
+    impl: "reference" (a scan over time, for decoding), "chunked" (for training: a scan over chunks
+    of chunk_size tokens, O(B chunk_size^2 C) memory) or "pallas" (the kernel; chunk_size rows per block on TPU).
+    Computed in float32 whatever the input dtype.
     Returns (out [B, T, C] in v.dtype, final_state)."""
     _check(w, u, k, v, segment_ids, initial_state, impl, chunk_size)
     B, T, C = k.shape
@@ -45,6 +49,8 @@ def wkv(w, u, k, v, *, segment_ids=None, initial_state=None, impl="chunked", chu
         w, u, k, vf = (x.astype(f32) for x in (w, u, k, v))
         if impl == "reference":
             out, state = _recurrent(w, u, k, vf, real, starts, state)
+        elif impl == "pallas":
+            out, state = _pallas(w, u, k, vf, real, starts, state, chunk_size)
         else:
             out, state = _chunked(w, u, k, vf, real, starts, state, min(chunk_size, k.shape[1]))
         return out.astype(v.dtype), state
@@ -81,6 +87,21 @@ def _add(a, b):
 # by exp(-w) per real token, and a sequence starting in a share empties what enters it.
 _ALGEBRA = context_scan.Algebra(apply=_apply, add=_add,
                                 compose=lambda a, b: (a[0] + b[0], a[1] * b[1]))
+
+
+def _pallas(w, u, k, v, real, starts, state, chunk_size):
+    """The kernel on each device's batch rows and channels (split as attention's heads, `shard.per_device_heads`: an
+    opaque kernel in a sharded jit needs an explicit shard_map boundary), w and u repeated per row."""
+    backend = current_platform()
+    rows = lambda x: jnp.broadcast_to(x, k.shape[:1] + x.shape)
+
+    def run(k, v, w, u, real, starts, *state):
+        out, state = kernel.wkv(w, u, k, v, real, starts, state, chunk=chunk_size, backend=backend)
+        return (out,) + state
+
+    out, *state = shard.per_device_heads(run, (k, v, rows(w), rows(u), real, starts) + tuple(state),
+                                         heads_dims=(2, 2, 1, 1, None, None, 1, 1, 1), out_heads_dims=(2, 1, 1, 1))
+    return out, tuple(state)
 
 
 def _recurrent(w, u, k, v, real, reset, state):
