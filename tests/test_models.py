@@ -48,6 +48,10 @@ def test_decoder_kv_cache_matches_full_forward(name):
         logits, cache = step(cache, x[:, t:t + 1])
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5)
+    window = DECODER_CONFIGS[name].sliding_window  # a windowed layer keeps a ring of `window` slots, not all 16
+    lengths = {a.shape[-2] for path, a in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(cache))
+               if "'cached_key'" in jax.tree_util.keystr(path) or "'cached_latent'" in jax.tree_util.keystr(path)}
+    assert lengths == ({16} if window is None else {window})
 
 
 def test_latent_attention_caches_the_latent_and_rope_key_only():
@@ -308,3 +312,17 @@ def test_every_parameter_carries_logical_axis_names(family, model_cls, n_inputs,
     for v in leaves:
         assert len(v.names) == v.value.ndim and set(v.names) <= LOGICAL_NAMES, v.names
     assert any("layers" in v.names for v in leaves) == scan
+
+
+def test_a_windowed_cache_is_flat_in_context():
+    """RecurrentGemma-2B's decode cache for one sequence (shapes only, nothing allocated): each local-attention
+    layer keeps its 2,048-token window, the RG-LRU layers fixed-size states, so the cache is the same size at
+    4,096 and 32,768 tokens of context (all 32,768 positions would be 16x the window)."""
+    model = DecoderLM(presets.recurrentgemma_2b())
+    params = jax.eval_shape(lambda: init(model, jnp.zeros((1, 8), jnp.int32)))
+    shapes = {n: jax.eval_shape(lambda p: decode.init_cache(model, p, 1, n), params) for n in (4096, 32768)}
+    sizes = {n: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nn.meta.unbox(c))) for n, c in shapes.items()}
+    assert sizes[4096] == sizes[32768]
+    lengths = {a.shape[-2] for path, a in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes[32768]))
+               if "'cached_key'" in jax.tree_util.keystr(path)}
+    assert lengths == {2048}

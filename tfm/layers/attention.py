@@ -38,7 +38,9 @@ class Attention(nn.Module):
     `cache/cached_segment_ids` [B, L]; writing T new entries at `cache/index`. Cross-attention keeps the
     projected memory `cache/cached_{key,value}` [B, K, S, H] computed once when the cache is made.
     The first decode-mode call creates the cache (zeros, length = the T it was given) and
-    leaves it empty: call the model once with a [B, max_len] dummy to size it.
+    leaves it empty: call the model once with a [B, max_len] dummy to size it. A causal layer with a window w
+    (config.layer_window) keeps only min(w, L) positions, a ring written at index mod w: a step attends to the ring
+    as it was before the step beside the step's own keys (masked by position), then overwrites the oldest slots.
     Cached arrays are boxed with the logical names CACHE_KV_AXES / CACHE_SEGMENT_AXES (cross-attention:
     MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
 
@@ -172,7 +174,8 @@ class Attention(nn.Module):
             return q, k, v, kv_segment_ids, positions
         (k, v), segment_ids, positions = self._write_cache(
             {"cached_key": (_swap_length_heads(k), CACHE_KV_AXES),
-             "cached_value": (_swap_length_heads(v), CACHE_KV_AXES)}, segment_ids)
+             "cached_value": (_swap_length_heads(v), CACHE_KV_AXES)}, segment_ids,
+            ring=cfg.layer_window(self.layer_index) if self.causal else None)
         return q, _swap_length_heads(k), _swap_length_heads(v), segment_ids, positions
 
     def _value(self, x):
@@ -249,27 +252,58 @@ class Attention(nn.Module):
         seg = self._cache("cached_segment_ids", MEMORY_SEGMENT_AXES, lambda: memory_segment_ids)
         return q, _swap_length_heads(k.value), _swap_length_heads(v.value), seg.value
 
-    def _write_cache(self, entries, segment_ids):
+    def _write_cache(self, entries, segment_ids, ring=None):
         """Writes each new entry (name -> (array in its cache layout with T new positions, its
         logical axes, "cache_length" among them)) at the cache index. Returns the whole cached
-        arrays in the order given, the cache's segment ids [B, L] and positions [1, L]."""
+        arrays in the order given, the cache's segment ids [B, L] and positions [1, L]. ring: a window w
+        (keys further back than w - 1 positions are never read): the cache keeps min(w, L) slots, and what
+        is returned is the slots before this write followed by the T new entries (`_ring_write`)."""
         creating = not self.has_variable("cache", "index")
-        cached = {name: self._cache(name, axes, lambda a=a: jnp.zeros(a.shape, a.dtype))
-                  for name, (a, axes) in entries.items()}
         first, axes = next(iter(entries.values()))
         B, T = first.shape[0], first.shape[axes.index("cache_length")]
-        cseg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: jnp.zeros((B, T), jnp.int32))
+        slots = T if ring is None else min(ring, T)  # T: the cache length while the cache is made
+
+        def empty(a, axes):
+            at = axes.index("cache_length")
+            return jnp.zeros(a.shape[:at] + (slots,) + a.shape[at + 1:], a.dtype)
+
+        cached = {name: self._cache(name, axes, lambda a=a, axes=axes: empty(a, axes))
+                  for name, (a, axes) in entries.items()}
+        cseg = self._cache("cached_segment_ids", CACHE_SEGMENT_AXES, lambda: jnp.zeros((B, slots), jnp.int32))
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        if not creating:
-            i = index.value
-            for name, (a, axes) in entries.items():
-                start = tuple(i if axis == "cache_length" else 0 for axis in axes)
-                cached[name].value = jax.lax.dynamic_update_slice(cached[name].value,
-                                                                  a.astype(cached[name].value.dtype), start)
-            ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-            cseg.value = jax.lax.dynamic_update_slice(cseg.value, ids, (0, i))
-            index.value = i + T
+        if creating:
+            return [cached[name].value for name in entries], cseg.value, jnp.arange(slots)[None]
+        i = index.value
+        ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        index.value = i + T
+        if ring is not None:
+            return self._ring_write(entries, cached, cseg, ids, i)
+        for name, (a, axes) in entries.items():
+            start = tuple(i if axis == "cache_length" else 0 for axis in axes)
+            cached[name].value = jax.lax.dynamic_update_slice(cached[name].value,
+                                                              a.astype(cached[name].value.dtype), start)
+        cseg.value = jax.lax.dynamic_update_slice(cseg.value, ids, (0, i))
         return [cached[name].value for name in entries], cseg.value, jnp.arange(cseg.value.shape[1])[None]
+
+    @staticmethod
+    def _ring_write(entries, cached, cseg, ids, i):
+        """The ring's slots (W of them; slot j holds the latest position p < i with p = j mod W) followed by the T
+        new entries at positions i .. i + T - 1, with their segment ids [B, W + T] and positions [1, W + T]; then
+        the last min(W, T) new entries overwrite their slots."""
+        W, T = cseg.value.shape[1], ids.shape[1]
+        slot = jnp.arange(W)
+        positions = jnp.concatenate([i - 1 - (i - 1 - slot) % W, i + jnp.arange(T)])[None]
+        read = []
+        for name, (a, axes) in entries.items():
+            length = axes.index("cache_length")
+            old = cached[name].value
+            read.append(jnp.concatenate([old, a.astype(old.dtype)], axis=length))
+            kept = jax.lax.slice_in_dim(a, T - min(W, T), T, axis=length).astype(old.dtype)
+            where = (slice(None),) * length + ((i + jnp.arange(T - min(W, T), T)) % W,)
+            cached[name].value = old.at[where].set(kept)
+        segments = jnp.concatenate([cseg.value, ids], axis=1)
+        cseg.value = cseg.value.at[:, (i + jnp.arange(T - min(W, T), T)) % W].set(ids[:, T - min(W, T):])
+        return read, segments, positions
 
     def _cache(self, name: str, axes, make):
         """The cache variable `name`, created by make() and boxed with logical `axes`; reading
