@@ -249,8 +249,8 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
     driver, Mosaic) and of two H100s (the loop driver, Triton, register spilling refused): each device runs the
     kernels on its own head (SSD's group repeated for it), inside shard_map. On the H100 the delta rule's
     kernels fit the registers only at small head dims (tfm.kernels.delta_rule). Beside them RG-LRU's linear scan
-    (fp32, 2 heads of 256 channels, TPU blocks of `chunk` rows) and Mamba's selective scan (bf16, 512 channels of
-    state 16, each device's 256 x 16 scanned by the same kernel a chunk at a time) and RWKV's WKV (fp32, 512
+    (fp32, 2 heads of 256 channels, TPU blocks of `chunk` rows), Mamba's selective scan (bf16, 512 channels of
+    state 16, 256 on each device, the fused kernel a chunk at a time) and RWKV's WKV (fp32, 512
     channels, 256 on each device): their forward and reverse (backward) passes."""
     mesh = make_mesh(MeshConfig(data=1, tensor=2), _devices(target)[:2])
     B, T, N, H, S, Dk = 2, 200, 2, 64, 128, delta_dim
@@ -289,14 +289,15 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
                                    spec((B, T), jnp.int32)).compile(
             compiler_options=REFUSE_SPILLS if kernel_calls == "h100-1" else None).as_text()
     calls = [line for line in hlo.splitlines() if KERNEL_CALLS[kernel_calls] in line]
-    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|linear_scan_[a-z]+|wkv_[a-z]+)"
+    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|linear_scan_[a-z]+|wkv_[a-z]+|" \
+              r"selective_scan_[a-z]+)"
     assert sorted(re.search(pattern, line).group(1) for line in calls) == [
-        "gated_delta_bwd_chunk", "gated_delta_bwd_state", "gated_delta_fwd", "linear_scan_bwd", "linear_scan_bwd",
-        "linear_scan_fwd", "linear_scan_fwd", "linear_scan_fwd",  # Mamba's chunk forward again in its backward
+        "gated_delta_bwd_chunk", "gated_delta_bwd_state", "gated_delta_fwd", "linear_scan_bwd", "linear_scan_fwd",
+        "selective_scan_bwd", "selective_scan_fwd", "selective_scan_fwd",  # the chunk's forward again in its backward
         "ssd_bwd_across", "ssd_bwd_intra", "ssd_bwd_state", "ssd_fwd", "wkv_bwd", "wkv_fwd"]
-    chunked = [line for line in calls if "linear_scan_" not in line and "wkv_" not in line]
+    chunked = [line for line in calls if re.search(r"(ssd|gated_delta)_", line)]
     assert all(f"bf16[{B},1," in line for line in chunked)  # per device: [B, N / 2, T, head dim]
     # per device: one RG-LRU head's state, and Mamba's E / 2 channels of state 16
-    assert sum(f"f32[{B},1,256]" in line for line in calls if "linear_scan_" in line) == 2
-    assert sum(f"f32[{B},1,{E // 2 * 16}]" in line for line in calls if "linear_scan_" in line) == 3
+    assert all(f"f32[{B},1,256]" in line for line in calls if "linear_scan_" in line)
+    assert all(f"f32[{B},1,{E // 2}]" in line for line in calls if "selective_scan_" in line)
     assert all(f"f32[{B},1,{E // 2}]" in line for line in calls if "wkv_" in line)  # per device: half the channels

@@ -4,7 +4,7 @@ tfm.ops.linear_scan, tfm.ops.wkv; the WKV kernel's values and gradients are test
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
 and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
-B/C; Mamba's selective scan (its chunks scanned by the linear-scan kernel) with 8 channels of state 4. Values
+B/C; Mamba's selective scan (the fused kernel) with 8 channels of state 4. Values
 (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each quantity's largest
 magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked forms
 compute in fp32).
@@ -20,6 +20,7 @@ import pytest
 from tfm.kernels import delta_rule as delta_kernel
 from tfm.kernels import linear_scan as scan_kernel
 from tfm.kernels import row_loop
+from tfm.kernels import selective_scan as selective_kernel
 from tfm.kernels import wkv as wkv_kernel
 from tfm.kernels import ssd as ssd_kernel
 from tfm.models import DecoderLM
@@ -93,6 +94,11 @@ def _by_kernel(family, *args):
         dt = jnp.where(real, dt.astype(jnp.float32), 0)
         xdt = (x.astype(jnp.float32) * dt[..., None]).astype(x.dtype)
         return ssd_kernel.chunked_ssd(xdt, dt * A, B, C, reset, h0, **options)
+    if family == "selective":
+        x, dt, A, B, C = args
+        dt = jnp.where(real, dt.astype(jnp.float32), 0)
+        y, h = selective_kernel.selective_scan(x, dt, jnp.broadcast_to(A, h0.shape), B, C, reset, h0, **options)
+        return y.astype(x.dtype), h
     q, k, v, g, beta = args
     return delta_kernel.chunked_gated_delta_rule(q, k, v, jnp.where(real, g, 0), jnp.where(real, beta, 0), reset,
                                                  h0, **options)
@@ -117,13 +123,12 @@ def _reference(family):
 
 @pytest.mark.parametrize("family,dtype,driver", [
     ("ssd", jnp.float32, "loop"), ("ssd", jnp.bfloat16, "grid"), ("delta", jnp.float32, "loop"),
-    ("delta", jnp.bfloat16, "grid"), ("selective", jnp.float32, "loop"), ("selective", jnp.bfloat16, "loop")],
+    ("delta", jnp.bfloat16, "grid"), ("selective", jnp.float32, "loop"), ("selective", jnp.bfloat16, "grid")],
     ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid", "selective-fp32-loop",
-         "selective-bf16-loop"])
+         "selective-bf16-grid"])
 def test_kernels_equal_the_chunked_forms(family, dtype, driver):
     """The loop driver (GPU's) through the entry point, impl="pallas" on CPU; the grid driver (TPU's: a
-    sequential chunk axis, the state in scratch) called directly; both interpreted. (The selective scan's kernel
-    is the linear scan's, whose grid driver is tested below.)"""
+    sequential chunk axis, the state in scratch) called directly; both interpreted."""
     args, cotangents = _inputs(family, dtype)
     run = (functools.partial(_by_entry_point, family, "pallas") if driver == "loop"
            else functools.partial(_by_kernel, family))

@@ -119,9 +119,9 @@ MIXER = {
     # The parallel form: chunked SSD, the chunked gated delta rule (WY form), chunked or associative
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
-    # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan: the
-    # RG-LRU's diagonal scan, and Mamba's within each chunk; tfm.kernels.wkv: RWKV's; Mosaic on TPU, Triton on GPU,
-    # interpreted on CPU), per device under shard_map (inside context_scan's over `context` when the sequence is
+    # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan,
+    # selective_scan, wkv: RG-LRU's, Mamba's and RWKV's recurrences; Mosaic on TPU, Triton on GPU, interpreted on
+    # CPU), per device under shard_map (inside context_scan's over `context` when the sequence is
     # split). Not yet timed against "chunked": "auto" never picks it.
     "pallas": MixerSupport(parallel=True),
 }

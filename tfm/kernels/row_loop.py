@@ -28,6 +28,7 @@ class Config(NamedTuple):
     lanes: int
     driver: str  # "grid" | "loop"
     interpret: bool
+    warps: int = 1  # GPU: warps per program (lanes / (32 warps) channels per thread in every row)
 
 
 def check_chunk(chunk: int, backend: str, kernel: str) -> None:
@@ -38,12 +39,13 @@ def check_chunk(chunk: int, backend: str, kernel: str) -> None:
                          f"block and needs a multiple of {SUBLANES}; set ModelConfig.execution.mixer_chunk_size to one")
 
 
-def config(T: int, W: int, chunk: int, backend: str, interpret: bool) -> Config:
+def config(T: int, W: int, chunk: int, backend: str, interpret: bool, warps: int = 1) -> Config:
     """The settings for T rows of W channels: the loop driver but on TPU, `chunk` rows a block there (shrunk
-    for a shorter T), `LANES` channels a program compiled, all W interpreted."""
+    for a shorter T), `LANES` channels a program compiled, all W interpreted; `warps` per program on GPU (a
+    kernel carrying many rows spreads them over more threads)."""
     driver = "grid" if backend == "tpu" else "loop"
     rows = min(chunk, -(-T // SUBLANES) * SUBLANES) if driver == "grid" else T
-    return Config(rows, W if interpret else LANES, driver, interpret)
+    return Config(rows, W if interpret else LANES, driver, interpret, warps)
 
 
 def padded(T: int, W: int, cfg: Config) -> tuple[int, int]:
@@ -115,7 +117,7 @@ def row_loop(step: Callable, sequences, carry, n_out: int, cfg: Config, *, rever
         kernel, scratch, params = functools.partial(_loop_kernel, step=step, counts=counts, reverse=reverse), (), None
         if not cfg.interpret:
             from jax.experimental.pallas import triton as pltriton
-            params = pltriton.CompilerParams(num_warps=1, num_stages=1)
+            params = pltriton.CompilerParams(num_warps=cfg.warps, num_stages=1)
     else:
         from jax.experimental.pallas import tpu as pltpu
         n = Tp // cfg.chunk

@@ -26,9 +26,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels import selective_scan as selective_kernel
 from tfm.kernels import ssd as ssd_kernels
 from tfm.ops import context_scan, shard
-from tfm.ops.linear_scan import by_kernel
 from tfm.parallel.mesh import current_platform
 
 __all__ = ["selective_scan", "ssd"]
@@ -99,8 +99,8 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     x, dt [B, T, E] (dt positive); A [E, S] negative; B, C [B, T, S]; segment_ids [B, T] int
     (0 = padding); initial_state [B, E, S] (None: zeros). impl "reference" (recurrent), "chunked" (a scan over
     chunks of chunk_size tokens, each an associative scan, holding O(L E S) at a time) or "pallas" (the same
-    chunks, each scanned by tfm.kernels.linear_scan: one sequential pass over the chunk instead of the
-    associative scan's 2 log2 L; the decays and inputs [B, L, E, S] are still built in XLA: no fused kernel yet).
+    chunks, each by tfm.kernels.selective_scan's fused kernel: one pass, the decays and inputs never built;
+    chunk_size rows per block on TPU; the chunks' O(L E S) states kept for the backward pass).
     Returns y [B, T, E] in x.dtype and the final state [B, E, S] float32.
     """
     _check_impl(impl, chunk_size)
@@ -138,7 +138,7 @@ def _selective_run(impl, chunk_size, sequences, params, real, starts, h0):
         y, h = _selective_reference(*args)
     elif impl == "pallas":
         y, h = _selective_chunked(*args, chunk=min(chunk_size, x.shape[1]),
-                                  scan=lambda decay, added, h: by_kernel(decay, added, h, chunk_size)[0])
+                                  chunk_scan=functools.partial(_selective_pallas, chunk_size))
     else:
         y, h = _selective_chunked(*args, chunk=min(chunk_size, x.shape[1]))
     return y.astype(x.dtype), h
@@ -229,22 +229,38 @@ def _selective_reference(x, dt, A, B, C, reset, h0):
     return jnp.moveaxis(y, 0, 1), h
 
 
-def _associative(decay, added, h):
-    """Every state [B, L, E, S] of a chunk entered with h [B, E, S], by an associative scan of its (decay, input)
-    pairs [B, L, E, S]."""
+def _associative(x, dt, B, C, reset, A, h):
+    """A chunk of L tokens (x, dt [B, L, E], B, C [B, L, S], reset [B, L]) from the state h [B, E, S] entering it:
+    an associative scan of its (decay, input) pairs [B, L, E, S]. Returns (the state leaving it, y [B, L, E])."""
     def combine(earlier, later):
         (decay_1, h_1), (decay_2, h_2) = earlier, later
         return decay_1 * decay_2, decay_2 * h_1 + h_2
 
+    decay = jnp.where(reset[..., None, None], 0, jnp.exp(dt[..., None] * A))  # [B, L, E, S]
+    added = (dt * x)[..., None] * B[:, :, None, :]
     decay, added = jax.lax.associative_scan(combine, (decay, added), axis=1)
-    return decay * h[:, None] + added
+    states = decay * h[:, None] + added  # [B, L, E, S]
+    return states[:, -1], jnp.einsum("bles,bls->ble", states, C)
 
 
-def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk, scan=_associative):
-    """The selective scan on the arguments of `_selective_reference`, one chunk of L tokens at a time: the
-    chunk's (decay, input) pairs [B, L, E, S] scanned by `scan(decay, added, h)` (`_associative`, or the kernel)
-    from the state entering it, recomputed in the backward pass (`jax.checkpoint`), so only the [B, E, S]
-    state between chunks is kept."""
+def _selective_pallas(chunk_size, x, dt, B, C, reset, A, h):
+    """`_associative`'s chunk by the fused kernel (tfm.kernels.selective_scan) on each device's batch rows and
+    channels (split as attention's heads: an opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
+    backend = current_platform()
+
+    def kernel(x, dt, B, C, reset, A, h):
+        y, h = selective_kernel.selective_scan(x, dt, A, B, C, reset, h, chunk=chunk_size, backend=backend)
+        return h, y
+
+    A = jnp.broadcast_to(A, h.shape)
+    return shard.per_device_heads(kernel, (x, dt, B, C, reset, A, h), heads_dims=(2, 2, None, None, None, 1, 1),
+                                  out_heads_dims=(1, 2))
+
+
+def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk, chunk_scan=_associative):
+    """The selective scan on the arguments of `_selective_reference`, one chunk of L tokens at a time, each by
+    `chunk_scan(x, dt, B, C, reset, A, h) -> (h, y)` (`_associative`, or the fused kernel) from the state entering
+    it, recomputed in the backward pass (`jax.checkpoint`), so only the [B, E, S] state between chunks is kept."""
     b, t = x.shape[:2]
     x, dt, B, C, reset = _pad_time(chunk, x, dt, B, C, reset)
     c = x.shape[1] // chunk
@@ -253,10 +269,7 @@ def _selective_chunked(x, dt, A, B, C, reset, h0, *, chunk, scan=_associative):
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def step(h, inputs):
         x_c, dt_c, b_c, c_c, reset_c = inputs
-        decay = jnp.where(reset_c[..., None, None], 0, jnp.exp(dt_c[..., None] * A))  # [B, L, E, S]
-        added = (dt_c * x_c)[..., None] * b_c[:, :, None, :]
-        states = scan(decay, added, h)  # [B, L, E, S]
-        return states[:, -1], jnp.einsum("bles,bls->ble", states, c_c)
+        return chunk_scan(x_c, dt_c, b_c, c_c, reset_c, A, h)
 
     h, y = jax.lax.scan(step, h0, chunks)  # y [c, B, L, E]
     return jnp.moveaxis(y, 0, 1).reshape(b, c * chunk, -1)[:, :t], h
