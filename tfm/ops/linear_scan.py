@@ -40,7 +40,7 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
             final, h = jax.lax.scan(step, h0, (jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0)))
             h = jnp.moveaxis(h, 0, 1)
         elif impl == "pallas":
-            h, final = by_kernel(a, b, h0, chunk_size)
+            h, final = _by_kernel(a, b, h0, chunk_size)
         else:
             b = b.at[:, 0].add(a[:, 0] * h0)  # h_0 = a_0 h_{-1} + b_0: the state enters as the first input
 
@@ -58,7 +58,7 @@ def linear_scan(a, b, *, segment_ids=None, initial_state=None, impl="chunked", c
     return context_scan.scan(run, chunk_map, context_scan.DIAGONAL, (a, b), (), segment_ids, h0)
 
 
-def by_kernel(a, b, h0, chunk_size):
+def _by_kernel(a, b, h0, chunk_size):
     """h_t = a_t * h_{t-1} + b_t from h0 by tfm.kernels.linear_scan (float32 a, b [B, T, ...], h0 [B, ...]; chunk_size
     rows per block on TPU) on each device's batch rows and, for [B, T, N, ...], heads N (split as attention's: an
     opaque kernel in a sharded jit needs an explicit shard_map boundary). Returns (h, final state), float32."""
