@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from parallel_cases import MESHES
 from tfm.layers.feedforward import top_k_gates
@@ -46,7 +47,8 @@ def test_group_limited_sigmoid_routing_equals_brute_force():
 def test_balancing_bias_steps_against_the_load_and_nothing_else_moves_it():
     """One Adam train step of a tiny DeepSeek-style LM (clip 1.0, weight decay): every MoE layer's
     score_bias moves by exactly -rate * sign(tokens routed to the expert - mean), the count taken
-    by brute force from the routing the step saw; the loss equals the one without the bias signal."""
+    by brute force from the routing the step saw; the loss equals the one without the bias signal, and the logged
+    grad_norm is the loss's gradient norm without the bias's load signal (what clipping sees)."""
     rate = 0.01
     cfg = presets.tiny("moe", **ROUTED, dense_layers=1, num_layers=2, router_bias_rate=rate)
     model, task = DecoderLM(cfg), LMTask()
@@ -73,7 +75,13 @@ def test_balancing_bias_steps_against_the_load_and_nothing_else_moves_it():
     assert load.std() > 0, load
     np.testing.assert_allclose(new_bias, -rate * np.sign(load - load.mean()), atol=1e-7)
 
-    loss = float(metrics["loss"])
-    logits = model.apply({"params": params}, jnp.asarray(batch["inputs"])).logits
-    ref = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(batch["targets"])[..., None], -1))
-    np.testing.assert_allclose(loss, float(ref), rtol=1e-5)
+    def loss_of(params):
+        logits = model.apply({"params": params}, jnp.asarray(batch["inputs"])).logits
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(batch["targets"])[..., None], -1))
+
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss_of(params)), rtol=1e-5)
+    # grad_norm is the norm clipping sees: the loss's gradients, not the bias's load signal (E times |excess|)
+    grads = jax.grad(loss_of)(params)
+    learned = [g for path, g in jax.tree_util.tree_leaves_with_path(grads)
+               if "score_bias" not in jax.tree_util.keystr(path)]
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(learned)), rtol=1e-4)

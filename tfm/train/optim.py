@@ -121,6 +121,19 @@ def make_optimizer(cfg: OptimizerConfig, num_train_steps: int, balance_rate: Opt
     return opt, lr
 
 
+def learned_norm(cfg: OptimizerConfig, balance_rate: Optional[float] = None):
+    """grads -> the global norm of the gradients `make_optimizer(cfg, balance_rate=...)` learns from, the one its
+    clipping sees: without the balancing biases' load signals and the frozen parameters' gradients."""
+    if not cfg.frozen and balance_rate is None:
+        return optax.tree.norm
+    labels = _labeller(cfg.frozen, balance_rate is not None)
+
+    def norm(grads):
+        learned = [g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(labels(grads))) if label == "learn"]
+        return optax.tree.norm(learned)
+    return norm
+
+
 def _key(entry) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(entry, attr):

@@ -18,11 +18,12 @@ def split_microbatches(batch: dict, n: int) -> dict:
 
 
 def make_train_step(model, task, tx, schedule, *, microbatches: int = 1,
-                    skip_nonfinite: bool = False, microbatch_constraint=None):
+                    skip_nonfinite: bool = False, microbatch_constraint=None, norm=optax.tree.norm):
     """train_step(state, batch) -> (state, metrics), for `jax.jit`.
 
     metrics: loss, accuracy, z_loss (with a z-loss), moe_aux_loss (a model sowing one) as full-batch
-    means, grad_norm, lr, and finite (1.0 if loss and gradients are finite). With skip_nonfinite a
+    means, grad_norm (`norm(grads)`: the trainer passes `optim.learned_norm`, the norm `tx` clips), lr, and
+    finite (1.0 if loss and gradients are finite). With skip_nonfinite a
     non-finite step leaves params and optimizer state unchanged (the step counter still advances).
     `microbatch_constraint(mb)` re-shards a microbatch (the trainer passes the batch sharding).
     """
@@ -54,7 +55,7 @@ def make_train_step(model, task, tx, schedule, *, microbatches: int = 1,
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), zeros)
             (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(microbatches), micro))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         with jax.named_scope("optimizer"):  # names the update's ops in compiled HLO
             updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -23,7 +23,7 @@ from tfm.train.config import TrainConfig
 from tfm.train.host_memory import keep_freed_buffers
 from tfm.train.hooks import Hook, default_hooks
 from tfm.train.metrics import MetricLogger
-from tfm.train.optim import make_optimizer
+from tfm.train.optim import learned_norm, make_optimizer
 from tfm.train.state import TrainState
 from tfm.train.step import make_eval_step, make_train_step
 from tfm.train.watchdog import Watchdog
@@ -69,6 +69,7 @@ class Trainer:
         self.activation_rules = parallel.flax_rules(parallel.make_rules(*styles, activations=True))
         balance = _balance_rate(model.config, task)
         self.tx, self.schedule = make_optimizer(config.optimizer, config.num_train_steps, balance_rate=balance)
+        self._grad_norm = learned_norm(config.optimizer, balance)
         self.batch_sharding = parallel.batch_sharding(self.mesh, self.rules)
         self.replicated = NamedSharding(self.mesh, P())
 
@@ -118,7 +119,8 @@ class Trainer:
             self.model, self.task, self.tx, self.schedule,
             microbatches=self.config.microbatches,
             skip_nonfinite=self.config.on_nonfinite == "skip",
-            microbatch_constraint=lambda mb: jax.lax.with_sharding_constraint(mb, self.batch_sharding))
+            microbatch_constraint=lambda mb: jax.lax.with_sharding_constraint(mb, self.batch_sharding),
+            norm=self._grad_norm)
         self._step = jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, self.replicated),
                              donate_argnums=0)
