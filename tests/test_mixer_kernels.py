@@ -105,13 +105,14 @@ def _by_kernel(family, *args):
 
 
 def _values_and_grads(run, args, cotangents, segments=None):
-    """run(*args, segment ids) -> (output, final state): those and the gradients of every arg (segment ids
-    `_segments()` unless given)."""
+    """run(*args, segment ids) -> (output, final state, an array or a tuple of them): those and the gradients of
+    every arg (segment ids `_segments()` unless given); cotangents (of the output, of the state alike)."""
     segments = _segments() if segments is None else segments
 
     def loss(*args):
         out, h = run(*args, segments)
-        return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + jnp.sum(h * cotangents[1]), (out, h)
+        state = sum(jnp.sum(s * c) for s, c in zip(jax.tree.leaves(h), jax.tree.leaves(cotangents[1])))
+        return jnp.sum(out.astype(jnp.float32) * cotangents[0]) + state, (out, h)
     (_, values), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
     return values, grads
 
@@ -187,24 +188,18 @@ def test_wkv_grid_driver_equals_the_chunked_form():
     k, v = 3 * jax.random.normal(keys[2], (1, T, 6)), jax.random.normal(keys[3], (1, T, 6))
     state = (jax.random.normal(keys[4], (1, 6)), 1 + jax.random.uniform(keys[5], (1, 6)),
              jax.random.normal(keys[6], (1, 6)))
-    cotangents = jax.random.normal(keys[7], (4, 1, T, 6))
+    ct = jax.random.normal(keys[7], (4, 1, T, 6))
+    cotangents = (ct[0], tuple(c[:, 0] for c in ct[1:]))
 
-    def by_kernel(w, u, k, v, state):
-        real, starts = sequence_starts(_segments())
+    def by_kernel(w, u, k, v, state, segments):
+        real, starts = sequence_starts(segments)
         return wkv_kernel.wkv(w[None], u[None], k, v, real, starts, state, chunk=8, backend="tpu", interpret=True)
 
-    def chunked(w, u, k, v, state):
-        return wkv_ops.wkv(w, u, k, v, segment_ids=_segments(), initial_state=state, impl="chunked", chunk_size=8)
+    def chunked(w, u, k, v, state, segments):
+        return wkv_ops.wkv(w, u, k, v, segment_ids=segments, initial_state=state, impl="chunked", chunk_size=8)
 
-    def values_and_grads(run):
-        def loss(*args):
-            out, final = run(*args)
-            return jnp.sum(out * cotangents[0]) + sum(jnp.sum(s * c[:, 0]) for s, c in zip(final, cotangents[1:])), \
-                (out, final)
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(w, u, k, v, state)
-
-    (_, got), got_grads = values_and_grads(by_kernel)
-    (_, want), want_grads = values_and_grads(chunked)
+    got, got_grads = _values_and_grads(by_kernel, (w, u, k, v, state), cotangents)
+    want, want_grads = _values_and_grads(chunked, (w, u, k, v, state), cotangents)
     for g, r in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.abs(r).max()))
 

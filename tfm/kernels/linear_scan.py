@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tfm.kernels.row_loop import Config, check_chunk, config, padded, row_loop
-from tfm.kernels.tiles import kernel_backend
+from tfm.kernels.row_loop import Config, row_loop, settings
+
 
 def _step(rows, carry):
     (a, b), (h,) = rows, carry
@@ -65,14 +65,10 @@ def linear_scan(a, b, h0=None, *, chunk: int, backend: Optional[str] = None, int
     chunk: rows per block on TPU (a multiple of 8; shrunk for a shorter T); the loop driver takes whole rows.
     backend "tpu" (grid driver), "gpu" (loop driver, Triton) or "cpu"; default JAX's. interpret: the Pallas
     interpreter; default on cpu. Returns (h [B, T, ...], final state [B, ...]), float32."""
-    backend = kernel_backend(backend, "linear-scan kernel")
-    interpret = backend == "cpu" if interpret is None else interpret
-    check_chunk(chunk, backend, "linear-scan")
     Bsz, T = b.shape[:2]
     channels = b.shape[2:]
     W = math.prod(channels)
-    cfg = config(T, W, chunk, backend, interpret)
-    Tp, Wp = padded(T, W, cfg)
+    cfg, Tp, Wp = settings(T, W, chunk, backend, interpret, "linear-scan")
     flat = lambda x, fill: jnp.pad(x.astype(jnp.float32).reshape(Bsz, T, W), ((0, 0), (0, Tp - T), (0, Wp - W)),
                                    constant_values=fill)
     a, b = flat(a, 1.0), flat(b, 0.0)  # padded steps leave the state as it is

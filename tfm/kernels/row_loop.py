@@ -1,5 +1,5 @@
 """A sequential loop over time as a Pallas kernel, for recurrences that are elementwise over channels (the
-linear-time mixers' diagonal scans: tfm.kernels.linear_scan, tfm.kernels.wkv).
+linear-time mixers' diagonal scans: tfm.kernels.linear_scan, selective_scan, wkv).
 
 Each step reads one row of every sequence (a [1, lanes] slice of channels, or a [1, 1] per-token value
 broadcast over them) and the carry ([1, lanes] rows, fp32), and writes one row of every output. The channels
@@ -11,12 +11,14 @@ are cut into blocks of `lanes` (128: a TPU vector register's lanes, a GPU block'
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from tfm.kernels.tiles import kernel_backend
 
 LANES = 128  # channels per program on TPU and GPU (interpreted: every channel in one)
 SUBLANES = 8  # TPU rows per vector register: the grid driver's chunk is a multiple
@@ -39,18 +41,19 @@ def check_chunk(chunk: int, backend: str, kernel: str) -> None:
                          f"block and needs a multiple of {SUBLANES}; set ModelConfig.execution.mixer_chunk_size to one")
 
 
-def config(T: int, W: int, chunk: int, backend: str, interpret: bool, warps: int = 1) -> Config:
-    """The settings for T rows of W channels: the loop driver but on TPU, `chunk` rows a block there (shrunk
+def settings(T: int, W: int, chunk: int, backend: Optional[str], interpret: Optional[bool], kernel: str,
+             warps: int = 1) -> tuple[Config, int, int]:
+    """(cfg, Tp, Wp) for `kernel`'s T rows of W channels: backend (None: JAX's) and interpret (None: on cpu)
+    resolved and `chunk` checked (`check_chunk`); the loop driver but on TPU, `chunk` rows a block there (shrunk
     for a shorter T), `LANES` channels a program compiled, all W interpreted; `warps` per program on GPU (a
-    kernel carrying many rows spreads them over more threads)."""
+    kernel carrying many rows spreads them over more threads). Tp, Wp: T and W rounded up to the rows and lanes."""
+    backend = kernel_backend(backend, f"{kernel} kernel")
+    interpret = backend == "cpu" if interpret is None else interpret
+    check_chunk(chunk, backend, kernel)
     driver = "grid" if backend == "tpu" else "loop"
     rows = min(chunk, -(-T // SUBLANES) * SUBLANES) if driver == "grid" else T
-    return Config(rows, W if interpret else LANES, driver, interpret, warps)
-
-
-def padded(T: int, W: int, cfg: Config) -> tuple[int, int]:
-    """(Tp, Wp): T and W rounded up to the driver's rows and lanes."""
-    return -(-T // cfg.chunk) * cfg.chunk, -(-W // cfg.lanes) * cfg.lanes
+    cfg = Config(rows, W if interpret else LANES, driver, interpret, warps)
+    return cfg, -(-T // cfg.chunk) * cfg.chunk, -(-W // cfg.lanes) * cfg.lanes
 
 
 def _rows(step, seq_refs, out_refs, carry, reverse: bool):

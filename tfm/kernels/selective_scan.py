@@ -5,7 +5,8 @@ decays and inputs [T, E, S] are never built. Per channel e and state entry s,
 
 a recurrence elementwise over channels: a sequential loop over time (tfm.kernels.row_loop's drivers) whose carry
 is the S rows h[:, s] of a block of channels (fp32), each step reading x_t and dt_t (rows of channels) and B_t[s],
-C_t[s] (per-token values), the S entries unrolled. The forward also writes each state before its token.
+C_t[s] (per-token values), the S entries unrolled. The forward also writes each state before its token when the
+backward will read it.
 
 Backward (`jax.custom_vjp`), the same loop from the last token, carrying the cotangents g_s of h[:, s] (G = dLoss/dh
 after the last token to start): with the cotangent dy_t of y_t and the state h_{t-1} the forward wrote,
@@ -24,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tfm.kernels.row_loop import Config, check_chunk, config, padded, row_loop
-from tfm.kernels.tiles import kernel_backend
+from tfm.kernels.row_loop import Config, row_loop, settings
 
 # GPU: 4 warps a program, so that each thread holds one channel of each of the backward's 3 S carried rows (the
 # state's cotangent, dA, A) and 3 S rows read: with 1 warp (4 channels a thread) it spilled at S = 16 on an H100.
@@ -86,21 +86,23 @@ def _channel_rows(a):
     return tuple(a[:, None, :, s] for s in range(a.shape[-1]))
 
 
+def _forward(x, dt, reset, B, C, A, h0, cfg: Config, save: bool):
+    """(y, the final state [B, Ep, S], the states before each token: S rows [B, Tp, Ep] with `save`, else ())."""
+    S = B.shape[-1]
+    (y, *before), final = row_loop(_forward_step(S, save), (x, dt, reset) + _token_rows(B) + _token_rows(C),
+                                   _channel_rows(h0) + _channel_rows(A), 1 + S * save, cfg, reverse=False,
+                                   name="selective_scan_fwd", cost=_cost(x, S, 1))
+    return y, jnp.stack([h[:, 0] for h in final[:S]], -1), tuple(before)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _scan(x, dt, reset, B, C, A, h0, cfg: Config):
-    S = B.shape[-1]
-    (y,), final = row_loop(_forward_step(S, False), (x, dt, reset) + _token_rows(B) + _token_rows(C),
-                           _channel_rows(h0) + _channel_rows(A), 1, cfg, reverse=False, name="selective_scan_fwd",
-                           cost=_cost(x, S, 1))
-    return y, jnp.stack([h[:, 0] for h in final[:S]], -1)
+    return _forward(x, dt, reset, B, C, A, h0, cfg, save=False)[:2]
 
 
 def _scan_fwd(x, dt, reset, B, C, A, h0, cfg):
-    S = B.shape[-1]
-    (y, *before), final = row_loop(_forward_step(S, True), (x, dt, reset) + _token_rows(B) + _token_rows(C),
-                                   _channel_rows(h0) + _channel_rows(A), 1 + S, cfg, reverse=False,
-                                   name="selective_scan_fwd", cost=_cost(x, S, 1))
-    return (y, jnp.stack([h[:, 0] for h in final[:S]], -1)), (x, dt, reset, B, C, A, tuple(before))
+    y, h, before = _forward(x, dt, reset, B, C, A, h0, cfg, save=True)
+    return (y, h), (x, dt, reset, B, C, A, before)
 
 
 def _scan_bwd(cfg, residuals, cotangents):
@@ -129,12 +131,8 @@ def selective_scan(x, dt, A, B, C, reset, h0, *, chunk: int, backend: Optional[s
     bool, True where a sequence starts (the state before that token is dropped, t = 0 too); h0 [B, E, S]. chunk:
     rows per block on TPU (a multiple of 8; shrunk for a shorter T); the loop driver takes whole rows. backend,
     interpret as tfm.kernels.linear_scan's. Returns (y [B, T, E], final state [B, E, S]), float32."""
-    backend = kernel_backend(backend, "selective-scan kernel")
-    interpret = backend == "cpu" if interpret is None else interpret
-    check_chunk(chunk, backend, "selective-scan")
     Bsz, T, E = x.shape
-    cfg = config(T, E, chunk, backend, interpret, warps=WARPS)
-    Tp, Ep = padded(T, E, cfg)
+    cfg, Tp, Ep = settings(T, E, chunk, backend, interpret, "selective-scan", warps=WARPS)
     f32 = lambda a: a.astype(jnp.float32)
     tokens = lambda a, width=0: jnp.pad(f32(a), ((0, 0), (0, Tp - T), (0, width)))  # padded tokens: dt 0, no reset
     channels = lambda a: jnp.pad(f32(a), ((0, 0), (0, Ep - E), (0, 0)))  # padded channels: x, dt, A, h0 all 0

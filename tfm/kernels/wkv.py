@@ -5,7 +5,8 @@ D = den e^max of the earlier tokens' e^{k_i} v_i and e^{k_i}, decayed by e^{-w} 
   out_t = (S + e^{u + k_t} v_t) / (D + e^{u + k_t})      S <- e^{-w} S + e^{k_t} v_t,  D <- e^{-w} D + e^{k_t}
 
 each exponent lowered by the running max before it is taken. Elementwise over channels, so a sequential loop over
-time (tfm.kernels.row_loop's drivers); the forward also writes the state before every token.
+time (tfm.kernels.row_loop's drivers); the forward also writes the state before every token when the backward
+will read it.
 
 Backward (`jax.custom_vjp`), the same loop from the last token with the cotangents of S and D (lambda_S, lambda_D)
 as its state, kept as (alpha_S, alpha_D, rho) = lambda e^{-rho}: with Z_t = D + e^{u + k_t} and g_t the output's
@@ -28,8 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tfm.kernels.row_loop import Config, check_chunk, config, padded, row_loop
-from tfm.kernels.tiles import kernel_backend
+from tfm.kernels.row_loop import Config, row_loop, settings
 
 EMPTY_MAX = -1e38  # the max exponent of the empty state, as in transformers (tfm.ops.wkv)
 
@@ -47,16 +47,20 @@ def _output(k, v, n, d, m, u):
     return (old * n + new * v) / z, z, top, new
 
 
-def _forward_step(rows, carry):
-    (k, v, f), (n, d, m, w, u) = rows, carry
-    real, start = _flags(f)
-    n, d, m = jnp.where(start, 0.0, n), jnp.where(start, 0.0, d), jnp.where(start, EMPTY_MAX, m)
-    out = _output(k, v, n, d, m, u)[0]
-    m2 = jnp.maximum(m - w, k)
-    old, new = jnp.exp(m - w - m2), jnp.exp(k - m2)
-    keep = lambda updated, before: jnp.where(real, updated, before)
-    carry = (keep(old * n + new * v, n), keep(old * d + new, d), keep(m2, m), w, u)
-    return (jnp.where(real, out, 0.0), n, d, m), carry
+def _forward_step(save: bool):
+    """The forward's step over rows (k, v, flag) and carry (num, den, max, w, u); outs the output (and with `save`
+    the state before the token: num, den, max)."""
+    def step(rows, carry):
+        (k, v, f), (n, d, m, w, u) = rows, carry
+        real, start = _flags(f)
+        n, d, m = jnp.where(start, 0.0, n), jnp.where(start, 0.0, d), jnp.where(start, EMPTY_MAX, m)
+        out = _output(k, v, n, d, m, u)[0]
+        m2 = jnp.maximum(m - w, k)
+        old, new = jnp.exp(m - w - m2), jnp.exp(k - m2)
+        keep = lambda updated, before: jnp.where(real, updated, before)
+        carry = (keep(old * n + new * v, n), keep(old * d + new, d), keep(m2, m), w, u)
+        return (jnp.where(real, out, 0.0),) + ((n, d, m) if save else ()), carry
+    return step
 
 
 def _backward_step(rows, carry):
@@ -86,19 +90,20 @@ def _cost(k, passes: int) -> pl.CostEstimate:
                            bytes_accessed=4 * size * (5 if passes == 1 else 9))
 
 
+def _forward(k, v, f, w, u, n0, d0, m0, cfg, save: bool):
+    """(out, the final state (num, den, max), the states before each token (num, den, max) with `save`, else ())."""
+    (out, *before), final = row_loop(_forward_step(save), (k, v, f), (n0, d0, m0, w, u), 1 + 3 * save, cfg,
+                                     reverse=False, name="wkv_fwd", cost=_cost(k, 1))
+    return out, final[:3], tuple(before)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _wkv(k, v, f, w, u, n0, d0, m0, cfg: Config):
-    return _forward(k, v, f, w, u, n0, d0, m0, cfg)[0]
-
-
-def _forward(k, v, f, w, u, n0, d0, m0, cfg):
-    (out, n, d, m), final = row_loop(_forward_step, (k, v, f), (n0, d0, m0, w, u), 4, cfg, reverse=False,
-                                     name="wkv_fwd", cost=_cost(k, 1))
-    return (out, final[:3]), (n, d, m)
+    return _forward(k, v, f, w, u, n0, d0, m0, cfg, save=False)[:2]
 
 
 def _wkv_fwd(k, v, f, w, u, n0, d0, m0, cfg):
-    (out, final), before = _forward(k, v, f, w, u, n0, d0, m0, cfg)
+    out, final, before = _forward(k, v, f, w, u, n0, d0, m0, cfg, save=True)
     return (out, final), (k, v, f, w, u, n0, d0, m0, before, final)
 
 
@@ -124,12 +129,8 @@ def wkv(w, u, k, v, real, starts, state, *, chunk: int, backend: Optional[str] =
     state (num, den, max) [B, C] each. chunk: rows per block on TPU (a multiple of 8; shrunk for a shorter T); the
     loop driver takes whole rows. backend, interpret as tfm.kernels.linear_scan's. Returns (out [B, T, C],
     (num, den, max) [B, C]), float32."""
-    backend = kernel_backend(backend, "WKV kernel")
-    interpret = backend == "cpu" if interpret is None else interpret
-    check_chunk(chunk, backend, "WKV")
     Bsz, T, C = k.shape
-    cfg = config(T, C, chunk, backend, interpret)
-    Tp, Cp = padded(T, C, cfg)
+    cfg, Tp, Cp = settings(T, C, chunk, backend, interpret, "WKV")
     seq = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, Cp - C)))
     row = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, Cp - C)))[:, None]
     flags = jnp.pad(real.astype(jnp.float32) + starts.astype(jnp.float32), ((0, 0), (0, Tp - T)))[..., None]

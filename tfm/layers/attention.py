@@ -291,18 +291,18 @@ class Attention(nn.Module):
         new entries at positions i .. i + T - 1, with their segment ids [B, W + T] and positions [1, W + T]; then
         the last min(W, T) new entries overwrite their slots."""
         W, T = cseg.value.shape[1], ids.shape[1]
-        slot = jnp.arange(W)
-        positions = jnp.concatenate([i - 1 - (i - 1 - slot) % W, i + jnp.arange(T)])[None]
+        positions = jnp.concatenate([i - 1 - (i - 1 - jnp.arange(W)) % W, i + jnp.arange(T)])[None]
+        first = T - min(W, T)  # the first new entry that stays
+        written = (i + jnp.arange(first, T)) % W  # the slots it and the later ones overwrite
         read = []
         for name, (a, axes) in entries.items():
             length = axes.index("cache_length")
             old = cached[name].value
             read.append(jnp.concatenate([old, a.astype(old.dtype)], axis=length))
-            kept = jax.lax.slice_in_dim(a, T - min(W, T), T, axis=length).astype(old.dtype)
-            where = (slice(None),) * length + ((i + jnp.arange(T - min(W, T), T)) % W,)
-            cached[name].value = old.at[where].set(kept)
+            kept = jax.lax.slice_in_dim(a, first, T, axis=length).astype(old.dtype)
+            cached[name].value = old.at[(slice(None),) * length + (written,)].set(kept)
         segments = jnp.concatenate([cseg.value, ids], axis=1)
-        cseg.value = cseg.value.at[:, (i + jnp.arange(T - min(W, T), T)) % W].set(ids[:, T - min(W, T):])
+        cseg.value = cseg.value.at[:, written].set(ids[:, first:])
         return read, segments, positions
 
     def _cache(self, name: str, axes, make):

@@ -49,7 +49,7 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
         if impl == "reference":
             o, state = _recurrent(q, k, v, g, beta, starts, state)
         elif impl == "pallas":
-            o, state = _pallas(q, k, sequences[2], g, beta, starts, state, chunk_size)
+            o, state = _pallas(*sequences[:3], g, beta, starts, state, chunk_size)
         else:
             o, state = _chunked(q, k, v, g, beta, starts, state, min(chunk_size, q.shape[1]))
         return o.astype(sequences[2].dtype), state
