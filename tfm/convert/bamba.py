@@ -33,9 +33,10 @@ def with_defaults(hf: HFConfig, defaults: Mapping, renamed: Optional[Mapping[str
     something) and the legacy names in `renamed` (old -> new) moved to their new names, as HF's class does."""
     fields = {**defaults, **hf.fields}
     for old, new in (renamed or {}).items():
+        hf.read.add(old)
         if fields.get(old) is not None:
             fields[new] = fields.pop(old)
-    return HFConfig(fields, hf.architecture)
+    return HFConfig(fields, hf.architecture, hf.read)
 
 
 def period(kinds: Sequence[str]) -> tuple:
@@ -77,7 +78,7 @@ def _rope(hf: HFConfig):
     params = dict(hf.get("rope_parameters") or {})
     params.setdefault("partial_rotary_factor", PARTIAL_ROTARY_FACTOR)
     params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
-    return rope(HFConfig({**hf.fields, "rope_parameters": params, "partial_rotary_factor": None}, hf.architecture),
+    return rope(hf.with_fields(rope_parameters=params, partial_rotary_factor=None),
                 10_000.0, partial=True)
 
 
@@ -104,4 +105,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 **mamba2.mixer_hf_config(cfg, MIXER_FIELDS))
 
 
-ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config)}
+ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config, inert=('mamba_chunk_size', 'num_logits_to_keep', 'z_loss_coefficient'))}

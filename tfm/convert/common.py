@@ -36,6 +36,19 @@ class Converter:
     # (tfm config, checkpoint tensors) -> the config, with what only the tensors tell (a BertModel
     # saved without its pooler); None = the HF config says everything. Import only.
     refine: Optional[Callable[[object, "Weights"], object]] = None
+    # HF config fields `config` does not read because they change nothing tfm computes (beyond COMMON_INERT);
+    # any other unread field is refused (HFConfig.check_read).
+    inert: Sequence[str] = ()
+    # Export tries the writable classes in (export_rank, architecture's module) order: a family whose config
+    # generalises another's (Granite's multipliers over Llama's) ranks after it, so a Llama exports as a Llama.
+    export_rank: int = 0
+
+    def read_config(self, fields: dict, architecture: str):
+        """The tfm config of the HF config `fields`; refuses any field it neither reads nor knows inert."""
+        hf = HFConfig(fields, architecture)
+        config = self.config(hf)
+        hf.check_read(self.inert)
+        return config
 
 
 # HF activation names -> tfm activation names (tfm "gelu" is exact erf GELU, "gelu_tanh" the tanh one).
@@ -51,25 +64,51 @@ HF_ACTIVATIONS = {
 GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
 
-class HFConfig:
-    """Read-only view of an HF config dict that names the architecture and field in errors."""
+# Fields every transformers config carries that change no computed value: bookkeeping, output switches,
+# generation's token ids, initialisation, caching. A converter reads the rest or declares them inert.
+COMMON_INERT = ("_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
+                "label2id", "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states",
+                "problem_type", "return_dict", "transformers_version", "bos_token_id", "eos_token_id",
+                "decoder_start_token_id", "sep_token_id", "cls_token_id", "initializer_range", "initializer_factor",
+                "init_std", "use_cache", "tokenizer_class", "task_specific_params", "prefix", "gradient_checkpointing",
+                "_attn_implementation_autoset", "auto_map", "quantization_config", "pretraining_tp",
+                "output_router_logits", "router_jitter_noise", "tie_encoder_decoder")
 
-    def __init__(self, fields: dict, architecture: str):
+
+class HFConfig:
+    """Read-only view of an HF config dict that names the architecture and field in errors, and
+    records which fields were read (`read`), so that `check_read` can refuse any it did not."""
+
+    def __init__(self, fields: dict, architecture: str, read: Optional[set] = None):
         self.fields = dict(fields)
         self.architecture = architecture
+        self.read = set() if read is None else read
+
+    def _value(self, name: str, default=None):
+        self.read.add(name)
+        return self.fields.get(name, default)
+
+    def has(self, name: str) -> bool:
+        """Whether the field is present (it counts as read)."""
+        self.read.add(name)
+        return name in self.fields
+
+    def with_fields(self, **changes) -> "HFConfig":
+        """A view with `changes` laid over the fields, recording reads into this one's `read`."""
+        return HFConfig({**self.fields, **changes}, self.architecture, self.read)
 
     def get(self, name: str, default=None):
-        value = self.fields.get(name)
+        value = self._value(name)
         return default if value is None else value
 
     def require(self, name: str):
-        if self.fields.get(name) is None:
+        if self._value(name) is None:
             raise ConversionError(f"{self.architecture}: config field {name!r} is missing")
         return self.fields[name]
 
     def expect(self, name: str, allowed: Sequence, default=None):
         """The field's value, which must be one of `allowed` (absent = default)."""
-        value = self.fields.get(name, default)
+        value = self._value(name, default)
         if value not in allowed:
             raise self.unsupported(name, value, f"tfm supports {list(allowed)}")
         return value
@@ -87,7 +126,7 @@ class HFConfig:
         return values[names[0]]
 
     def activation(self, name: str, default: Optional[str] = None, gated: bool = False) -> str:
-        value = self.fields.get(name, default)
+        value = self._value(name, default)
         act = HF_ACTIVATIONS.get(value)
         if gated:
             act = GATED_ACTIVATIONS.get(act)
@@ -97,8 +136,21 @@ class HFConfig:
         return act
 
     def pad_id(self, vocab_size: int) -> int:
-        pad = self.fields.get("pad_token_id")
+        pad = self._value("pad_token_id")
         return pad if isinstance(pad, int) and 0 <= pad < vocab_size else 0
+
+    def check_read(self, inert: Iterable[str] = ()):
+        """Refuses the first field (set, not None) that the converter neither read nor declared `inert`
+        (nor COMMON_INERT): a field the converter does not know may change the model, and ignoring it
+        would give wrong logits without a word."""
+        known = self.read | set(inert) | set(COMMON_INERT)
+        unread = sorted(k for k, v in self.fields.items() if v is not None and k not in known)
+        if unread:
+            more = f" (and {', '.join(unread[1:])})" if len(unread) > 1 else ""
+            raise ConversionError(f"{self.architecture}: config field {unread[0]}={self.fields[unread[0]]!r}{more} "
+                                  f"is not read by tfm's {self.architecture} converter, and it may change the "
+                                  f"model; convert with the architecture that has it, or tell tfm's converter "
+                                  f"what it means")
 
 
 class Weights:

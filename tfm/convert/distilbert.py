@@ -55,5 +55,5 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {
-    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",), hf_config=hf_config),
+    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",), hf_config=hf_config, inert=('qa_dropout', 'seq_classif_dropout')),
 }

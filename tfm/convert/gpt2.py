@@ -56,5 +56,5 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 ARCHITECTURES = {
     "GPT2LMHeadModel": Converter(DecoderLM, config, params, ignore=("*.attn.bias", "*.attn.masked_bias"),
-                                 hf_config=hf_config),
+                                 hf_config=hf_config, inert=('embd_pdrop', 'reorder_and_upcast_attn', 'summary_first_dropout', 'summary_proj_to_labels', 'summary_type', 'summary_use_proj')),
 }

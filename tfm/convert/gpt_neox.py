@@ -60,4 +60,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("*.attention.bias", "*.attention.masked_bias", "*rotary_emb.inv_freq")
-ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config)}
+ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('classifier_dropout', 'is_decoder'))}

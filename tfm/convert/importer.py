@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.config import REGULARISATION, ExecutionConfig, ModelConfig
-from tfm.convert.common import ConversionError, HFConfig, Weights
+from tfm.convert.common import ConversionError, Weights
 from tfm.convert.loading import from_directory, from_model
 from tfm.convert.registry import CONVERTERS, SUPPORTED
 from tfm.models import EncoderDecoder, VisionLanguageModel
@@ -43,7 +43,7 @@ def from_hf(model_or_path, *, architecture: Optional[str] = None, param_dtype=jn
         raise ConversionError(f"{source}: architecture {arch!r} is not supported; tfm converts {list(SUPPORTED)}")
     converter = CONVERTERS[arch]
     weights = Weights(tensors, source, converter.ignore)
-    config = converter.config(HFConfig(fields, arch))
+    config = converter.read_config(fields, arch)
     if converter.refine is not None:
         config = converter.refine(config, weights)
     config = config.replace(**_runtime_overrides(config_overrides))

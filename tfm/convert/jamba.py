@@ -105,4 +105,4 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config)}
+ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('use_associative_scan', 'use_mamba_kernels', 'use_mambapy'))}

@@ -46,6 +46,7 @@ MAMBA_NAMES = dict(state_size="state_size", conv_kernel="conv_kernel", expand="e
 def config(hf: HFConfig) -> ModelConfig:
     vocab, D = hf.require("vocab_size"), hf.require("hidden_size")
     hf.expect("hidden_act", ["silu"], "silu")
+    hf.expect("intermediate_size", [hf.get("expand", 2) * D], hf.get("expand", 2) * D)  # HF's mixer reads it
     return ModelConfig(
         vocab_size=vocab, d_model=D, num_heads=1, num_layers=hf.require("num_hidden_layers"), d_ff=1,
         norm="rmsnorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), norm_position="pre", position="none",
@@ -96,4 +97,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, **mixer_hf_config(cfg, MAMBA_NAMES))
 
 
-ARCHITECTURES = {"MambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config)}
+ARCHITECTURES = {"MambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_init_scheme', 'time_step_max', 'time_step_min', 'time_step_scale', 'use_associative_scan', 'use_mambapy'))}

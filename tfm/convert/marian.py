@@ -100,4 +100,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attention_dropout=cfg.attention_dropout)
 
 
-ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params, hf_config=hf_config)}
+ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=('activation_dropout', 'decoder_layerdrop', 'encoder_layerdrop', 'forced_eos_token_id', 'is_decoder'))}

@@ -16,12 +16,26 @@ KINDS = {"full_attention": "global", "sliding_attention": "local"}
 def config(hf: HFConfig, **extra) -> ModelConfig:
     """`extra` adds a variant's own fields (Qwen2-MoE's experts)."""
     hf.expect("attention_bias", [True], True)
-    pattern = attention_pattern(hf, hf.get("layer_types") or ["full_attention"])
-    window = hf.get("sliding_window") if "local" in pattern else None
+    return llama.config(hf, default_theta=1e6, attention_bias=True, attention_out_bias=False,
+                        **attention_layers(hf), **extra)
+
+
+def attention_layers(hf: HFConfig) -> dict:
+    """ModelConfig's sliding_window and attention_pattern from HF's per-layer `layer_types`, or, in a config
+    saved without them, from use_sliding_window / max_window_layers as HF derives them (layers from
+    max_window_layers on slide)."""
+    layer_types = hf.get("layer_types")
+    use, first = hf.get("use_sliding_window", False), hf.get("max_window_layers", 0)
+    window = hf.get("sliding_window")
+    if layer_types is None:
+        L = hf.require("num_hidden_layers")
+        layer_types = ["sliding_attention" if use and window and i >= first else "full_attention" for i in range(L)]
+    pattern = attention_pattern(hf, layer_types)
+    if "local" not in pattern:
+        window = None
     if len(set(pattern)) == 1:
         pattern = None  # one kind on every layer: sliding_window alone says which
-    return llama.config(hf, default_theta=1e6, attention_bias=True, attention_out_bias=False,
-                        sliding_window=window, attention_pattern=pattern, **extra)
+    return dict(sliding_window=window, attention_pattern=pattern)
 
 
 def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ...]:
@@ -40,10 +54,14 @@ def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ..
 
 def hf_config(cfg: ModelConfig, model_type: str = "qwen2") -> dict:
     """The inverse of `config` (export): the attention pattern as HF's per-layer layer_types."""
-    out = llama.hf_config(cfg, model_type=model_type, bias_fields=False)
+    return dict(llama.hf_config(cfg, model_type=model_type, bias_fields=False), **hf_attention_layers(cfg))
+
+
+def hf_attention_layers(cfg: ModelConfig) -> dict:
+    """The inverse of `attention_layers`: HF's layer_types, sliding_window and use_sliding_window."""
     names = {kind: name for name, kind in KINDS.items()}
     layer_types = [names["global" if cfg.layer_window(i) is None else "local"] for i in range(cfg.num_layers)]
-    return dict(out, use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+    return dict(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                 layer_types=layer_types)
 
 

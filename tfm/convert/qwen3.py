@@ -2,25 +2,25 @@
 with RMSNorm over each query and key head before RoPE (`q_norm`, `k_norm` -> ModelConfig.qk_norm),
 no biases by default; Qwen3-MoE puts a top-k MoE (moe_intermediate_size wide, tfm d_ff) on every
 layer without a shared expert, its gates renormalised only with norm_topk_prob (router_norm_topk).
-Sliding-window layers (use_sliding_window) and dense layers inside a MoE model (mlp_only_layers,
-decoder_sparse_step > 1) are refused by name.
+Qwen3's sliding-window layers are its layer_types, as Qwen2's; Qwen3-MoE's window (use_sliding_window)
+and dense layers inside a MoE model (mlp_only_layers, decoder_sparse_step > 1) are refused by name.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from tfm.config import ModelConfig
-from tfm.convert import llama, mixtral
+from tfm.convert import llama, mixtral, qwen2
 from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
 from tfm.models import DecoderLM
 
 
 def config(hf: HFConfig, **extra) -> ModelConfig:
-    hf.expect("use_sliding_window", [False], False)
-    return llama.config(hf, default_theta=1e6, qk_norm=True, **extra)
+    return llama.config(hf, default_theta=1e6, qk_norm=True, **qwen2.attention_layers(hf), **extra)
 
 
 def moe_config(hf: HFConfig) -> ModelConfig:
+    hf.expect("use_sliding_window", [False], False)  # Qwen3-MoE's window, when on, is on every layer
     hf.expect("decoder_sparse_step", [1], 1)
     if hf.get("mlp_only_layers"):
         raise hf.unsupported("mlp_only_layers", hf.get("mlp_only_layers"), "tfm puts the MoE on every layer")
@@ -55,7 +55,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     if not cfg.qk_norm or cfg.num_experts:
         raise ConversionError("Qwen3 normalises queries and keys (qk_norm=True) and has a dense feed-forward")
     out = llama.hf_config(cfg, model_type="qwen3", bias_fields=False)
-    return dict(out, attention_bias=cfg.attention_bias, use_sliding_window=False)
+    return dict(out, attention_bias=cfg.attention_bias, **qwen2.hf_attention_layers(cfg))
 
 
 def moe_hf_config(cfg: ModelConfig) -> dict:

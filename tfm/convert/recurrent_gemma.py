@@ -31,7 +31,7 @@ def config(hf: HFConfig) -> ModelConfig:
                              "tfm's recurrent block gates with tanh GeLU (gelu_pytorch_tanh)")
     params = hf.get("rope_parameters") or {}
     if "partial_rotary_factor" not in params and hf.get("partial_rotary_factor") is None:
-        hf = HFConfig({**hf.fields, "partial_rotary_factor": 0.5}, hf.architecture)  # HF's default
+        hf = hf.with_fields(partial_rotary_factor=0.5)  # HF's default
     rotary = rope(hf, 10_000.0, partial=True)
     if rotary.scaling is not None:
         raise hf.unsupported("rope_parameters.rope_type", rotary.scaling, "RecurrentGemma rotates by 'default' only")
@@ -112,4 +112,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {"RecurrentGemmaForCausalLM": Converter(DecoderLM, config, params, ignore=("*rotary_emb.inv_freq",),
-                                                        hf_config=hf_config)}
+                                                        hf_config=hf_config, inert=('final_w_init_variance_scale', 'w_init_variance_scale'))}

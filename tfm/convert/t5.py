@@ -33,7 +33,7 @@ def config(hf: HFConfig) -> ModelConfig:
     vocab = hf.require("vocab_size")
     # transformers 5 keeps v1.0's output rescale as scale_decoder_outputs and always ties the
     # output; older configs said both with tie_word_embeddings.
-    if "scale_decoder_outputs" in hf.fields:
+    if hf.has("scale_decoder_outputs"):
         tied, rescale = True, bool(hf.fields["scale_decoder_outputs"])
     else:
         tied = bool(hf.get("tie_word_embeddings", True))
@@ -103,4 +103,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 scale_decoder_outputs=cfg.rescale_tied_output, pad_token_id=cfg.pad_id, dropout_rate=cfg.dropout_rate)
 
 
-ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config)}
+ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=('classifier_dropout', 'dense_act_fn', 'is_decoder', 'is_gated_act', 'tie_word_embeddings'))}

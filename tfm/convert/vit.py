@@ -82,7 +82,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {
-    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params, hf_config=hf_config),
+    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params, hf_config=hf_config, inert=('encoder_stride',)),
     "ViTForImageClassification": Converter(VisionEncoder, functools.partial(config, heads=("classification",)),
-                                           params, hf_config=hf_config),
+                                           params, hf_config=hf_config, inert=('encoder_stride',)),
 }
