@@ -217,7 +217,9 @@ WHAT_FIELDS = (
     'type_vocab_size', 'scale_embeddings', 'tie_embeddings', 'share_source_target_embeddings', 'output_bias',
     'rescale_tied_output', 'pad_id', 'heads', 'num_labels', 'head_activation', 'image_size', 'patch_size',
     'num_channels', 'multimodal', 'norm_scale_offset', 'attention_output_gate', 'mixer_pattern', 'ffn_pattern',
-    'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap')
+    'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap',
+    'position_pattern', 'local_rope', 'qk_norm_scope', 'attention_scale', 'residual_multiplier', 'embedding_multiplier',
+    'logits_multiplier')
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

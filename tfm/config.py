@@ -20,7 +20,11 @@ from tfm.kernels import sparsity as sparsity_lib
 from tfm.kernels.tiles import BlockSizes
 
 NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
+# Where a sublayer's norm sits: "pre" x + f(n(x)); "post" n(x + f(x)) (the original Transformer, BERT);
+# "sandwich" x + n2(f(n(x))) (Gemma 2/3, GLM-4); "post_sublayer" x + n(f(x)) (OLMo 2/3)
+NORM_POSITIONS = ("pre", "post", "sandwich", "post_sublayer")
+LAYER_POSITIONS = ("rope", "none")  # ModelConfig.position_pattern entries
+QK_NORM_SCOPES = ("head", "heads")  # ModelConfig.qk_norm_scope
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
@@ -443,7 +447,7 @@ class ModelConfig:
     # Norms
     norm: str = "layernorm"  # the normalisation: LayerNorm or RMSNorm
     norm_eps: float = 1e-6  # added to the variance in every norm
-    norm_position: str = "pre"  # "post" for the original Transformer and BERT
+    norm_position: str = "pre"  # one of NORM_POSITIONS: "post" for the original Transformer and BERT
     final_norm: bool = True  # a norm after the last block (pre-norm stacks)
     embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
     norm_bias: bool = True  # LayerNorm with a bias; False = scale only (MPT)
@@ -457,6 +461,13 @@ class ModelConfig:
     # position="rope": a RopeConfig, or a dict of its fields (over the defaults; over the current
     # rope in `replace`). rope.dim is set to head_dim when left None.
     rope: Union[RopeConfig, dict, None] = None
+    # Per-layer position choice repeated over the stack (position="rope"): layer i rotates its queries and keys
+    # when position_pattern[i % len] is "rope", and uses none when "none" (NoPE layers: SmolLM3, Cohere 2's global
+    # layers, Llama 4). None = every layer rotates.
+    position_pattern: Optional[Tuple[str, ...]] = None
+    # The RoPE of "local" layers under attention_pattern (a RopeConfig or a dict of its fields over `rope`'s;
+    # Gemma 3's local base 10k beside the global 1M). None = the local layers use `rope`.
+    local_rope: Union[RopeConfig, dict, None] = None
     alibi_bias_max: float = 8.0  # ALiBi slopes 2^(-alibi_bias_max * i / N) (MPT's knob; 8 = the paper)
     position_offset: int = 0  # learned table row = position + offset (BART 2, RoBERTa pad_id + 1)
     padding_positions: bool = False  # RoBERTa: count non-pad tokens only; pad tokens sit at -1
@@ -474,7 +485,13 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None  # attention logits = cap * tanh(logits / cap) (Gemma 2); None = none
-    qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # config.norm over the queries and keys before RoPE (Qwen3)
+    # qk_norm's extent: "head" each head over its H dims (Qwen3, Gemma 3); "heads" all heads of a token together,
+    # over N*H (queries) and K*H (keys) dims (OLMo 2)
+    qk_norm_scope: str = "head"
+    # The attention logits' multiplier; None = head_dim**-0.5 (scale_attention) or 1. Gemma 2/3:
+    # query_pre_attn_scalar**-0.5; Granite: attention_multiplier.
+    attention_scale: Optional[float] = None
     # Each head's attention output times sigmoid of a `gate` projection [D, N, H] of the queries' input,
     # before the output projection (Qwen3-Next).
     attention_output_gate: bool = False
@@ -529,6 +546,7 @@ class ModelConfig:
     dense_d_ff: Optional[int] = None  # None = d_ff
 
     # Block
+    residual_multiplier: float = 1.0  # each sublayer's output times this before the residual add (Granite)
     parallel_block: bool = False  # GPT-J / PaLM: x + attn(norm(x)) + ffn(norm(x))
     parallel_norms: int = 1  # parallel_block: 1 shared norm (GPT-J), 2 = x + attn(n1 x) + ffn(n2 x) (GPT-NeoX)
     dropout_rate: float = 0.0  # residual and embedding dropout
@@ -536,11 +554,15 @@ class ModelConfig:
     # Embeddings and output
     type_vocab_size: int = 0  # BERT token types; 0 = none
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(D)
+    embedding_multiplier: float = 1.0  # token embeddings times this (Granite's µP multiplier)
     # scale_embeddings' sqrt(D) rounded to this float type first (RecurrentGemma's bfloat16 constant); None = exact
     embedding_scale_rounding: Optional[str] = None
     tie_embeddings: bool = True  # output projection = token embedding transposed
     share_source_target_embeddings: bool = True  # encoder-decoder: one matrix for both sides
     output_bias: bool = False  # bias on output logits (BERT MLM, Marian final_logits_bias)
+    # logits times this (the final hidden states scaled before the output projection): Cohere's logit_scale,
+    # Granite's 1 / logits_scaling
+    logits_multiplier: float = 1.0
     final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap) (RecurrentGemma, Gemma 2)
     rescale_tied_output: bool = False  # T5 v1.0: hidden * D**-0.5 before the tied output projection
     pad_id: int = 0  # the padding token
@@ -565,8 +587,9 @@ class ModelConfig:
     # The fields that take one of a few values (checked in __post_init__; docs/CONFIG.md lists them), and
     # the tuple fields each of whose entries does.
     CHOICES = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                   router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES)
-    ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=MIXERS, ffn_pattern=FFN_KINDS, heads=HEADS)
+                   router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES, qk_norm_scope=QK_NORM_SCOPES)
+    ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=MIXERS, ffn_pattern=FFN_KINDS, heads=HEADS,
+                         position_pattern=LAYER_POSITIONS)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_len"):
@@ -596,6 +619,7 @@ class ModelConfig:
             if self.rope.dim > self.head_dim:
                 raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} must be at most head_dim={self.head_dim}")
         self._check_mla()
+        self._check_layer_positions()
         for name in ("value_rank", "linformer_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
@@ -611,6 +635,9 @@ class ModelConfig:
         self._check_mixers()
         if self.parallel_norms not in (1, 2):
             raise ValueError(f"ModelConfig.parallel_norms must be 1 or 2, got {self.parallel_norms}")
+        if self.parallel_block and self.norm_position not in ("pre", "post"):
+            raise ValueError(f"ModelConfig.norm_position={self.norm_position!r} is a sequential block's; "
+                             f"parallel_block=True takes 'pre'")
         if self.parallel_norms == 2 and not self.parallel_block:
             raise ValueError("ModelConfig.parallel_norms=2 needs parallel_block=True")
         if self.alibi_bias_max <= 0:
@@ -716,6 +743,53 @@ class ModelConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+
+    def _check_layer_positions(self):
+        """position_pattern and local_rope: per-layer RoPE choices, which need position="rope"."""
+        pattern = self.position_pattern
+        if pattern is not None:
+            if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
+                raise ValueError(f"ModelConfig.position_pattern must be a non-empty tuple of {LAYER_POSITIONS}, "
+                                 f"got {pattern!r}")
+            object.__setattr__(self, "position_pattern", tuple(pattern))
+            bad = sorted(set(pattern) - set(LAYER_POSITIONS))
+            if bad:
+                raise ValueError(f"ModelConfig.position_pattern has unknown kinds {bad}; choose from {LAYER_POSITIONS}")
+            if self.num_layers % len(pattern):
+                raise ValueError(f"ModelConfig.position_pattern of length {len(pattern)} does not divide "
+                                 f"num_layers={self.num_layers}")
+        if self.local_rope is not None:
+            local = RopeConfig.coerce(self.local_rope, self.rope)
+            if local.dim is None:
+                local = dataclasses.replace(local, dim=self.rope.dim)
+            object.__setattr__(self, "local_rope", local)
+        for name in ("position_pattern", "local_rope"):
+            if getattr(self, name) is not None and self.position != "rope":
+                raise ValueError(f"ModelConfig.{name} chooses RoPE per layer; it needs position='rope', "
+                                 f"got {self.position!r}")
+        if self.local_rope is not None and self.local_rope.dim > self.head_dim:
+            raise ValueError(f"ModelConfig.local_rope.dim={self.local_rope.dim} must be at most head_dim={self.head_dim}")
+        for name in ("attention_scale", "residual_multiplier", "embedding_multiplier", "logits_multiplier"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {value}")
+        if self.attention_scale is not None and not self.scale_attention:
+            raise ValueError("ModelConfig.attention_scale is the logits' multiplier; scale_attention=False says "
+                             "there is none: set one of them")
+        if self.logits_multiplier != 1.0 and self.output_bias:
+            raise ValueError("ModelConfig.logits_multiplier scales the hidden states before the output projection, "
+                             "which would not scale output_bias; set one of them")
+
+    def layer_rope(self, layer: int) -> Optional[RopeConfig]:
+        """Layer `layer`'s RoPE (None = the layer has no positions rotated): position_pattern, then local_rope
+        for "local" layers of attention_pattern."""
+        if self.position != "rope":
+            return None
+        if self.position_pattern is not None and self.position_pattern[layer % len(self.position_pattern)] == "none":
+            return None
+        if self.local_rope is not None and self.layer_window(layer) is not None:
+            return self.local_rope
+        return self.rope
 
     def _check_pattern(self):
         pattern = self.attention_pattern
@@ -843,8 +917,8 @@ class ModelConfig:
 
     @property
     def pattern_period(self) -> int:
-        """Layers per repeat of attention_pattern, mixer_pattern and ffn_pattern together (1 without any)."""
-        patterns = (self.attention_pattern, self.mixer_pattern, self.ffn_pattern)
+        """Layers per repeat of attention_pattern, mixer_pattern, ffn_pattern and position_pattern together (1 without any)."""
+        patterns = (self.attention_pattern, self.mixer_pattern, self.ffn_pattern, self.position_pattern)
         return math.lcm(*(len(p) for p in patterns if p is not None)) if any(patterns) else 1
 
     def replace(self, **changes) -> "ModelConfig":
@@ -867,6 +941,11 @@ class ModelConfig:
         if self.mla is not None and rope.dim == self.mla.rope_dim:  # follows mla.rope_dim
             rope = dataclasses.replace(rope, dim=None)
         changes["rope"] = RopeConfig.coerce(changes.get("rope"), rope)
+        if self.local_rope is not None and changes.get("local_rope", self.local_rope) is not None:
+            local = self.local_rope
+            if local.dim == self.head_dim:
+                local = dataclasses.replace(local, dim=None)
+            changes["local_rope"] = RopeConfig.coerce(changes.get("local_rope"), local)
         changes["execution"] = ExecutionConfig.coerce(changes.get("execution"), self.execution)
         for group in MIXER_GROUPS.values():
             changes[group.FIELD] = group.coerce(changes.get(group.FIELD), getattr(self, group.FIELD))

@@ -9,12 +9,12 @@ mamba_; its gated RMSNorm normalises mamba_n_groups groups, tfm's mamba2.norm_gr
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mamba2
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hybrid_mixer, model_params,
-                                norm, rope)
+                                norm, period, rope)
 from tfm.models import DecoderLM
 
 MIXER_FIELDS = dict(state_size="mamba_d_state", conv_kernel="mamba_d_conv", expand="mamba_expand",
@@ -37,14 +37,6 @@ def with_defaults(hf: HFConfig, defaults: Mapping, renamed: Optional[Mapping[str
         if fields.get(old) is not None:
             fields[new] = fields.pop(old)
     return HFConfig(fields, hf.architecture, hf.read)
-
-
-def period(kinds: Sequence[str]) -> tuple:
-    """The shortest prefix of `kinds` whose repeats give all of it, its length dividing len(kinds)."""
-    n = len(kinds)
-    for p in range(1, n + 1):
-        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
-            return tuple(kinds[:p])
 
 
 def layer_kinds(hf: HFConfig) -> list:
@@ -95,6 +87,8 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
 def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export)."""
     kinds = [cfg.layer_mixer(i) for i in range(cfg.num_layers)]
+    if cfg.position != "rope":
+        raise ConversionError(f"BambaForCausalLM rotates its attention layers' queries and keys; position={cfg.position!r}")
     if set(kinds) - {"attention", "mamba2"} or any(cfg.layer_ffn(i) != "dense" for i in range(cfg.num_layers)):
         raise ConversionError("BambaForCausalLM has an attention or mamba2 mixer and a dense feed-forward in "
                               f"every layer; mixer_pattern={cfg.mixer_pattern}, ffn_pattern={cfg.ffn_pattern}")
@@ -105,4 +99,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 **mamba2.mixer_hf_config(cfg, MIXER_FIELDS))
 
 
-ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config, inert=('mamba_chunk_size', 'num_logits_to_keep', 'z_loss_coefficient'))}
+ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config, inert=('mamba_chunk_size', 'num_logits_to_keep', 'z_loss_coefficient'), export_rank=1)}

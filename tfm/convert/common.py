@@ -302,6 +302,13 @@ def hybrid_mixer(w: Weights, p: str, cfg, layer: int, mixer_params: Callable) ->
     return {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mamba", cfg)}
 
 
+def period(kinds: Sequence) -> tuple:
+    """The shortest prefix of `kinds` whose repeats give all of it (its length divides len(kinds)): HF's per-layer
+    lists as tfm's repeating patterns."""
+    kinds, n = tuple(kinds), len(kinds)
+    return next(kinds[:p] for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+
+
 def stack_layers(layers: Sequence[dict], scan: bool, period: int = 1, unscanned: int = 0) -> dict:
     """Per-layer param dicts -> `layer_0..` or, for scanned stacks, the first `unscanned` as `layer_i`
     and the rest as `layers` stacked on axis 0 (with an attention pattern of period P > 1:

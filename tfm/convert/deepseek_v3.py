@@ -134,4 +134,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE,
-                                                    hf_config=hf_config, inert=('num_nextn_predict_layers', 'qk_head_dim'))}
+                                                    hf_config=hf_config, inert=('num_nextn_predict_layers', 'qk_head_dim'), export_rank=1)}

@@ -10,23 +10,15 @@ use_mambapy and use_associative_scan pick implementations; router_aux_loss_coef 
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mamba, mixtral
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hybrid_mixer, model_params,
-                                norm)
+                                norm, period)
 from tfm.models import DecoderLM
 
 JAMBA_NAMES = dict(state_size="mamba_d_state", conv_kernel="mamba_d_conv", expand="mamba_expand",
                    dt_rank="mamba_dt_rank", conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias")
-
-
-def _shortest(kinds: Sequence[str]) -> tuple:
-    """The shortest prefix of `kinds` whose repeats give all of it (its length divides len(kinds))."""
-    L = len(kinds)
-    P = next(P for P in range(1, L + 1) if L % P == 0 and all(k == kinds[i % P] for i, k in enumerate(kinds)))
-    return tuple(kinds[:P])
 
 
 def _placed(hf: HFConfig, name: str, layers: int) -> list:
@@ -51,8 +43,8 @@ def config(hf: HFConfig) -> ModelConfig:
         head_dim=hf.get("head_dim", D // N), num_layers=L, d_ff=hf.require("intermediate_size"),
         max_len=hf.get("max_position_embeddings", 262144), norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
         norm_position="pre", position="none", activation="swiglu", attention_bias=False, ffn_bias=False,
-        mixer_pattern=_shortest(["attention" if a else "mamba" for a in attn]),
-        ffn_pattern=_shortest(["moe" if m else "dense" for m in moe]),
+        mixer_pattern=period(["attention" if a else "mamba" for a in attn]),
+        ffn_pattern=period(["moe" if m else "dense" for m in moe]),
         mamba=mamba.mixer_config(hf, D, JAMBA_NAMES, inner_norms=True),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab),
         attention_dropout=hf.get("attention_dropout", 0.0), **experts)
@@ -105,4 +97,4 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('use_associative_scan', 'use_mamba_kernels', 'use_mambapy'))}
+ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('use_associative_scan', 'use_mamba_kernels', 'use_mambapy'), export_rank=1)}

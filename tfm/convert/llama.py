@@ -6,11 +6,13 @@ untied output by default.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
+
+import numpy as np
 
 from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, hf_activation, hf_rope, linear,
-                                linear_pair, model_params, norm, rope)
+from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, dense, hf_activation, hf_rope,
+                                linear, linear_pair, model_params, norm, rope)
 from tfm.models import DecoderLM
 
 
@@ -40,19 +42,54 @@ def dense_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return swiglu(w, f"{p}.mlp", cfg.ffn_bias)
 
 
-def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable) -> dict:
+def fused_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
+    """`p.mlp.gate_up_proj` [2F, D] (gate rows, then up) and `p.mlp.down_proj` (Phi-3, GLM), no biases."""
+    gate, up = np.split(w(f"{p}.mlp.gate_up_proj.weight", (2 * cfg.d_ff, cfg.d_model)), 2)
+    return {"wi_gate": dense(gate), "wi_up": dense(up), "wo": linear(w, f"{p}.mlp.down_proj", False)}
+
+
+def fused_qkv(w: Weights, p: str, cfg: ModelConfig) -> list:
+    """`p.qkv_proj` [(N + 2K) * H, D], q rows then k then v, as q/k/v (weight, bias-or-None) pairs (Phi-3)."""
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    weight = w(f"{p}.qkv_proj.weight", ((N + 2 * K) * H, cfg.d_model))
+    bias = w(f"{p}.qkv_proj.bias") if cfg.attention_bias else None
+    cuts = [N * H, (N + K) * H]
+    biases = [None] * 3 if bias is None else np.split(bias, cuts)
+    return list(zip(np.split(weight, cuts), biases))
+
+
+# A layer's norms: {tfm Block param: HF module name}
+NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def qkv(w: Weights, p: str, cfg: ModelConfig) -> list:
+    """`p.{q,k,v}_proj` as (weight, bias-or-None) pairs in torch Linear layout."""
+    return [linear_pair(w, f"{p}.{n}_proj", cfg.attention_bias) for n in ("q", "k", "v")]
+
+
+def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[str, str] = NORMS,
+          projections: Callable = qkv) -> dict:
+    """HF layer `p` (self_attn with `projections(w, p.self_attn, cfg)` and o_proj, the norms `norms`, the
+    feed-forward `ffn(w, p, cfg)`) -> a Block's params; per-head q/k norms as `self_attn.{q,k}_norm` with
+    cfg.qk_norm (flat over all heads with qk_norm_scope="heads")."""
     b = cfg.attention_bias
     out_bias = b if cfg.attention_out_bias is None else cfg.attention_out_bias
-    qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", b) for n in ("q", "k", "v")]
-    qkvo.append(linear_pair(w, f"{p}.self_attn.o_proj", out_bias))
-    return {"attn_norm": norm(w, f"{p}.input_layernorm", cfg.norm),
-            "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-            "ffn_norm": norm(w, f"{p}.post_attention_layernorm", cfg.norm),
-            "ffn": ffn(w, p, cfg)}
+    qkvo = projections(w, f"{p}.self_attn", cfg) + [linear_pair(w, f"{p}.self_attn.o_proj", out_bias)]
+    out = {name: norm(w, f"{p}.{hf_name}", cfg.norm) for name, hf_name in norms.items()}
+    out["self_attn"] = attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        flat = cfg.qk_norm_scope == "heads"
+        for name, heads in (("query", cfg.num_heads), ("key", cfg.num_kv_heads)):
+            shape = (heads * cfg.head_dim,) if flat else (cfg.head_dim,)
+            out["self_attn"][f"{name}_norm"] = {"scale": w(f"{p}.self_attn.{name[0]}_norm.weight", shape)}
+    out["ffn"] = ffn(w, p, cfg)
+    return out
 
 
-def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn) -> dict:
-    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffn), cfg.num_layers, final_norm="model.norm")
+def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn, **layout) -> dict:
+    """The Llama layout's param tree; `layout`: `layer`'s norms and projections."""
+    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffn, **layout), cfg.num_layers,
+                    final_norm="model.norm")
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 

@@ -55,5 +55,5 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
 
 ARCHITECTURES = {
     "LongformerModel": Converter(EncoderModel, config, params, ignore=("*position_ids", "*token_type_ids"),
-                                 refine=bert.pooler_if_saved, inert=('onnx_export',)),
+                                 refine=bert.pooler_if_saved, inert=('onnx_export',), export_rank=1),
 }

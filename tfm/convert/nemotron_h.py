@@ -20,8 +20,8 @@ import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.convert import mamba2
-from tfm.convert.bamba import period, with_defaults
-from tfm.convert.common import (HF_ACTIVATIONS, ConversionError, Converter, HFConfig, Stack, Weights, attention,
+from tfm.convert.bamba import with_defaults
+from tfm.convert.common import (HF_ACTIVATIONS, ConversionError, Converter, HFConfig, Stack, Weights, attention, period,
                                 hf_activation, linear, linear_pair, model_params, norm)
 from tfm.models import DecoderLM
 from tfm.models.presets import HYBRID_LETTERS
@@ -157,4 +157,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("mtp.*", "*.mtp.*")  # the multi-token prediction layers, which HF's model leaves out too
-ARCHITECTURES = {"NemotronHForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('attention_bias', 'chunk_size', 'expand', 'hidden_dropout', 'mamba_proj_bias', 'mamba_ssm_cache_dtype', 'moe_shared_expert_overlap', 'mtp_layers_block_type', 'n_shared_experts', 'num_logits_to_keep', 'num_nextn_predict_layers', 'rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_limit', 'time_step_max', 'use_mamba_kernels'))}
+ARCHITECTURES = {"NemotronHForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('attention_bias', 'chunk_size', 'expand', 'hidden_dropout', 'mamba_proj_bias', 'mamba_ssm_cache_dtype', 'moe_shared_expert_overlap', 'mtp_layers_block_type', 'n_shared_experts', 'num_logits_to_keep', 'num_nextn_predict_layers', 'rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_limit', 'time_step_max', 'use_mamba_kernels'), export_rank=1)}

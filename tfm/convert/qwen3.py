@@ -7,11 +7,10 @@ and dense layers inside a MoE model (mlp_only_layers, decoder_sparse_step > 1) a
 """
 from __future__ import annotations
 
-from typing import Callable
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, mixtral, qwen2
-from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, model_params, norm
+from tfm.convert.common import ConversionError, Converter, HFConfig, Weights
 from tfm.models import DecoderLM
 
 
@@ -35,19 +34,8 @@ def moe_ffn(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return mixtral.moe_ffn(w, p, cfg, hub_block="mlp", hub_names=("gate_proj", "up_proj", "down_proj"))
 
 
-def params(w: Weights, cfg: ModelConfig, ffn: Callable = llama.dense_ffn) -> dict:
-    def layer(i: int) -> dict:
-        p = f"model.layers.{i}"
-        out = llama.layer(w, p, cfg, ffn)
-        out["self_attn"]["query_norm"] = norm(w, f"{p}.self_attn.q_norm", "rmsnorm")
-        out["self_attn"]["key_norm"] = norm(w, f"{p}.self_attn.k_norm", "rmsnorm")
-        return out
-    decoder = Stack(layer, cfg.num_layers, final_norm="model.norm")
-    return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
-
-
 def moe_params(w: Weights, cfg: ModelConfig) -> dict:
-    return params(w, cfg, ffn=moe_ffn)
+    return llama.params(w, cfg, ffn=moe_ffn)
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -70,7 +58,7 @@ def moe_hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {
-    "Qwen3ForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config),
+    "Qwen3ForCausalLM": Converter(DecoderLM, config, llama.params, ignore=llama.IGNORE, hf_config=hf_config),
     "Qwen3MoeForCausalLM": Converter(DecoderLM, moe_config, moe_params, ignore=llama.IGNORE,
                                      hf_config=moe_hf_config),
 }

@@ -14,23 +14,14 @@ The multi-token-prediction head (`mtp.*`) is not kept.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, qwen2_moe
 from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, hf_rope,
-                                linear_pair, model_params, norm, rope)
+                                linear_pair, model_params, norm, period, rope)
 from tfm.models import DecoderLM
 
 MIXERS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}  # HF layer_types -> mixer_pattern
-
-
-def _period(kinds: Sequence[str]) -> Tuple[str, ...]:
-    """The shortest tuple whose repeats give `kinds` (at worst `kinds` itself)."""
-    kinds = tuple(kinds)
-    for n in range(1, len(kinds) + 1):
-        if len(kinds) % n == 0 and kinds == kinds[:n] * (len(kinds) // n):
-            return kinds[:n]
 
 
 def config(hf: HFConfig) -> ModelConfig:
@@ -43,7 +34,7 @@ def config(hf: HFConfig) -> ModelConfig:
     unknown = sorted(set(layer_types) - set(MIXERS))
     if unknown or len(layer_types) != L:
         raise hf.unsupported("layer_types", layer_types, f"tfm maps {sorted(MIXERS)}, one per layer")
-    mixers = _period([MIXERS[t] for t in layer_types])
+    mixers = period([MIXERS[t] for t in layer_types])
     E, step = hf.get("num_experts", 0), hf.get("decoder_sparse_step", 1)
     dense_only = set(hf.get("mlp_only_layers") or ())
     ffns = ["moe" if E and i not in dense_only and (i + 1) % step == 0 else "dense" for i in range(L)]
@@ -56,7 +47,7 @@ def config(hf: HFConfig) -> ModelConfig:
         moe = dict(num_experts=E, d_ff=F, experts_per_token=hf.get("num_experts_per_tok", 10),
                    router_norm_topk=bool(hf.get("norm_topk_prob", True)), shared_expert_d_ff=shared,
                    router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                   ffn_pattern=None if "dense" not in ffns else _period(ffns),
+                   ffn_pattern=None if "dense" not in ffns else period(ffns),
                    dense_d_ff=None if hf.require("intermediate_size") == F else hf.require("intermediate_size"))
     deltanet = dict(key_heads=hf.require("linear_num_key_heads"), value_heads=hf.require("linear_num_value_heads"),
                     key_head_dim=hf.require("linear_key_head_dim"), value_head_dim=hf.require("linear_value_head_dim"),
@@ -157,4 +148,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {"Qwen3NextForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE + ("mtp.*",),
-                                                      hf_config=hf_config)}
+                                                      hf_config=hf_config, export_rank=1)}

@@ -112,4 +112,4 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {"RecurrentGemmaForCausalLM": Converter(DecoderLM, config, params, ignore=("*rotary_emb.inv_freq",),
-                                                        hf_config=hf_config, inert=('final_w_init_variance_scale', 'w_init_variance_scale'))}
+                                                        hf_config=hf_config, inert=('final_w_init_variance_scale', 'w_init_variance_scale'), export_rank=1)}

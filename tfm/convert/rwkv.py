@@ -68,4 +68,4 @@ def hf_config(cfg: ModelConfig) -> dict:
                 rescale_every=0, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id)
 
 
-ARCHITECTURES = {"RwkvForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('rescale_every',))}
+ARCHITECTURES = {"RwkvForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('rescale_every',), export_rank=1)}

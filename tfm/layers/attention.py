@@ -86,7 +86,7 @@ class Attention(nn.Module):
             q_pos = jnp.arange(x.shape[1])[None] if positions is None else positions
             bias = relative_bias(relative_table, q_pos, q_pos if kv_positions is None else kv_positions, cfg,
                                  bidirectional=not self.causal)
-        scale = H ** -0.5 if cfg.scale_attention else 1.0
+        scale = (H ** -0.5 if cfg.attention_scale is None else cfg.attention_scale) if cfg.scale_attention else 1.0
         if cfg.mla is not None:
             scale *= cfg.mla.softmax_scale_factor
         if kv_mask is not None:
@@ -155,6 +155,8 @@ class Attention(nn.Module):
         if not ((self.qk_norm or cfg.qk_norm) and name in ("query", "key")):
             return project
         norm = Norm(cfg, "head_dim", name=f"{name}_norm")
+        if cfg.qk_norm_scope == "heads" and not self.qk_norm:  # over all of a token's heads: [B, L, heads * H]
+            return lambda h: (lambda y: norm(y.reshape(y.shape[:2] + (-1,))).reshape(y.shape))(project(h))
         return lambda h: norm(project(h))
 
     def _self_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
@@ -162,8 +164,10 @@ class Attention(nn.Module):
         cfg = self.config
         q = self._heads("query", cfg.num_heads)(x)
         k, v = self._heads("key", cfg.num_kv_heads)(x), self._value(x)  # [B, T, K, H]
-        if cfg.position == "rope":
-            q, k = apply_rope(q, positions, cfg), apply_rope(k, positions, cfg)
+        rope = cfg.layer_rope(self.layer_index) if not self.cross else None
+        if rope is not None:
+            layer_cfg = cfg if rope is cfg.rope else cfg.replace(rope=rope)
+            q, k = apply_rope(q, positions, layer_cfg), apply_rope(k, positions, layer_cfg)
         if cfg.linformer_length is not None:
             if self.causal or decode:
                 raise ValueError("ModelConfig.linformer_length projects keys along the whole length, which has no "

@@ -36,8 +36,8 @@ class BlockInputs:
 
 
 class Block(nn.Module):
-    """Self-attention, optional cross-attention, feed-forward; pre- or post-norm; sequential or
-    parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
+    """Self-attention, optional cross-attention, feed-forward; norms as config.norm_position (pre, post, sandwich,
+    post_sublayer); sequential or parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
     kind under config.attention_pattern, the token mixer under config.mixer_pattern (a linear-time
     mixer, `mixer` after `mixer_norm`, takes self-attention's place; "none" leaves the slot empty) and
@@ -65,18 +65,25 @@ class Block(nn.Module):
     def __call__(self, x, inputs: BlockInputs):
         cfg, deterministic, decode = self.config, self.deterministic, self.decode
         drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
-        pre = cfg.norm_position == "pre"
+        position = cfg.norm_position
         seg, pos = inputs.segment_ids, inputs.positions
         if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
             return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
         def sublayer(x, name, fn):
-            """Residual around fn, with the norm before (pre) or after (post) it."""
+            """Residual around fn with its norm where config.norm_position puts it: before fn (pre), after the
+            residual add (post), before fn and on its output (sandwich: `{name}_post_norm`), on fn's output only
+            (post_sublayer); fn's output times config.residual_multiplier."""
             norm = Norm(cfg, name=f"{name}_norm")
-            y = drop(fn(norm(x) if pre else x))
+            h = fn(norm(x) if position in ("pre", "sandwich") else x)
+            if position == "sandwich":
+                h = Norm(cfg, name=f"{name}_post_norm")(h)
+            elif position == "post_sublayer":
+                h = norm(h)
+            y = drop(h)
             if self.gated:
                 y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
-            return x + y if pre else norm(x + y)
+            return norm(x + y) if position == "post" else x + self._residual(y)
 
         mixer_kind, ffn_kind = cfg.layer_mixer(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
         if mixer_kind == "attention":
@@ -102,7 +109,7 @@ class Block(nn.Module):
                 raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
             h = Norm(cfg, name="attn_norm")(x)
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
-            x = x + drop(attend(h)) + drop(ffn(h_ffn, deterministic))
+            x = x + self._residual(drop(attend(h)) + drop(ffn(h_ffn, deterministic)))
         else:
             if mixer_kind != "none":
                 x = sublayer(x, "attn" if mixer_kind == "attention" else "mixer", attend)
@@ -140,6 +147,11 @@ class Block(nn.Module):
         if seen is not None:
             h = h * seen[..., None].astype(h.dtype)
         return x + gate("ffn_gate") * drop(h)
+
+    def _residual(self, y):
+        """A sublayer's output as added to the residual stream: times config.residual_multiplier."""
+        m = self.config.residual_multiplier
+        return y if m == 1.0 else y * jnp.asarray(m, y.dtype)
 
     def _gate(self, name: str, init: float, dtype):
         """tanh of the scalar parameter `name` (initialised to `init`)."""

@@ -59,7 +59,7 @@ class Stack(nn.Module):
                 in_axes=nn.broadcast, length=(self.num_layers - dense) // period,
                 metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = scanned(cfg, name="layers", **kw)(x, inputs)
-        if cfg.norm_position == "pre" and cfg.final_norm:
+        if cfg.norm_position != "post" and cfg.final_norm:
             x = Norm(cfg, name="final_norm")(x)
         return x
 

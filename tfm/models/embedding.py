@@ -66,6 +66,8 @@ class InputEmbedding(nn.Module):
         x = self.embed(tokens)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.embedding_scale_rounding or jnp.float32).astype(x.dtype)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
         if cfg.position in ("learned", "sinusoidal"):
             x = x + PositionEmbedding(cfg, name="position")(positions)
         if cfg.type_vocab_size:
@@ -115,6 +117,8 @@ class OutputLogits(nn.Module):
         kernel = self.embed.embedding if cfg.tie_embeddings else _OutputKernel(cfg, name="lm_head")().T
         if cfg.rescale_tied_output:
             x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
+        if cfg.logits_multiplier != 1.0:
+            x = x * jnp.asarray(cfg.logits_multiplier, x.dtype)
         bias = None
         if cfg.output_bias:
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
