@@ -23,6 +23,7 @@ def config(hf: HFConfig, **extra) -> ModelConfig:
 
 
 def cohere2_config(hf: HFConfig) -> ModelConfig:
+    hf.require("layer_types")  # which layers rotate: a config without them is not Cohere 2's
     layers = qwen2.attention_layers(hf)
     kinds = layers["attention_pattern"] or ("local" if layers["sliding_window"] else "global",)
     positions = tuple("rope" if kind == "local" else "none" for kind in kinds)

@@ -46,7 +46,12 @@ class Converter:
     def read_config(self, fields: dict, architecture: str):
         """The tfm config of the HF config `fields`; refuses any field it neither reads nor knows inert."""
         hf = HFConfig(fields, architecture)
-        config = self.config(hf)
+        try:
+            config = self.config(hf)
+        except ConversionError:
+            raise
+        except ValueError as e:  # the fields make no valid tfm config (say, another family's forced onto it)
+            raise ConversionError(f"{architecture}: {e}") from None
         hf.check_read(self.inert)
         return config
 
@@ -259,10 +264,10 @@ def add_output_head(params: dict, w: Weights, embedding, cfg, key: str = "lm_hea
         params.setdefault(into, {})["lm_head"] = {"kernel": w(key, (cfg.vocab_size, cfg.d_model)).T}
 
 
-def norm(w: Weights, prefix: str, kind: str) -> dict:
-    """LayerNorm (weight, bias) or RMSNorm (weight) -> Norm {"scale", "bias"}."""
+def norm(w: Weights, prefix: str, kind: str, bias: bool = True) -> dict:
+    """LayerNorm (weight, bias unless bias=False) or RMSNorm (weight) -> Norm {"scale", "bias"}."""
     out = {"scale": w(f"{prefix}.weight")}
-    if kind == "layernorm":
+    if kind == "layernorm" and bias:
         out["bias"] = w(f"{prefix}.bias")
     return out
 
@@ -305,7 +310,8 @@ def hybrid_mixer(w: Weights, p: str, cfg, layer: int, mixer_params: Callable) ->
 def period(kinds: Sequence) -> tuple:
     """The shortest prefix of `kinds` whose repeats give all of it (its length divides len(kinds)): HF's per-layer
     lists as tfm's repeating patterns."""
-    kinds, n = tuple(kinds), len(kinds)
+    kinds = tuple(kinds)
+    n = len(kinds)
     return next(kinds[:p] for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
 
 
@@ -358,7 +364,7 @@ def stack_params(w: Weights, cfg, stacks: Mapping[str, Stack]) -> dict:
         out[name] = {**stack_layers(layers, cfg.execution.scan_layers, cfg.pattern_period, cfg.dense_layers),
                      **(s.extra or {})}
         if s.final_norm is not None:
-            out[name]["final_norm"] = norm(w, s.final_norm, s.norm_kind or cfg.norm)
+            out[name]["final_norm"] = norm(w, s.final_norm, s.norm_kind or cfg.norm, cfg.norm_bias)
     return out
 
 
@@ -370,6 +376,10 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfi
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     scaling = {**legacy, **params}
+    unknown = sorted(set(scaling) - ROPE_KEYS)
+    if unknown:
+        raise hf.unsupported(f"rope_parameters.{unknown[0]}", scaling[unknown[0]],
+                             f"tfm reads {sorted(ROPE_KEYS)} (per-layer-type RoPE: common.layer_ropes)")
     key = "rope_type" if "rope_type" in scaling else "type"
     kind = scaling.get(key) or "default"
     field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
@@ -400,6 +410,34 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfi
         head_dim = hf.get("head_dim") or hf.require("hidden_size") // hf.require("num_attention_heads")
         out["dim"] = int(head_dim * fraction)
     return RopeConfig(**out)
+
+
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+             "high_freq_factor", "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim",
+             "partial_rotary_factor"}
+LAYER_ROPES = ("full_attention", "sliding_attention")  # rope_parameters keyed by layer type (Gemma 3, OLMo 3)
+
+
+def layer_ropes(hf: HFConfig, default_theta: float, partial: bool = False) -> dict:
+    """ModelConfig's rope and local_rope from rope_parameters given per layer type ({"full_attention": ...,
+    "sliding_attention": ...}, as the model reads them; flat keys beside them are not read by HF's model), or
+    from a flat one (local_rope None)."""
+    params = hf.get("rope_parameters") or {}
+    per = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+    if not per:
+        return dict(rope=rope(hf, default_theta, partial))
+    if set(per) - set(LAYER_ROPES):
+        raise hf.unsupported("rope_parameters", sorted(per), f"tfm reads one RoPE per layer type of {list(LAYER_ROPES)}")
+    full, local = (rope(hf.with_fields(rope_parameters=per.get(kind, per.get("full_attention"))), default_theta,
+                        partial) for kind in LAYER_ROPES)
+    return dict(rope=full, local_rope=None if local == full else local)
+
+
+def hf_layer_ropes(cfg: ModelConfig) -> dict:
+    """The inverse of `layer_ropes`: rope_parameters per layer type."""
+    local = cfg.replace(rope=cfg.local_rope) if cfg.local_rope is not None else cfg
+    return {"rope_parameters": {"full_attention": hf_rope(cfg)["rope_parameters"],
+                                "sliding_attention": hf_rope(local)["rope_parameters"]}}
 
 
 def _yarn_attention_factor(scaling: dict, factor: float) -> Optional[float]:

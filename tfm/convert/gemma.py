@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, qwen2
-from tfm.convert.common import ConversionError, Converter, HFConfig, hf_activation, hf_rope, rope
+from tfm.convert.common import ConversionError, Converter, HFConfig, hf_activation, hf_layer_ropes, layer_ropes
 from tfm.models import DecoderLM
 
 NORMS = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
          "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}
-LAYER_ROPES = ("full_attention", "sliding_attention")  # Gemma 3's rope_parameters keys
 
 
 def config(hf: HFConfig, **extra) -> ModelConfig:
@@ -28,11 +27,7 @@ def config(hf: HFConfig, **extra) -> ModelConfig:
 
 
 def gemma3_config(hf: HFConfig) -> ModelConfig:
-    ropes = hf.get("rope_parameters") or {}
-    if set(ropes) != set(LAYER_ROPES):
-        raise hf.unsupported("rope_parameters", ropes, f"Gemma 3 gives one per layer type, {list(LAYER_ROPES)}")
-    full, local = (rope(hf.with_fields(rope_parameters=ropes[kind]), 10_000.0) for kind in LAYER_ROPES)
-    return config(hf, qk_norm=True, rope=full, local_rope=None if local == full else local)
+    return config(hf, qk_norm=True, **layer_ropes(hf, 10_000.0))
 
 
 def params(w, cfg: ModelConfig) -> dict:
@@ -57,9 +52,7 @@ def _whole(x: float):
 
 
 def gemma3_hf_config(cfg: ModelConfig) -> dict:
-    local = cfg.replace(rope=cfg.local_rope) if cfg.local_rope is not None else cfg
-    ropes = {"full_attention": hf_rope(cfg)["rope_parameters"], "sliding_attention": hf_rope(local)["rope_parameters"]}
-    return dict(hf_config(cfg, "gemma3_text"), rope_parameters=ropes)
+    return dict(hf_config(cfg, "gemma3_text"), **hf_layer_ropes(cfg))
 
 
 INERT = ("_sliding_window_pattern",)  # Gemma 3's, which layer_types spells out

@@ -10,10 +10,11 @@ from tfm.models import DecoderLM
 
 
 def config(hf: HFConfig) -> ModelConfig:
-    return llama.config(hf, embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-                        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-                        attention_scale=float(hf.get("attention_multiplier", 1.0)),
-                        logits_multiplier=1.0 / float(hf.get("logits_scaling", 1.0)))
+    """Every multiplier is required: a config without them is not a Granite's (its defaults are 1)."""
+    return llama.config(hf, embedding_multiplier=float(hf.require("embedding_multiplier")),
+                        residual_multiplier=float(hf.require("residual_multiplier")),
+                        attention_scale=float(hf.require("attention_multiplier")),
+                        logits_multiplier=1.0 / float(hf.require("logits_scaling")))
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -28,7 +28,9 @@ def config(hf: HFConfig, default_theta: float = 10_000.0, **extra) -> ModelConfi
         activation=hf.activation("hidden_act", "silu", gated=True),
         attention_bias=bool(hf.get("attention_bias", False)), ffn_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab),
-        attention_dropout=hf.get("attention_dropout", 0.0), rope=rope(hf, default_theta))
+        attention_dropout=hf.get("attention_dropout", 0.0))
+    if "rope" not in extra:
+        kw["rope"] = rope(hf, default_theta)
     return ModelConfig(**{**kw, **extra})
 
 
@@ -75,7 +77,7 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[st
     b = cfg.attention_bias
     out_bias = b if cfg.attention_out_bias is None else cfg.attention_out_bias
     qkvo = projections(w, f"{p}.self_attn", cfg) + [linear_pair(w, f"{p}.self_attn.o_proj", out_bias)]
-    out = {name: norm(w, f"{p}.{hf_name}", cfg.norm) for name, hf_name in norms.items()}
+    out = {name: norm(w, f"{p}.{hf_name}", cfg.norm, cfg.norm_bias) for name, hf_name in norms.items()}
     out["self_attn"] = attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         flat = cfg.qk_norm_scope == "heads"

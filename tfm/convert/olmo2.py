@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import llama, qwen2
-from tfm.convert.common import Converter, HFConfig, Weights
+from tfm.convert.common import Converter, HFConfig, Weights, hf_layer_ropes, layer_ropes
 from tfm.models import DecoderLM
 
 FEATURES = dict(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="heads")
@@ -18,7 +18,7 @@ def config(hf: HFConfig) -> ModelConfig:
 
 
 def olmo3_config(hf: HFConfig) -> ModelConfig:
-    return llama.config(hf, **FEATURES, **qwen2.attention_layers(hf))
+    return llama.config(hf, **FEATURES, **qwen2.attention_layers(hf), **layer_ropes(hf, 10_000.0))
 
 
 NORMS = {"attn_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"}
@@ -35,7 +35,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def olmo3_hf_config(cfg: ModelConfig) -> dict:
-    return dict(hf_config(cfg), model_type="olmo3", **qwen2.hf_attention_layers(cfg))
+    return dict(hf_config(cfg), model_type="olmo3", **qwen2.hf_attention_layers(cfg), **hf_layer_ropes(cfg))
 
 
 ARCHITECTURES = {

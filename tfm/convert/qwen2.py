@@ -28,6 +28,9 @@ def attention_layers(hf: HFConfig) -> dict:
     use, first = hf.get("use_sliding_window", False), hf.get("max_window_layers", 0)
     window = hf.get("sliding_window")
     if layer_types is None:
+        if window and not hf.has("use_sliding_window"):
+            raise ConversionError(f"{hf.architecture}: sliding_window={window} without layer_types or "
+                                  f"use_sliding_window does not say which layers slide; give layer_types")
         L = hf.require("num_hidden_layers")
         layer_types = ["sliding_attention" if use and window and i >= first else "full_attention" for i in range(L)]
     pattern = attention_pattern(hf, layer_types)

@@ -1,0 +1,182 @@
+"""The decoder families of 2025-26 against Hugging Face transformers (PyTorch, CPU, fp32).
+
+Each family: one tiny random HF model (d_model 32, 2-4 layers, vocab 100, every parameter perturbed) whose
+config turns on what the family adds (sandwich or output norms, NoPE layers, a local RoPE base, q/k norm over
+all heads, µP multipliers, fused projections, a parallel block, sliding layers with a window shorter than the
+sequence), converted from the live model and from its save_pretrained directory, compiled once:
+logits = transformers' on a right-padded batch (1e-4), greedy decoding = `generate`, a packed row = its
+sequences run alone (1e-5), and `to_hf` writes a directory transformers reloads bit-identically.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tr = pytest.importorskip("transformers")
+
+from tfm import decode  # noqa: E402
+from tfm.convert import from_hf, to_hf  # noqa: E402
+
+TOL = 1e-4
+V, B, T = 100, 2, 9
+EAGER = dict(attn_implementation="eager")
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, **EAGER)
+ROPE = {"rope_type": "default", "rope_theta": 500.0}  # copied into each config: HF configs add to it in place
+
+FAMILIES = {
+    # NoPE on layer 1 of 2 (interval 2)
+    "smollm3": lambda: tr.SmolLM3ForCausalLM(tr.SmolLM3Config(**BASE, no_rope_layer_interval=2,
+                                                              rope_parameters=dict(ROPE))),
+    # µP multipliers, none of them 1
+    "granite": lambda: tr.GraniteForCausalLM(tr.GraniteConfig(
+        **BASE, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5,
+        rope_parameters=dict(ROPE))),
+    # output norms inside the residual, q/k norm over all heads
+    "olmo2": lambda: tr.Olmo2ForCausalLM(tr.Olmo2Config(**BASE, rope_parameters=dict(ROPE))),
+    # + sliding layers (window 3) beside a full one
+    "olmo3": lambda: tr.Olmo3ForCausalLM(tr.Olmo3Config(
+        **{**BASE, "num_hidden_layers": 4}, sliding_window=3, rope_parameters=dict(ROPE),
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    # sandwich norms, soft caps, query_pre_attn_scalar, (local, global)
+    "gemma2": lambda: tr.Gemma2ForCausalLM(tr.Gemma2Config(
+        **BASE, sliding_window=3, query_pre_attn_scalar=12, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, rope_parameters=dict(ROPE))),
+    # + per-head q/k norm, the local layers' own RoPE base, linear scaling on the global ones
+    "gemma3": lambda: tr.Gemma3ForCausalLM(tr.Gemma3TextConfig(
+        **BASE, sliding_window=3, query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    # fused qkv and gate_up, half of each head rotated, a window on every layer
+    "phi3": lambda: tr.Phi3ForCausalLM(tr.Phi3Config(
+        **{k: v for k, v in BASE.items() if k != "head_dim"}, sliding_window=4,
+        rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # parallel block, bias-free LayerNorm, interleaved RoPE, logit_scale
+    "cohere": lambda: tr.CohereForCausalLM(tr.CohereConfig(**BASE, logit_scale=0.5, rope_parameters=dict(ROPE))),
+    # + sliding layers that rotate beside a full layer without positions
+    "cohere2": lambda: tr.Cohere2ForCausalLM(tr.Cohere2Config(
+        **BASE, logit_scale=0.5, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(ROPE))),
+    # q/k/v biases, fused gate_up, interleaved RoPE on half of each head
+    "glm": lambda: tr.GlmForCausalLM(tr.GlmConfig(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # + sandwich norms
+    "glm4": lambda: tr.Glm4ForCausalLM(tr.Glm4Config(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+}
+
+EXPECTED = {  # what each family's conversion must turn on
+    "smollm3": dict(position_pattern=("rope", "none")),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_scale=0.2, logits_multiplier=0.4),
+    "olmo2": dict(norm_position="post_sublayer", qk_norm_scope="heads"),
+    "olmo3": dict(norm_position="post_sublayer", attention_pattern=("local", "local", "local", "global")),
+    "gemma2": dict(norm_position="sandwich", attention_pattern=("local", "global"), attn_logit_softcap=5.0),
+    "gemma3": dict(norm_position="sandwich", qk_norm=True, attn_logit_softcap=None),
+    "phi3": dict(sliding_window=4, attention_pattern=None),
+    "cohere": dict(parallel_block=True, norm="layernorm", norm_bias=False, logits_multiplier=0.5),
+    "cohere2": dict(parallel_block=True, position_pattern=("rope", "none"), attention_pattern=("local", "global")),
+    "glm": dict(attention_out_bias=False, norm_position="pre"),
+    "glm4": dict(norm_position="sandwich"),
+}
+ROPES = {"gemma3": dict(rope=(1e4, "linear"), local_rope=(50.0, None)), "phi3": dict(rope=(500.0, None)),
+         "cohere": dict(rope=(500.0, None)), "glm": dict(rope=(500.0, None))}
+
+
+def randomize(model):
+    """Perturb every float parameter so that zero biases and unit scales hide nothing."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def tokens(seed, shape=(B, T)):
+    return np.random.default_rng(seed).integers(1, V - 1, shape)
+
+
+def max_abs(a, b, mask=None):
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    return float(diff[np.asarray(mask, bool)].max() if mask is not None else diff.max())
+
+
+MASK = (np.arange(T)[None] < np.array([[T], [6]])).astype(np.int64)  # right padding on row 1
+
+
+@pytest.fixture(scope="module")
+def family(request, tmp_path_factory):
+    """One family's HF model, its directory, and one conversion whose forward is compiled once."""
+    torch.manual_seed(0)
+    hf = randomize(FAMILIES[request.param]())
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    cfg, params, model = from_hf(hf)
+    forward = jax.jit(lambda ids, seg, pos: model.apply({"params": params}, ids, segment_ids=seg, positions=pos).logits)
+    return request.param, hf, str(path), (cfg, params, model, forward)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_logits_match_hf(family):
+    """Logits of the live model's conversion = transformers' on a padded batch (1e-4); the directory's conversion
+    gives the same config and bit-identical params; the family's features are on."""
+    name, hf, path, (cfg, params, _, forward) = family
+    ids = tokens(1)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(MASK)).logits.numpy()
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    diff = max_abs(forward(jnp.asarray(ids), jnp.asarray(MASK), pos), ref, MASK)
+    print(f"{name} max-abs {diff:.2e}")
+    assert diff < TOL, (name, diff)
+    cfg_dir, params_dir, _ = from_hf(path)
+    assert cfg_dir == cfg
+    jax.tree.map(np.testing.assert_array_equal, params_dir, params)
+    assert {k: getattr(cfg, k) for k in EXPECTED[name]} == EXPECTED[name]
+    for field, (theta, scaling) in ROPES.get(name, {}).items():
+        assert (getattr(cfg, field).theta, getattr(cfg, field).scaling) == (theta, scaling), field
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_packed_row_equals_its_sequences_alone(family):
+    """Two sequences (5 and 4 tokens) packed in one row, positions restarting, give each sequence's logits run
+    alone (1e-5): every layer's mask, window and positions follow the segments."""
+    name, _, _, (cfg, params, _, forward) = family
+    ids = tokens(4, (1, T))
+    seg = jnp.asarray([[1] * 5 + [2] * 4])
+    pos = jnp.asarray([list(range(5)) + list(range(4))])
+    packed = forward(jnp.asarray(ids), seg, pos)
+    pad = lambda x: jnp.pad(jnp.asarray(x), ((0, 0), (0, T - x.shape[1])))
+    for lo, hi in ((0, 5), (5, 9)):
+        n = hi - lo
+        alone = forward(pad(ids[:, lo:hi]), pad(np.ones((1, n), np.int32)), pad(np.arange(n)[None]))
+        diff = max_abs(packed[:, lo:hi], alone[:, :n])
+        assert diff < 1e-5, (name, lo, diff)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_greedy_decoding_equals_transformers_generate(family):
+    """8 greedy tokens after a 5-token prompt through tfm's KV cache = transformers' generate."""
+    name, hf, _, (cfg, params, model, _) = family
+    prompt = tokens(3, (B, 5))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                          max_new_tokens=8, do_sample=False, pad_token_id=0)[:, 5:].numpy()
+    ours = jax.jit(functools.partial(decode.sample_lm, model, params, max_new_tokens=8, greedy=True))(
+        jnp.asarray(prompt), rng=jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(ours), ref)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
+    """to_hf picks the family's own class, and transformers loads every tensor back bit-identically."""
+    import json
+    name, hf, _, (cfg, params, _, _) = family
+    directory = to_hf(cfg, params, tmp_path / name)
+    with open(directory + "/config.json") as f:
+        assert json.load(f)["architectures"] == [type(hf).__name__]
+    reloaded, info = type(hf).from_pretrained(directory, output_loading_info=True, **EAGER)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = reloaded.state_dict()
+    for key, tensor in hf.state_dict().items():
+        if tensor.is_floating_point() and "inv_freq" not in key:
+            assert torch.equal(state[key], tensor), key
