@@ -62,6 +62,8 @@ FAMILIES = {
         rope_parameters=dict(ROPE))),
     # q/k/v biases, fused gate_up, interleaved RoPE on half of each head
     "glm": lambda: tr.GlmForCausalLM(tr.GlmConfig(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # a feed-forward that is not gated, under ReLU² (the family added in DESIGN's "adding a model family")
+    "arcee": lambda: tr.ArceeForCausalLM(tr.ArceeConfig(**BASE, rope_parameters=dict(ROPE))),
     # + sandwich norms
     "glm4": lambda: tr.Glm4ForCausalLM(tr.Glm4Config(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
 }
@@ -78,6 +80,7 @@ EXPECTED = {  # what each family's conversion must turn on
     "cohere2": dict(parallel_block=True, position_pattern=("rope", "none"), attention_pattern=("local", "global")),
     "glm": dict(attention_out_bias=False, norm_position="pre"),
     "glm4": dict(norm_position="sandwich"),
+    "arcee": dict(activation="relu2"),
 }
 ROPES = {"gemma3": dict(rope=(1e4, "linear"), local_rope=(50.0, None)), "phi3": dict(rope=(500.0, None)),
          "cohere": dict(rope=(500.0, None)), "glm": dict(rope=(500.0, None))}

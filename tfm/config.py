@@ -485,7 +485,7 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None  # attention logits = cap * tanh(logits / cap) (Gemma 2); None = none
-    qk_norm: bool = False  # config.norm over the queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3; all heads: qk_norm_scope)
     # qk_norm's extent: "head" each head over its H dims (Qwen3, Gemma 3); "heads" all heads of a token together,
     # over N*H (queries) and K*H (keys) dims (OLMo 2)
     qk_norm_scope: str = "head"

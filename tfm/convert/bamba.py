@@ -99,4 +99,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                 **mamba2.mixer_hf_config(cfg, MIXER_FIELDS))
 
 
-ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config, inert=('mamba_chunk_size', 'num_logits_to_keep', 'z_loss_coefficient'), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("mamba_chunk_size", "num_logits_to_keep", "z_loss_coefficient")
+ARCHITECTURES = {"BambaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config,
+                                               inert=INERT, export_rank=1)}

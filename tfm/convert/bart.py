@@ -56,4 +56,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attention_dropout=cfg.attention_dropout)
 
 
-ARCHITECTURES = {"BartForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=('activation_dropout', 'classifier_dropout', 'decoder_layerdrop', 'encoder_layerdrop', 'forced_eos_token_id', 'is_decoder'))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("activation_dropout", "classifier_dropout", "decoder_layerdrop", "encoder_layerdrop",
+         "forced_eos_token_id", "is_decoder")
+ARCHITECTURES = {"BartForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config,
+                                                           inert=INERT)}

@@ -40,4 +40,6 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attention_dropout=cfg.attention_dropout)
 
 
-ARCHITECTURES = {"BloomForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('slow_but_exact',))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("slow_but_exact",)
+ARCHITECTURES = {"BloomForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT)}

@@ -60,6 +60,7 @@ class Converter:
 HF_ACTIVATIONS = {
     "gelu": "gelu",
     "relu": "relu",
+    "relu2": "relu2",
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "silu": "silu",
@@ -376,10 +377,6 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfi
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     scaling = {**legacy, **params}
-    unknown = sorted(set(scaling) - ROPE_KEYS)
-    if unknown:
-        raise hf.unsupported(f"rope_parameters.{unknown[0]}", scaling[unknown[0]],
-                             f"tfm reads {sorted(ROPE_KEYS)} (per-layer-type RoPE: common.layer_ropes)")
     key = "rope_type" if "rope_type" in scaling else "type"
     kind = scaling.get(key) or "default"
     field = f"{'rope_parameters' if params else 'rope_scaling'}.{key}"
@@ -403,6 +400,10 @@ def rope(hf: HFConfig, default_theta: float, partial: bool = False) -> RopeConfi
                    attention_factor=_yarn_attention_factor(scaling, factor))
     elif kind != "default":
         raise hf.unsupported(field, kind, "tfm maps 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
+    unknown = sorted(set(scaling) - ROPE_KEYS)
+    if unknown:
+        raise hf.unsupported(f"rope_parameters.{unknown[0]}", scaling[unknown[0]],
+                             f"tfm reads {sorted(ROPE_KEYS)} (per-layer-type RoPE: common.layer_ropes)")
     fraction = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if fraction != 1.0:
         if not partial:

@@ -133,5 +133,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                 n_shared_experts=cfg.shared_expert_d_ff // cfg.d_ff)
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("num_nextn_predict_layers", "qk_head_dim")
 ARCHITECTURES = {"DeepseekV3ForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE,
-                                                    hf_config=hf_config, inert=('num_nextn_predict_layers', 'qk_head_dim'), export_rank=1)}
+                                                    hf_config=hf_config, inert=INERT, export_rank=1)}

@@ -54,6 +54,9 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attention_dropout=cfg.attention_dropout)
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("qa_dropout", "seq_classif_dropout")
 ARCHITECTURES = {
-    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",), hf_config=hf_config, inert=('qa_dropout', 'seq_classif_dropout')),
+    "DistilBertForMaskedLM": Converter(EncoderModel, config, params, ignore=("*position_ids",), hf_config=hf_config,
+                                       inert=INERT),
 }

@@ -54,7 +54,10 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attn_pdrop=cfg.attention_dropout)
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("embd_pdrop", "reorder_and_upcast_attn", "summary_first_dropout", "summary_proj_to_labels",
+         "summary_type", "summary_use_proj")
 ARCHITECTURES = {
     "GPT2LMHeadModel": Converter(DecoderLM, config, params, ignore=("*.attn.bias", "*.attn.masked_bias"),
-                                 hf_config=hf_config, inert=('embd_pdrop', 'reorder_and_upcast_attn', 'summary_first_dropout', 'summary_proj_to_labels', 'summary_type', 'summary_use_proj')),
+                                 hf_config=hf_config, inert=INERT),
 }

@@ -60,4 +60,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("*.attention.bias", "*.attention.masked_bias", "*rotary_emb.inv_freq")
-ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('classifier_dropout', 'is_decoder'))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("classifier_dropout", "is_decoder")
+ARCHITECTURES = {"GPTNeoXForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config,
+                                                 inert=INERT)}

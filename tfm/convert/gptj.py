@@ -21,7 +21,8 @@ def config(hf: HFConfig) -> ModelConfig:
         norm_position="pre", final_norm=True, position="rope",
         rope=RopeConfig(dim=hf.get("rotary_dim") or D // N, interleaved=True), parallel_block=True, parallel_norms=1,
         attention_bias=False,
-        activation=hf.activation("activation_function", "gelu_new"), tie_embeddings=hf.expect("tie_word_embeddings", [False], False), output_bias=True,
+        activation=hf.activation("activation_function", "gelu_new"),
+        tie_embeddings=hf.expect("tie_word_embeddings", [False], False), output_bias=True,
         pad_id=hf.pad_id(vocab), dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
 
 
@@ -50,4 +51,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("*.attn.bias", "*.attn.masked_bias", "*embed_positions")
-ARCHITECTURES = {"GPTJForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('embd_pdrop',))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("embd_pdrop",)
+ARCHITECTURES = {"GPTJForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config,
+                                              inert=INERT)}

@@ -97,4 +97,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('use_associative_scan', 'use_mamba_kernels', 'use_mambapy'), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("use_associative_scan", "use_mamba_kernels", "use_mambapy")
+ARCHITECTURES = {"JambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT,
+                                               export_rank=1)}

@@ -10,8 +10,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from tfm.config import ModelConfig
-from tfm.convert.common import (Converter, HFConfig, Stack, Weights, attention, dense, hf_activation, hf_rope,
+from tfm.config import GATED_ACTIVATIONS as GATED, ModelConfig
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, dense, hf_activation, hf_rope,
                                 linear, linear_pair, model_params, norm, rope)
 from tfm.models import DecoderLM
 
@@ -25,12 +25,13 @@ def config(hf: HFConfig, default_theta: float = 10_000.0, **extra) -> ModelConfi
         head_dim=hf.get("head_dim", D // N), num_layers=hf.require("num_hidden_layers"),
         d_ff=hf.require("intermediate_size"), max_len=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), norm_position="pre", final_norm=True, position="rope",
-        activation=hf.activation("hidden_act", "silu", gated=True),
         attention_bias=bool(hf.get("attention_bias", False)), ffn_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_id=hf.pad_id(vocab),
         attention_dropout=hf.get("attention_dropout", 0.0))
-    if "rope" not in extra:
+    if "rope" not in extra:  # a variant's own reading replaces Llama's (which might refuse what it allows)
         kw["rope"] = rope(hf, default_theta)
+    if "activation" not in extra:
+        kw["activation"] = hf.activation("hidden_act", "silu", gated=True)
     return ModelConfig(**{**kw, **extra})
 
 
@@ -98,10 +99,12 @@ def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn, **layout) ->
 def hf_config(cfg: ModelConfig, model_type: str = "llama", bias_fields: bool = True) -> dict:
     """The inverse of `config` (export); variants add their own fields (bias_fields=False: the
     variant has no attention_bias / mlp_bias field, its biases are fixed)."""
+    if cfg.position != "rope":
+        raise ConversionError(f"{model_type} rotates its queries and keys (position='rope'), got {cfg.position!r}")
     out = dict(model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                 num_hidden_layers=cfg.num_layers, intermediate_size=cfg.d_ff, max_position_embeddings=cfg.max_len,
-                rms_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation, gated=True),
+                rms_norm_eps=cfg.norm_eps, hidden_act=hf_activation(cfg.activation, gated=cfg.activation in GATED),
                 attention_bias=cfg.attention_bias, mlp_bias=cfg.ffn_bias, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_id, attention_dropout=cfg.attention_dropout, **hf_rope(cfg))
     if not bias_fields:

@@ -53,7 +53,9 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return out
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("onnx_export",)
 ARCHITECTURES = {
     "LongformerModel": Converter(EncoderModel, config, params, ignore=("*position_ids", "*token_type_ids"),
-                                 refine=bert.pooler_if_saved, inert=('onnx_export',), export_rank=1),
+                                 refine=bert.pooler_if_saved, inert=INERT, export_rank=1),
 }

@@ -97,4 +97,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                 tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, **mixer_hf_config(cfg, MAMBA_NAMES))
 
 
-ARCHITECTURES = {"MambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_init_scheme', 'time_step_max', 'time_step_min', 'time_step_scale', 'use_associative_scan', 'use_mambapy'), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("rescale_prenorm_residual", "residual_in_fp32", "time_step_floor", "time_step_init_scheme",
+         "time_step_max", "time_step_min", "time_step_scale", "use_associative_scan", "use_mambapy")
+ARCHITECTURES = {"MambaForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT,
+                                               export_rank=1)}

@@ -116,4 +116,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                 tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id, **mixer_hf_config(cfg))
 
 
-ARCHITECTURES = {"Mamba2ForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('chunk_size', 'rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_max', 'time_step_min', 'time_step_rank'), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("chunk_size", "rescale_prenorm_residual", "residual_in_fp32", "time_step_floor", "time_step_max",
+         "time_step_min", "time_step_rank")
+ARCHITECTURES = {"Mamba2ForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT,
+                                                export_rank=1)}

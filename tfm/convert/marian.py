@@ -100,4 +100,6 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attention_dropout=cfg.attention_dropout)
 
 
-ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=('activation_dropout', 'decoder_layerdrop', 'encoder_layerdrop', 'forced_eos_token_id', 'is_decoder'))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("activation_dropout", "decoder_layerdrop", "encoder_layerdrop", "forced_eos_token_id", "is_decoder")
+ARCHITECTURES = {"MarianMTModel": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=INERT)}

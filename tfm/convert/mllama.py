@@ -150,8 +150,10 @@ def vl_hf_config(cfg: ModelConfig) -> dict:
 
 
 ARCHITECTURES = {
-    "MllamaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config, inert=('dropout',), export_rank=1),
-    "MllamaVisionModel": Converter(TiledVisionEncoder, vision_config, vision_params, hf_config=vision_hf_config, export_rank=1),
+    "MllamaForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE, hf_config=hf_config,
+                                   inert=("dropout",), export_rank=1),
+    "MllamaVisionModel": Converter(TiledVisionEncoder, vision_config, vision_params, hf_config=vision_hf_config,
+                                   export_rank=1),
     "MllamaForConditionalGeneration": Converter(VisionLanguageModel, vl_config, vl_params, ignore=llama.IGNORE,
-                                                hf_config=vl_hf_config, inert=('image_token_index',), export_rank=1),
+                                                hf_config=vl_hf_config, inert=("image_token_index",), export_rank=1),
 }

@@ -63,4 +63,6 @@ def hf_config(cfg: ModelConfig) -> dict:
                 attn_config={"attn_pdrop": cfg.attention_dropout or 0})  # HF types it int; 0.0 fails
 
 
-ARCHITECTURES = {"MptForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('emb_pdrop', 'init_device', 'learned_pos_emb', 'no_bias', 'norm_type'))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("emb_pdrop", "init_device", "learned_pos_emb", "no_bias", "norm_type")
+ARCHITECTURES = {"MptForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT)}

@@ -157,4 +157,10 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("mtp.*", "*.mtp.*")  # the multi-token prediction layers, which HF's model leaves out too
-ARCHITECTURES = {"NemotronHForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('attention_bias', 'chunk_size', 'expand', 'hidden_dropout', 'mamba_proj_bias', 'mamba_ssm_cache_dtype', 'moe_shared_expert_overlap', 'mtp_layers_block_type', 'n_shared_experts', 'num_logits_to_keep', 'num_nextn_predict_layers', 'rescale_prenorm_residual', 'residual_in_fp32', 'time_step_floor', 'time_step_limit', 'time_step_max', 'use_mamba_kernels'), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("attention_bias", "chunk_size", "expand", "hidden_dropout", "mamba_proj_bias",
+         "mamba_ssm_cache_dtype", "moe_shared_expert_overlap", "mtp_layers_block_type", "n_shared_experts",
+         "num_logits_to_keep", "num_nextn_predict_layers", "rescale_prenorm_residual", "residual_in_fp32",
+         "time_step_floor", "time_step_limit", "time_step_max", "use_mamba_kernels")
+ARCHITECTURES = {"NemotronHForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config,
+                                                   inert=INERT, export_rank=1)}

@@ -35,7 +35,8 @@ def config(hf: HFConfig, heads=()) -> ModelConfig:
         max_len=hf.get("n_positions", 512), norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         norm_position="post", final_norm=False, position="learned",
         activation=AFN[afn],
-        tie_embeddings=hf.expect("tie_word_embeddings", [True], True), pad_id=hf.pad_id(vocab), heads=tuple(heads), num_labels=num_labels,
+        tie_embeddings=hf.expect("tie_word_embeddings", [True], True), pad_id=hf.pad_id(vocab), heads=tuple(heads),
+        num_labels=num_labels,
         dropout_rate=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
 
 
@@ -66,8 +67,11 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 IGNORE = ("*.attn.bias", "transformer.position_ids")
+# HF config fields that change nothing tfm computes: dropout, and the double-heads model's summary head settings
+# (the LM head model has none)
+INERT = ("embd_pdrop", "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj")
 ARCHITECTURES = {
-    "OpenAIGPTLMHeadModel": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=('embd_pdrop', 'summary_first_dropout', 'summary_proj_to_labels', 'summary_type', 'summary_use_proj')),
+    "OpenAIGPTLMHeadModel": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, inert=INERT),
     "OpenAIGPTDoubleHeadsModel": Converter(DecoderLM, lambda hf: config(hf, heads=("classification",)), params,
-                                           ignore=IGNORE, hf_config=hf_config, inert=('embd_pdrop', 'summary_first_dropout')),
+                                           ignore=IGNORE, hf_config=hf_config, inert=INERT[:2]),
 }

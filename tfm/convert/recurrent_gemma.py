@@ -111,5 +111,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                 pad_token_id=cfg.pad_id, **rotary)
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("final_w_init_variance_scale", "w_init_variance_scale")
 ARCHITECTURES = {"RecurrentGemmaForCausalLM": Converter(DecoderLM, config, params, ignore=("*rotary_emb.inv_freq",),
-                                                        hf_config=hf_config, inert=('final_w_init_variance_scale', 'w_init_variance_scale'), export_rank=1)}
+                                                        hf_config=hf_config, inert=INERT, export_rank=1)}

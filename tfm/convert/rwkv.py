@@ -68,4 +68,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                 rescale_every=0, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_id)
 
 
-ARCHITECTURES = {"RwkvForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=('rescale_every',), export_rank=1)}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("rescale_every",)
+ARCHITECTURES = {"RwkvForCausalLM": Converter(DecoderLM, config, params, hf_config=hf_config, inert=INERT,
+                                              export_rank=1)}

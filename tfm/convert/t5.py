@@ -103,4 +103,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                 scale_decoder_outputs=cfg.rescale_tied_output, pad_token_id=cfg.pad_id, dropout_rate=cfg.dropout_rate)
 
 
-ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config, inert=('classifier_dropout', 'dense_act_fn', 'is_decoder', 'is_gated_act', 'tie_word_embeddings'))}
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("classifier_dropout", "dense_act_fn", "is_decoder", "is_gated_act", "tie_word_embeddings")
+ARCHITECTURES = {"T5ForConditionalGeneration": Converter(EncoderDecoder, config, params, hf_config=hf_config,
+                                                         inert=INERT)}

@@ -81,8 +81,11 @@ def hf_config(cfg: ModelConfig) -> dict:
                 hidden_dropout_prob=cfg.dropout_rate, attention_probs_dropout_prob=cfg.attention_dropout)
 
 
+# HF config fields that change nothing tfm computes (initialisation, dropout, kernels, caching, ...)
+INERT = ("encoder_stride",)
 ARCHITECTURES = {
-    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params, hf_config=hf_config, inert=('encoder_stride',)),
+    "ViTModel": Converter(VisionEncoder, functools.partial(config, heads=("pooler",)), params, hf_config=hf_config,
+                          inert=INERT),
     "ViTForImageClassification": Converter(VisionEncoder, functools.partial(config, heads=("classification",)),
-                                           params, hf_config=hf_config, inert=('encoder_stride',)),
+                                           params, hf_config=hf_config, inert=INERT),
 }
