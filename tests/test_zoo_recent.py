@@ -62,6 +62,10 @@ FAMILIES = {
         rope_parameters=dict(ROPE))),
     # q/k/v biases, fused gate_up, interleaved RoPE on half of each head
     "glm": lambda: tr.GlmForCausalLM(tr.GlmConfig(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # attention sinks, (local, global) with window 3, YaRN, 4 biased experts (top 2) with clamped SwiGLU
+    "gpt_oss": lambda: tr.GptOssForCausalLM(tr.GptOssConfig(
+        **BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=3, swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention"])),
     # a feed-forward that is not gated, under ReLU² (the family added in DESIGN's "adding a model family")
     "arcee": lambda: tr.ArceeForCausalLM(tr.ArceeConfig(**BASE, rope_parameters=dict(ROPE))),
     # + sandwich norms
@@ -81,6 +85,8 @@ EXPECTED = {  # what each family's conversion must turn on
     "glm": dict(attention_out_bias=False, norm_position="pre"),
     "glm4": dict(norm_position="sandwich"),
     "arcee": dict(activation="relu2"),
+    "gpt_oss": dict(attention_sinks=True, activation="swiglu_clamped", swiglu_limit=1.5, num_experts=4,
+                    attention_pattern=("local", "global")),
 }
 ROPES = {"gemma3": dict(rope=(1e4, "linear"), local_rope=(50.0, None)), "phi3": dict(rope=(500.0, None)),
          "cohere": dict(rope=(500.0, None)), "glm": dict(rope=(500.0, None))}

@@ -12,6 +12,7 @@ Attention features (the keyword arguments of `tfm.ops.attention.dot_product_atte
   positions     explicit query/key positions (KV-cache decoding)
   sparsity      a `tfm.kernels.sparsity` pattern
   softcap       logit soft-capping
+  sinks         a learned per-head logit in the softmax's denominator (gpt-oss's attention sinks)
   bidirectional_window  a window without causal masking
   block_sizes   takes the Pallas kernel tiles (`ExecutionConfig.attention_block_sizes`)
   context       may be named under context parallelism (its blocks are computed as `CONTEXT` says)
@@ -23,7 +24,7 @@ from typing import Optional, Tuple
 
 from tfm.kernels.tiles import GPU_DTYPES
 
-FEATURES = ("dropout", "bias", "positions", "sparsity", "softcap", "bidirectional_window", "block_sizes")
+FEATURES = ("dropout", "bias", "positions", "sparsity", "softcap", "sinks", "bidirectional_window", "block_sizes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class AttentionSupport:
     positions: bool = False
     sparsity: bool = False
     softcap: bool = True
+    sinks: bool = False
     bidirectional_window: bool = True
     block_sizes: bool = False
     context: bool = True
@@ -65,7 +67,7 @@ class AttentionSupport:
 ATTENTION = {
     # The reference: the [B, N, T, S] logits materialised. Under context parallelism it is
     # computed by the chunked blocks.
-    "xla": AttentionSupport(dropout=True, bias=True, positions=True, sparsity=True),
+    "xla": AttentionSupport(dropout=True, bias=True, positions=True, sparsity=True, sinks=True),
     # Pure-JAX blockwise online softmax, O(L) memory.
     "chunked": AttentionSupport(positions=True, sparsity=True),
     # The flash kernels (tfm.kernels.flash_attention): Triton on GPU (tensor-core dtypes), Mosaic on
@@ -138,10 +140,10 @@ def mixer_impl(impl: str, length: int) -> str:
 
 def call_features(*, dropout_rate: float = 0.0, bias: bool = False, positions_given: bool = False,
                   sparse: bool = False, softcap: Optional[float] = None, window: Optional[int] = None,
-                  causal: bool = False) -> dict:
+                  causal: bool = False, sinks: bool = False) -> dict:
     """{feature: used} of one attention call, from its arguments."""
     return dict(dropout=dropout_rate > 0.0, bias=bias, positions=positions_given, sparsity=sparse,
-                softcap=softcap is not None, bidirectional_window=window is not None and not causal)
+                softcap=softcap is not None, sinks=sinks, bidirectional_window=window is not None and not causal)
 
 
 def supporting(**features: bool) -> list:

@@ -32,8 +32,9 @@ ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
 MIXERS = ("attention", "mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "none")
 # ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only)
 FFN_KINDS = ("dense", "moe", "rwkv", "none")
-ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")  # relu2: relu(x)**2
-GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+# relu2: relu(x)**2; swiglu_clamped: gpt-oss's (g * sigmoid(alpha g)) * (u + 1), g and u clamped (swiglu_limit)
+ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "swiglu_clamped")
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "swiglu_clamped": "silu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
 EMBEDDING_IMPLS = ("auto", "sharded", "xla")
@@ -485,6 +486,9 @@ class ModelConfig:
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None  # attention logits = cap * tanh(logits / cap) (Gemma 2); None = none
+    # A learned logit per query head (`sinks` [N]) in every softmax's denominator, attending to nothing: a query
+    # may give part of its weight to no key (gpt-oss). Backends declaring `sinks` (tfm.capabilities).
+    attention_sinks: bool = False
     qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3; all heads: qk_norm_scope)
     # qk_norm's extent: "head" each head over its H dims (Qwen3, Gemma 3); "heads" all heads of a token together,
     # over N*H (queries) and K*H (keys) dims (OLMo 2)
@@ -524,7 +528,11 @@ class ModelConfig:
     rglru: Union[RgLruConfig, dict, None] = None
 
     # Feed-forward
-    activation: str = "relu"  # the feed-forward's; swiglu and geglu are gated (two input projections)
+    activation: str = "relu"  # the feed-forward's; swiglu, geglu and swiglu_clamped are gated (two input projections)
+    # activation="swiglu_clamped" (gpt-oss): the gate clamped to at most swiglu_limit, the up projection to
+    # [-swiglu_limit, swiglu_limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     ffn_bias: bool = True  # biases on the feed-forward projections
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
@@ -535,6 +543,7 @@ class ModelConfig:
     shared_expert_d_ff: int = 0  # width of an always-on expert added under a per-token sigmoid gate (Qwen2-MoE)
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
     router_score: str = "softmax"  # expert scores: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3)
+    router_logit_bias: bool = False  # a learned bias on the router's logits, trained as any weight (gpt-oss)
     # DeepSeek-V3's group-limited routing: the experts in router_groups equal groups, a token choosing
     # among the router_group_top groups whose two best scores sum highest; 1 = no groups.
     router_groups: int = 1
@@ -900,7 +909,8 @@ class ModelConfig:
         uses = dict(dropout=("attention_dropout", self.attention_dropout > 0),
                     bias=("position='relative' (T5's relative position bias)", self.position == "relative"),
                     sparsity=("attention_sparsity", self.attention_sparsity is not None),
-                    softcap=("attn_logit_softcap", self.attn_logit_softcap is not None))
+                    softcap=("attn_logit_softcap", self.attn_logit_softcap is not None),
+                    sinks=("attention_sinks", self.attention_sinks))
         for feature, (field, used) in uses.items():
             if used and not self.execution.may_use(feature):
                 able = capabilities.supporting(**{feature: True})

@@ -74,12 +74,14 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[st
           projections: Callable = qkv) -> dict:
     """HF layer `p` (self_attn with `projections(w, p.self_attn, cfg)` and o_proj, the norms `norms`, the
     feed-forward `ffn(w, p, cfg)`) -> a Block's params; per-head q/k norms as `self_attn.{q,k}_norm` with
-    cfg.qk_norm (flat over all heads with qk_norm_scope="heads")."""
+    cfg.qk_norm (flat over all heads with qk_norm_scope="heads"), and `self_attn.sinks` with cfg.attention_sinks."""
     b = cfg.attention_bias
     out_bias = b if cfg.attention_out_bias is None else cfg.attention_out_bias
     qkvo = projections(w, f"{p}.self_attn", cfg) + [linear_pair(w, f"{p}.self_attn.o_proj", out_bias)]
     out = {name: norm(w, f"{p}.{hf_name}", cfg.norm, cfg.norm_bias) for name, hf_name in norms.items()}
     out["self_attn"] = attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.attention_sinks:
+        out["self_attn"]["sinks"] = w(f"{p}.self_attn.sinks", (cfg.num_heads,))
     if cfg.qk_norm:
         flat = cfg.qk_norm_scope == "heads"
         for name, heads in (("query", cfg.num_heads), ("key", cfg.num_kv_heads)):

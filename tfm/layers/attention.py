@@ -45,7 +45,9 @@ class Attention(nn.Module):
     MEMORY_KV_AXES / MEMORY_SEGMENT_AXES).
 
     qk_norm: config.norm over each head of the queries and keys (`query_norm`, `key_norm` [H]) before
-    attending (Mllama's cross-attention layers; config.qk_norm: every layer, Qwen3); cached keys are the normed ones.
+    attending (Mllama's cross-attention layers; config.qk_norm: every layer, Qwen3; over all heads together,
+    [N * H] / [K * H], with config.qk_norm_scope="heads"); cached keys are the normed ones. With
+    config.attention_sinks self-attention has `sinks` [N], one logit per query head in its softmax's denominator.
 
     config.attention_sparsity patterns self-attention (tfm.kernels.sparsity); with config.global_projections the
     Longformer global rows are recomputed through their own projections (`_global_rows`).
@@ -96,6 +98,9 @@ class Attention(nn.Module):
             seen = jnp.repeat(kv_mask.astype(bool), S // M, axis=-1)  # [B, T, S]
             bias = jnp.broadcast_to(jnp.where(seen, 0.0, NEG_INF)[:, None], (B, cfg.num_heads, T, S))
         dropout = 0.0 if deterministic else cfg.attention_dropout
+        sinks = None
+        if cfg.attention_sinks and not self.cross:
+            sinks = self.param("sinks", param_init(nn.initializers.zeros_init(), ("heads",)), (N,), jnp.float32)
         o = dot_product_attention(
             q, k, v, causal=self.causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
             q_positions=positions if use_positions else None,
@@ -104,6 +109,7 @@ class Attention(nn.Module):
             alibi_slopes=(alibi_slopes(cfg.num_heads, cfg.alibi_bias_max)
                           if cfg.position == "alibi" and not self.cross else None),
             softcap=cfg.attn_logit_softcap, sparsity=None if self.cross else cfg.attention_sparsity, bias=bias,
+            sinks=sinks,
             scale=scale, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             impl="xla" if use_positions or kv_mask is not None else cfg.execution.attention_impl,

@@ -26,7 +26,12 @@ def activation_fn(name: str):
 
 
 def hidden_activation(config: ModelConfig, up):
-    """act(up("wi")), or gate(up("wi_gate")) * up("wi_up") for SwiGLU/GeGLU; `up(name)` projects D -> F."""
+    """act(up("wi")), or gate(up("wi_gate")) * up("wi_up") for SwiGLU/GeGLU (gpt-oss's clamped form for
+    swiglu_clamped); `up(name)` projects D -> F."""
+    if config.activation == "swiglu_clamped":
+        limit = config.swiglu_limit
+        gate, lin = jnp.minimum(up("wi_gate"), limit), jnp.clip(up("wi_up"), -limit, limit)
+        return gate * jax.nn.sigmoid(config.swiglu_alpha * gate) * (lin + 1)
     if config.activation in GATED_ACTIVATIONS:
         return _GATE_FN[GATED_ACTIVATIONS[config.activation]](up("wi_gate")) * up("wi_up")
     return activation_fn(config.activation)(up("wi"))
@@ -178,7 +183,8 @@ class MoeMlp(nn.Module):
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
         D, F, E = cfg.d_model, cfg.d_ff, cfg.num_experts
-        router = Einsum("BTD,DE->BTE", (D, E), ("embed", None), name="router", dtype=jnp.float32)
+        router = Einsum("BTD,DE->BTE", (D, E), ("embed", None), (None,), use_bias=cfg.router_logit_bias, name="router",
+                        dtype=jnp.float32)
         logits = router(x)  # [B, T, E]
 
         def weight(name, shape, axes):
@@ -188,6 +194,12 @@ class MoeMlp(nn.Module):
         up_names = ("wi_gate", "wi_up") if cfg.activation in GATED_ACTIVATIONS else ("wi",)
         weights = {name: weight(name, (E, D, F), ("expert", "embed", "mlp")) for name in up_names}
         weights["wo"] = weight("wo", (E, F, D), ("expert", "mlp", "embed"))
+        if cfg.ffn_bias:  # each expert's biases, [E, F] on its up projections and [E, D] on wo (gpt-oss)
+            for name in up_names + ("wo",):
+                width, axis = (D, "embed") if name == "wo" else (F, "mlp")
+                init = param_init(nn.initializers.zeros_init(), ("expert", axis))
+                weights[f"{name}_bias"] = self.param(f"{name}_bias", init, (E, width), jnp.float32).astype(
+                    compute_dtype(cfg))
         bias = None
         if cfg.router_bias:
             bias = self.param("score_bias", param_init(nn.initializers.zeros_init(), ("expert",)), (E,), jnp.float32)
@@ -213,9 +225,11 @@ class MoeMlp(nn.Module):
         return y
 
     def _grouped_ffn(self, rows, group_sizes, weights):
-        """rows [R, D] sorted by expert -> [R, D]: each expert's feed-forward on its rows."""
-        up = lambda name: jax.lax.ragged_dot(rows, weights[name], group_sizes)  # [R, F]
-        return jax.lax.ragged_dot(hidden_activation(self.config, up), weights["wo"], group_sizes)
+        """rows [R, D] sorted by expert -> [R, D]: each expert's feed-forward on its rows (+ its biases)."""
+        owner = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows.shape[0])  # [R]
+        project = lambda x, name: jax.lax.ragged_dot(x, weights[name], group_sizes) + (
+            weights[f"{name}_bias"][owner] if f"{name}_bias" in weights else 0)
+        return project(hidden_activation(self.config, lambda name: project(rows, name)), "wo")
 
     def _einsum(self, x, gates, experts, weights):
         cfg = self.config
@@ -223,8 +237,9 @@ class MoeMlp(nn.Module):
         dispatch, combine = dispatch_slots(gates, experts, cfg.num_experts, expert_capacity(x.shape[1], cfg))
         xe = jnp.einsum("BTEC,BTD->BECD", dispatch.astype(dt), x.astype(dt))  # [B, E, C, D]
         xe = constrain(xe, ("expert_batch", "expert", None, "embed"))
-        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weights[name])
+        bias = lambda name: weights[f"{name}_bias"][None, :, None] if f"{name}_bias" in weights else 0
+        up = lambda name: jnp.einsum("BECD,EDF->BECF", xe, weights[name]) + bias(name)
         h = hidden_activation(cfg, up)  # [B, E, C, F]
-        ye = jnp.einsum("BECF,EFD->BECD", h, weights["wo"])
+        ye = jnp.einsum("BECF,EFD->BECD", h, weights["wo"]) + bias("wo")
         ye = constrain(ye, ("expert_batch", "expert", None, "embed"))
         return jnp.einsum("BTEC,BECD->BTD", combine.astype(dt), ye)

@@ -12,6 +12,8 @@ Masking is described, never materialised by the caller:
                   them; causal, window and ALiBi are functions of positions.
   alibi_slopes    float [N]; adds -slope * |q_pos - kv_pos| to the logits.
   softcap         logits -> softcap * tanh(logits / softcap), after scaling, before ALiBi.
+  sinks           float [N]: one more logit per query head in the softmax's denominator, whose key has no
+                  value (gpt-oss): each row's weights sum to 1 - its sink's share.
   bias            float [B|1, N, T, S] added to the logits (T5's relative position bias).
   sparsity        a `tfm.kernels.sparsity` pattern (Sparse Transformer strided/fixed, BigBird,
                   Longformer), ANDed with the rest: materialised by "xla", masked per chunk by
@@ -63,6 +65,7 @@ def dot_product_attention(
     softcap: Optional[float] = None,
     sparsity: Optional[sparsity_lib.Pattern] = None,
     bias: Optional[jax.Array] = None,
+    sinks: Optional[jax.Array] = None,
     scale: Optional[float] = None,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[jax.Array] = None,
@@ -99,7 +102,7 @@ def dot_product_attention(
         raise ValueError("sparse attention patterns are described over a whole sequence; explicit positions "
                          "(cached decoding) are not supported with them")
     call = dict(dropout_rate=dropout_rate, bias=bias is not None, positions_given=positions_given,
-                sparse=sparsity is not None, softcap=softcap, window=window, causal=causal)
+                sparse=sparsity is not None, softcap=softcap, window=window, causal=causal, sinks=sinks is not None)
     features = capabilities.call_features(**call)
     if not positions_given and shard.context_size() > 1:
         missing = capabilities.CONTEXT.missing(**features)
@@ -120,6 +123,8 @@ def dot_product_attention(
         able = {f: capabilities.supporting(**{f: True}) for f in missing}
         raise ValueError(f"attention impl {impl!r} does not implement " +
                          "; ".join(f"{f} (impl {' / '.join(map(repr, a))} does)" for f, a in able.items()))
+    if sinks is not None and sinks.shape != (N,):
+        raise ValueError(f"attention sinks must be [{N}] (one per query head); got {sinks.shape}")
     if bias is not None and (bias.ndim != 4 or bias.shape[1:] != (N, T, S) or bias.shape[0] not in (1, B)):
         raise ValueError(f"attention bias must be [{B} or 1, {N}, {T}, {S}]; got {bias.shape}")
     if impl in ("pallas", "hopper", "cudnn"):
@@ -138,5 +143,5 @@ def dot_product_attention(
                   kv_pos=kv_pos, window=window, slopes=alibi_slopes, softcap=softcap, scale=scale)
     if impl == "xla":
         return xla.attention(q, k, v, bias=bias, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             sparsity=sparsity, **common)
+                             sparsity=sparsity, sinks=sinks, **common)
     return chunked.attention(q, k, v, chunk_size=chunk_size, sparsity=sparsity, **common)

@@ -14,9 +14,10 @@ from tfm.ops.masks import NEG_INF, scores, visibility
 
 
 def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, softcap, scale,
-              dropout_rate, dropout_rng, bias=None, sparsity=None):
+              dropout_rate, dropout_rng, bias=None, sparsity=None, sinks=None):
     """q [B, T, N, H]; k, v [B, S, K, H] -> [B, T, N, H]. q_pos [B|1, T], kv_pos [B|1, S];
-    bias [B|1, N, T, S] is added to the logits; sparsity (`tfm.kernels.sparsity`) is materialised [T, S]."""
+    bias [B|1, N, T, S] is added to the logits; sparsity (`tfm.kernels.sparsity`) is materialised [T, S];
+    sinks [N]: each head's logit that joins the softmax's denominator with no value."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
@@ -26,7 +27,11 @@ def attention(q, k, v, *, causal, q_seg, kv_seg, q_pos, kv_pos, window, slopes, 
     visible = visibility(q_pos, kv_pos, q_seg, kv_seg, causal=causal, window=window,
                          sparsity=sparsity)[:, None, None]
     s = jnp.where(visible, s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1) * visible  # fully masked rows -> 0
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1) * visible  # fully masked rows -> 0
+    else:  # the sink as one more column of the softmax, dropped after it
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1] * visible
     if dropout_rate > 0.0:
         G = N // K
         heads = jnp.arange(N, dtype=jnp.int32).reshape(1, K, G, 1, 1)  # query head k * G + g
