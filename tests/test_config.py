@@ -219,7 +219,8 @@ WHAT_FIELDS = (
     'num_channels', 'multimodal', 'norm_scale_offset', 'attention_output_gate', 'mixer_pattern', 'ffn_pattern',
     'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap',
     'position_pattern', 'local_rope', 'qk_norm_scope', 'attention_scale', 'residual_multiplier', 'embedding_multiplier',
-    'logits_multiplier', 'swiglu_limit', 'swiglu_alpha', 'router_logit_bias', 'attention_sinks')
+    'logits_multiplier', 'swiglu_limit', 'swiglu_alpha', 'router_logit_bias', 'attention_sinks',
+    'qk_norm_position')
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

@@ -66,6 +66,23 @@ FAMILIES = {
     "gpt_oss": lambda: tr.GptOssForCausalLM(tr.GptOssConfig(
         **BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=3, swiglu_limit=1.5,
         layer_types=["sliding_attention", "full_attention"])),
+    # RoPE on adjacent pairs, biases everywhere
+    "ernie4_5": lambda: tr.Ernie4_5ForCausalLM(tr.Ernie4_5Config(**BASE, use_bias=True, rope_parameters=dict(ROPE))),
+    # + 1 dense layer, then 4 experts (top 2) chosen with a correction bias, 2 shared experts
+    "ernie4_5_moe": lambda: tr.Ernie4_5_MoeForCausalLM(tr.Ernie4_5_MoeConfig(
+        **BASE, moe_intermediate_size=16, moe_num_experts=4, moe_k=2, moe_layer_start_index=1, moe_layer_end_index=1,
+        moe_num_shared_experts=2, rope_parameters=dict(ROPE))),
+    # q/k norm after RoPE
+    "hunyuan": lambda: tr.HunYuanDenseV1ForCausalLM(tr.HunYuanDenseV1Config(**BASE, rope_parameters=dict(ROPE))),
+    # + 4 experts (top 2) beside a shared Mlp
+    "hunyuan_moe": lambda: tr.HunYuanMoEV1ForCausalLM(tr.HunYuanMoEV1Config(
+        **BASE, num_experts=4, moe_topk=2, rope_parameters=dict(ROPE))),
+    # 1 dense layer, then 8 experts in 4 groups (top 2 groups, top 2 experts) by sigmoid + correction bias,
+    # a shared expert, q/k norm, RoPE on half of each head
+    "glm4_moe": lambda: tr.Glm4MoeForCausalLM(tr.Glm4MoeConfig(
+        **BASE, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True,
+        rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
     # a feed-forward that is not gated, under ReLU² (the family added in DESIGN's "adding a model family")
     "arcee": lambda: tr.ArceeForCausalLM(tr.ArceeConfig(**BASE, rope_parameters=dict(ROPE))),
     # + sandwich norms
@@ -85,6 +102,11 @@ EXPECTED = {  # what each family's conversion must turn on
     "glm": dict(attention_out_bias=False, norm_position="pre"),
     "glm4": dict(norm_position="sandwich"),
     "arcee": dict(activation="relu2"),
+    "glm4_moe": dict(router_score="sigmoid", router_groups=4, dense_layers=1, qk_norm=True, router_scale=1.5),
+    "ernie4_5": dict(attention_bias=True, ffn_bias=True),
+    "ernie4_5_moe": dict(dense_layers=1, num_experts=4, router_bias=True, shared_expert_d_ff=32),
+    "hunyuan": dict(qk_norm=True, qk_norm_position="after_rope"),
+    "hunyuan_moe": dict(qk_norm_position="after_rope", num_experts=4, shared_expert_d_ff=48),
     "gpt_oss": dict(attention_sinks=True, activation="swiglu_clamped", swiglu_limit=1.5, num_experts=4,
                     attention_pattern=("local", "global")),
 }

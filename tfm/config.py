@@ -25,6 +25,7 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_sublayer")
 LAYER_POSITIONS = ("rope", "none")  # ModelConfig.position_pattern entries
 QK_NORM_SCOPES = ("head", "heads")  # ModelConfig.qk_norm_scope
+QK_NORM_POSITIONS = ("before_rope", "after_rope")  # ModelConfig.qk_norm_position
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
@@ -493,6 +494,7 @@ class ModelConfig:
     # qk_norm's extent: "head" each head over its H dims (Qwen3, Gemma 3); "heads" all heads of a token together,
     # over N*H (queries) and K*H (keys) dims (OLMo 2)
     qk_norm_scope: str = "head"
+    qk_norm_position: str = "before_rope"  # qk_norm before RoPE rotates (Qwen3, OLMo 2) or after it (HunYuan)
     # The attention logits' multiplier; None = head_dim**-0.5 (scale_attention) or 1. Gemma 2/3:
     # query_pre_attn_scalar**-0.5; Granite: attention_multiplier.
     attention_scale: Optional[float] = None
@@ -596,7 +598,8 @@ class ModelConfig:
     # The fields that take one of a few values (checked in __post_init__; docs/CONFIG.md lists them), and
     # the tuple fields each of whose entries does.
     CHOICES = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
-                   router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES, qk_norm_scope=QK_NORM_SCOPES)
+                   router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES, qk_norm_scope=QK_NORM_SCOPES,
+                   qk_norm_position=QK_NORM_POSITIONS)
     ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=MIXERS, ffn_pattern=FFN_KINDS, heads=HEADS,
                          position_pattern=LAYER_POSITIONS)
 
@@ -782,6 +785,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {value}")
+        if self.qk_norm_position == "after_rope" and self.qk_norm_scope != "head":
+            raise ValueError("ModelConfig.qk_norm_position='after_rope' normalises each rotated head: it needs "
+                             "qk_norm_scope='head'")
         if self.attention_scale is not None and not self.scale_attention:
             raise ValueError("ModelConfig.attention_scale is the logits' multiplier; scale_attention=False says "
                              "there is none: set one of them")

@@ -61,8 +61,9 @@ def fused_qkv(w: Weights, p: str, cfg: ModelConfig) -> list:
     return list(zip(np.split(weight, cuts), biases))
 
 
-# A layer's norms: {tfm Block param: HF module name}
+# A layer's norms: {tfm Block param: HF module name}; its per-head q/k norms: {tfm: HF name in self_attn}
 NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+QK_NORMS = {"query": "q_norm", "key": "k_norm"}
 
 
 def qkv(w: Weights, p: str, cfg: ModelConfig) -> list:
@@ -71,7 +72,7 @@ def qkv(w: Weights, p: str, cfg: ModelConfig) -> list:
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[str, str] = NORMS,
-          projections: Callable = qkv) -> dict:
+          projections: Callable = qkv, qk_norms: Mapping[str, str] = QK_NORMS) -> dict:
     """HF layer `p` (self_attn with `projections(w, p.self_attn, cfg)` and o_proj, the norms `norms`, the
     feed-forward `ffn(w, p, cfg)`) -> a Block's params; per-head q/k norms as `self_attn.{q,k}_norm` with
     cfg.qk_norm (flat over all heads with qk_norm_scope="heads"), and `self_attn.sinks` with cfg.attention_sinks."""
@@ -86,14 +87,16 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[st
         flat = cfg.qk_norm_scope == "heads"
         for name, heads in (("query", cfg.num_heads), ("key", cfg.num_kv_heads)):
             shape = (heads * cfg.head_dim,) if flat else (cfg.head_dim,)
-            out["self_attn"][f"{name}_norm"] = {"scale": w(f"{p}.self_attn.{name[0]}_norm.weight", shape)}
+            out["self_attn"][f"{name}_norm"] = {"scale": w(f"{p}.self_attn.{qk_norms[name]}.weight", shape)}
     out["ffn"] = ffn(w, p, cfg)
     return out
 
 
 def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn, **layout) -> dict:
-    """The Llama layout's param tree; `layout`: `layer`'s norms and projections."""
-    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffn, **layout), cfg.num_layers,
+    """The Llama layout's param tree; `layout`: `layer`'s norms and projections. A MoE model's first
+    cfg.dense_layers layers take `dense_ffn` instead of `ffn`."""
+    ffns = lambda i: dense_ffn if i < cfg.dense_layers else ffn
+    decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffns(i), **layout), cfg.num_layers,
                     final_norm="model.norm")
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 

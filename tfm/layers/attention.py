@@ -153,17 +153,23 @@ class Attention(nn.Module):
 
     def _heads(self, name: str, heads: int, use_bias=None):
         """The projection [B, L, D] -> [B, L, heads, H] named `name`; with qk_norm, queries and keys are
-        normalised per head (`query_norm`, `key_norm`) before any position is applied."""
+        normalised per head (`query_norm`, `key_norm`) before any position is applied (unless
+        config.qk_norm_position="after_rope": `_self_qkv` normalises them after RoPE)."""
         cfg = self.config
         head_axis = "heads" if heads == cfg.num_heads and name in ("query", "query_global") else "kv_heads"
         project = self._projection("BSD,DKH->BSKH", (cfg.d_model, heads, cfg.head_dim),
                                    ("embed", head_axis, "head_dim"), name, use_bias)
-        if not ((self.qk_norm or cfg.qk_norm) and name in ("query", "key")):
+        if not ((self.qk_norm or cfg.qk_norm) and name in ("query", "key")) or self._norms_after_rope():
             return project
         norm = Norm(cfg, "head_dim", name=f"{name}_norm")
         if cfg.qk_norm_scope == "heads" and not self.qk_norm:  # over all of a token's heads: [B, L, heads * H]
             return lambda h: (lambda y: norm(y.reshape(y.shape[:2] + (-1,))).reshape(y.shape))(project(h))
         return lambda h: norm(project(h))
+
+    def _norms_after_rope(self) -> bool:
+        """Whether config.qk_norm normalises each query and key head after RoPE (HunYuan)."""
+        cfg = self.config
+        return cfg.qk_norm and cfg.qk_norm_position == "after_rope" and not self.cross and cfg.mla is None
 
     def _self_qkv(self, x, positions, segment_ids, kv_segment_ids, decode):
         """q [B, T, N, H]; k, v [B, S, K, H] (S = the cache length when decoding), their segment ids and positions."""
@@ -174,6 +180,8 @@ class Attention(nn.Module):
         if rope is not None:
             layer_cfg = cfg if rope is cfg.rope else cfg.replace(rope=rope)
             q, k = apply_rope(q, positions, layer_cfg), apply_rope(k, positions, layer_cfg)
+        if self._norms_after_rope():
+            q, k = Norm(cfg, "head_dim", name="query_norm")(q), Norm(cfg, "head_dim", name="key_norm")(k)
         if cfg.linformer_length is not None:
             if self.causal or decode:
                 raise ValueError("ModelConfig.linformer_length projects keys along the whole length, which has no "
