@@ -46,6 +46,18 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    # Qwen3.5: Qwen3-Next's layers with separate DeltaNet projections; dense, and with experts on every layer
+    "qwen3_5": lambda: tr.Qwen3_5ForCausalLM(tr.Qwen3_5TextConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+    "qwen3_5_moe": lambda: tr.Qwen3_5MoeForCausalLM(tr.Qwen3_5MoeTextConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
     # RWKV-4: attention width 32, channel mix 64; 2 layers, so rescale_every (6) never rescales
     "rwkv": lambda: tr.RwkvForCausalLM(tr.RwkvConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)),
@@ -84,6 +96,7 @@ def _router_bias(model):
 # transformers 5.24's RwkvForCausalLM given one token and a state mixes its [B, D] token shift into [B, B, D]
 # for B > 1, so its batched generate is wrong from the second new token: compared one prompt at a time.
 ONE_ROW_GENERATE = ("rwkv",)
+SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 
 
 def tokens(seed, shape=(B, T)):
@@ -156,8 +169,10 @@ def test_greedy_decoding_equals_transformers_generate(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
 def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
+    """to_hf's directory loads in the family's class bit-identically. A Qwen3.5 config is also Qwen3-Next's (their
+    layers differ only in how the checkpoint fuses projections): to_hf writes Qwen3-Next unless told."""
     name, hf, _, (cfg, params, _, _) = family
-    directory = to_hf(cfg, params, tmp_path / name)
+    directory = to_hf(cfg, params, tmp_path / name, architecture=type(hf).__name__ if name in SAME_CONFIG else None)
     reloaded, info = type(hf).from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     state = reloaded.state_dict()

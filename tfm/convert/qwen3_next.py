@@ -36,9 +36,13 @@ def config(hf: HFConfig) -> ModelConfig:
         raise hf.unsupported("layer_types", layer_types, f"tfm maps {sorted(MIXERS)}, one per layer")
     mixers = period([MIXERS[t] for t in layer_types])
     E, step = hf.get("num_experts", 0), hf.get("decoder_sparse_step", 1)
+    if not E:  # the experts' fields say nothing without experts
+        for name in ("moe_intermediate_size", "norm_topk_prob", "num_experts_per_tok", "router_aux_loss_coef",
+                     "shared_expert_intermediate_size"):
+            hf.has(name)
     dense_only = set(hf.get("mlp_only_layers") or ())
     ffns = ["moe" if E and i not in dense_only and (i + 1) % step == 0 else "dense" for i in range(L)]
-    moe = dict(num_experts=0, d_ff=hf.require("intermediate_size"))
+    moe = dict(num_experts=0, d_ff=hf.get("intermediate_size"))
     if "moe" in ffns:
         shared = hf.require("shared_expert_intermediate_size")
         if shared < 1:
@@ -48,7 +52,9 @@ def config(hf: HFConfig) -> ModelConfig:
                    router_norm_topk=bool(hf.get("norm_topk_prob", True)), shared_expert_d_ff=shared,
                    router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                    ffn_pattern=None if "dense" not in ffns else period(ffns),
-                   dense_d_ff=None if hf.require("intermediate_size") == F else hf.require("intermediate_size"))
+                   dense_d_ff=None if hf.get("intermediate_size", F) == F else hf.require("intermediate_size"))
+    elif moe["d_ff"] is None:
+        raise ConversionError(f"{hf.architecture}: config field 'intermediate_size' is missing")
     deltanet = dict(key_heads=hf.require("linear_num_key_heads"), value_heads=hf.require("linear_num_value_heads"),
                     key_head_dim=hf.require("linear_key_head_dim"), value_head_dim=hf.require("linear_value_head_dim"),
                     conv_kernel=hf.get("linear_conv_kernel_dim", 4))
@@ -79,18 +85,27 @@ def attention_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
 
 
 def deltanet_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    """HF's Qwen3NextGatedDeltaNet at `p` -> tfm GatedDeltaNet params (un-interleaving the fused projections)."""
+    """HF's gated DeltaNet at `p` -> tfm GatedDeltaNet params: Qwen3-Next's fused projections (in_proj_qkvz,
+    in_proj_ba, interleaved per key head) or Qwen3.5's separate ones (in_proj_qkv: q, k, v rows; in_proj_z,
+    in_proj_b, in_proj_a)."""
     m, D = cfg.deltanet, cfg.d_model
     Nk, Hk, Nv, Hv = m.key_heads, m.key_head_dim, m.value_heads, m.value_head_dim
-    r = Nv // Nk  # value heads per key head
-    rows = 2 * Hk + 2 * r * Hv
-    qkvz = w(f"{p}.in_proj_qkvz.weight", (Nk * rows, D)).reshape(Nk, rows, D)
     heads = lambda part, n, h: {"kernel": part.reshape(n, h, D).transpose(2, 0, 1)}  # [D, n, h]
-    ba = w(f"{p}.in_proj_ba.weight", (2 * Nv, D)).reshape(Nk, 2 * r, D)
+    if w.has(f"{p}.in_proj_qkv.weight"):
+        qkv = w(f"{p}.in_proj_qkv.weight", (2 * Nk * Hk + Nv * Hv, D))
+        q, k, v = qkv[:Nk * Hk], qkv[Nk * Hk:2 * Nk * Hk], qkv[2 * Nk * Hk:]
+        z = w(f"{p}.in_proj_z.weight", (Nv * Hv, D))
+        b, a = w(f"{p}.in_proj_b.weight", (Nv, D)), w(f"{p}.in_proj_a.weight", (Nv, D))
+    else:
+        r = Nv // Nk  # value heads per key head
+        rows = 2 * Hk + 2 * r * Hv
+        qkvz = w(f"{p}.in_proj_qkvz.weight", (Nk * rows, D)).reshape(Nk, rows, D)
+        q, k, v, z = qkvz[:, :Hk], qkvz[:, Hk:2 * Hk], qkvz[:, 2 * Hk:2 * Hk + r * Hv], qkvz[:, 2 * Hk + r * Hv:]
+        ba = w(f"{p}.in_proj_ba.weight", (2 * Nv, D)).reshape(Nk, 2 * r, D)
+        b, a = ba[:, :r].reshape(Nv, D), ba[:, r:].reshape(Nv, D)
     conv = w(f"{p}.conv1d.weight", (2 * Nk * Hk + Nv * Hv, 1, m.conv_kernel))[:, 0].T  # [K, C]
-    return {"query": heads(qkvz[:, :Hk], Nk, Hk), "key": heads(qkvz[:, Hk:2 * Hk], Nk, Hk),
-            "value": heads(qkvz[:, 2 * Hk:2 * Hk + r * Hv], Nv, Hv), "gate": heads(qkvz[:, 2 * Hk + r * Hv:], Nv, Hv),
-            "beta": {"kernel": ba[:, :r].reshape(Nv, D).T}, "alpha": {"kernel": ba[:, r:].reshape(Nv, D).T},
+    return {"query": heads(q, Nk, Hk), "key": heads(k, Nk, Hk), "value": heads(v, Nv, Hv), "gate": heads(z, Nv, Hv),
+            "beta": {"kernel": b.T}, "alpha": {"kernel": a.T},
             "conv_q": {"kernel": conv[:, :Nk * Hk]}, "conv_k": {"kernel": conv[:, Nk * Hk:2 * Nk * Hk]},
             "conv_v": {"kernel": conv[:, 2 * Nk * Hk:]},
             "dt_bias": w(f"{p}.dt_bias", (Nv,)), "A_log": w(f"{p}.A_log", (Nv,)),
@@ -115,7 +130,7 @@ def params(w: Weights, cfg: ModelConfig) -> dict:
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: ModelConfig, model_type: str = "qwen3_next") -> dict:
     """The inverse of `config` (export)."""
     L = cfg.num_layers
     names = {kind: name for name, kind in MIXERS.items()}
@@ -134,7 +149,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     rope_fields["rope_parameters"]["partial_rotary_factor"] = cfg.rope.dim / cfg.head_dim
     m = cfg.deltanet
     return dict(
-        model_type="qwen3_next", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=L,
+        model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=L,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         intermediate_size=(cfg.dense_d_ff or cfg.d_ff), max_position_embeddings=cfg.max_len,
         rms_norm_eps=cfg.norm_eps, hidden_act="silu", attention_bias=cfg.attention_bias,
@@ -147,5 +162,33 @@ def hf_config(cfg: ModelConfig) -> dict:
         mlp_only_layers=[i for i in range(L) if not moe[i]] if cfg.num_experts else [], **rope_fields)
 
 
-ARCHITECTURES = {"Qwen3NextForCausalLM": Converter(DecoderLM, config, params, ignore=llama.IGNORE + ("mtp.*",),
-                                                      hf_config=hf_config, export_rank=1)}
+def qwen3_5_hf_config(cfg: ModelConfig) -> dict:
+    """Qwen3.5 (dense): Qwen3-Next's fields without its experts'."""
+    if cfg.num_experts:
+        raise ConversionError("Qwen3_5ForCausalLM is dense: Qwen3_5MoeForCausalLM has the experts")
+    out = hf_config(cfg, "qwen3_5_text")
+    for name in QWEN3_NEXT_MOE_FIELDS + ("shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
+                                         "moe_intermediate_size", "router_aux_loss_coef"):
+        del out[name]
+    return out
+
+
+def qwen3_5_moe_hf_config(cfg: ModelConfig) -> dict:
+    """Qwen3.5 MoE: experts on every layer, renormalised top-k gates; no dense width."""
+    if not cfg.num_experts or cfg.ffn_pattern is not None or not cfg.router_norm_topk:
+        raise ConversionError("Qwen3.5-MoE puts experts on every layer and renormalises its top-k gates")
+    out = hf_config(cfg, "qwen3_5_moe_text")
+    for name in QWEN3_NEXT_MOE_FIELDS + ("intermediate_size",):
+        del out[name]
+    return out
+
+
+QWEN3_NEXT_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")  # Qwen3.5's configs have none
+IGNORE = llama.IGNORE + ("mtp.*",)
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=hf_config, export_rank=1),
+    "Qwen3_5ForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=qwen3_5_hf_config,
+                                    export_rank=1),
+    "Qwen3_5MoeForCausalLM": Converter(DecoderLM, config, params, ignore=IGNORE, hf_config=qwen3_5_moe_hf_config,
+                                       export_rank=1),
+}
