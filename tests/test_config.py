@@ -220,7 +220,8 @@ WHAT_FIELDS = (
     'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap',
     'position_pattern', 'local_rope', 'qk_norm_scope', 'attention_scale', 'residual_multiplier', 'embedding_multiplier',
     'logits_multiplier', 'swiglu_limit', 'swiglu_alpha', 'router_logit_bias', 'attention_sinks',
-    'qk_norm_position')
+    'qk_norm_position', 'attention_span', 'nope_temperature', 'nope_temperature_floor', 'rope_qk_rms_norm',
+    'router_gate_input')
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

@@ -83,6 +83,12 @@ FAMILIES = {
         **BASE, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True,
         rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # NoPE on layer 3 with the attention temperature, spans of 4 on the RoPE layers with RMS-normed q/k after RoPE,
+    # experts (top 1, gating their input) on layers 1 and 3 beside a shared expert, dense layers 0 and 2
+    "llama4": lambda: tr.Llama4ForCausalLM(tr.Llama4TextConfig(
+        **{**BASE, "num_hidden_layers": 4, "intermediate_size": 16}, intermediate_size_mlp=48, num_local_experts=4,
+        moe_layers=[1, 3], attention_chunk_size=4, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+        use_qk_norm=True, rope_parameters=dict(ROPE))),
     # a feed-forward that is not gated, under ReLU² (the family added in DESIGN's "adding a model family")
     "arcee": lambda: tr.ArceeForCausalLM(tr.ArceeConfig(**BASE, rope_parameters=dict(ROPE))),
     # + sandwich norms
@@ -102,6 +108,8 @@ EXPECTED = {  # what each family's conversion must turn on
     "glm": dict(attention_out_bias=False, norm_position="pre"),
     "glm4": dict(norm_position="sandwich"),
     "arcee": dict(activation="relu2"),
+    "llama4": dict(position_pattern=("rope", "rope", "rope", "none"), attention_span=4, rope_qk_rms_norm=True,
+                   nope_temperature=0.5, ffn_pattern=("dense", "moe"), router_gate_input=True),
     "glm4_moe": dict(router_score="sigmoid", router_groups=4, dense_layers=1, qk_norm=True, router_scale=1.5),
     "ernie4_5": dict(attention_bias=True, ffn_bias=True),
     "ernie4_5_moe": dict(dense_layers=1, num_experts=4, router_bias=True, shared_expert_d_ff=32),
@@ -211,3 +219,25 @@ def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
     for key, tensor in hf.state_dict().items():
         if tensor.is_floating_point() and "inv_freq" not in key:
             assert torch.equal(state[key], tensor), key
+
+
+# Each feature a family turns on, turned off again: the logits move (the features are not inert, and the parity
+# above depends on them).
+FEATURES_OFF = [("llama4", dict(rope_qk_rms_norm=False)), ("llama4", dict(nope_temperature=0.0)),
+                ("llama4", dict(attention_span=None, attention_pattern=None)), ("llama4", dict(router_gate_input=False)),
+                ("gpt_oss", dict(attention_sinks=False)), ("gpt_oss", dict(swiglu_limit=100.0)),
+                ("granite", dict(residual_multiplier=1.0)), ("granite", dict(attention_scale=None)),
+                ("olmo2", dict(norm_position="pre")), ("gemma3", dict(local_rope=None)),
+                ("hunyuan", dict(qk_norm_position="before_rope")), ("cohere2", dict(position_pattern=None)),
+                ("smollm3", dict(position_pattern=None)), ("glm4", dict(norm_position="pre"))]
+
+
+@pytest.mark.parametrize("family,change", FEATURES_OFF, ids=[f"{f}-{next(iter(c))}" for f, c in FEATURES_OFF],
+                         indirect=["family"])
+def test_each_feature_changes_the_logits(family, change):
+    from tfm.models import DecoderLM
+    name, _, _, (cfg, params, model, forward) = family
+    ids, seg = jnp.asarray(tokens(1)), jnp.asarray(MASK)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    off = DecoderLM(cfg.replace(**change)).apply({"params": params}, ids, segment_ids=seg, positions=pos).logits
+    assert max_abs(off, forward(ids, seg, pos), MASK) > 1e-3, (name, change)

@@ -28,7 +28,8 @@ QK_NORM_SCOPES = ("head", "heads")  # ModelConfig.qk_norm_scope
 QK_NORM_POSITIONS = ("before_rope", "after_rope")  # ModelConfig.qk_norm_position
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
-ATTENTION_KINDS = ("global", "local")  # ModelConfig.attention_pattern entries
+# ModelConfig.attention_pattern entries: every earlier key, a sliding window, aligned spans (attention_span)
+ATTENTION_KINDS = ("global", "local", "span")
 # ModelConfig.mixer_pattern entries: a layer's token mixer ("none": the layer has a feed-forward only)
 MIXERS = ("attention", "mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "none")
 # ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only)
@@ -486,10 +487,20 @@ class ModelConfig:
     # see sliding_window keys, "global" ones all. None = every layer uses sliding_window (if set).
     # GPT-3 ("global", "local"), Gemma-2 ("local", "global"), Mistral ("local",).
     attention_pattern: Optional[Tuple[str, ...]] = None
+    # "span" layers of attention_pattern attend causally within aligned spans of this many positions: a query at
+    # position p sees keys at q <= p with q // span == p // span (Llama 4's chunked attention)
+    attention_span: Optional[int] = None
     attn_logit_softcap: Optional[float] = None  # attention logits = cap * tanh(logits / cap) (Gemma 2); None = none
     # A learned logit per query head (`sinks` [N]) in every softmax's denominator, attending to nothing: a query
     # may give part of its weight to no key (gpt-oss). Backends declaring `sinks` (tfm.capabilities).
     attention_sinks: bool = False
+    # Llama 4's attention temperature on layers without RoPE (position_pattern "none"): queries at position p times
+    # 1 + nope_temperature * log(1 + floor((p + 1) / nope_temperature_floor)); 0 = none
+    nope_temperature: float = 0.0
+    nope_temperature_floor: int = 8192
+    # Llama 4: the rotated layers' queries and keys divided by their root mean square over each head after RoPE
+    # (no weight; eps norm_eps)
+    rope_qk_rms_norm: bool = False
     qk_norm: bool = False  # config.norm over each query and key head before RoPE (Qwen3; all heads: qk_norm_scope)
     # qk_norm's extent: "head" each head over its H dims (Qwen3, Gemma 3); "heads" all heads of a token together,
     # over N*H (queries) and K*H (keys) dims (OLMo 2)
@@ -546,6 +557,7 @@ class ModelConfig:
     shared_expert_gate: bool = True  # False: the shared expert is added ungated (DeepSeek-V3)
     router_score: str = "softmax"  # expert scores: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3)
     router_logit_bias: bool = False  # a learned bias on the router's logits, trained as any weight (gpt-oss)
+    router_gate_input: bool = False  # experts_per_token=1: the gate scales the expert's input, not its output (Llama 4)
     # DeepSeek-V3's group-limited routing: the experts in router_groups equal groups, a token choosing
     # among the router_group_top groups whose two best scores sum highest; 1 = no groups.
     router_groups: int = 1
@@ -785,6 +797,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {value}")
+        if self.router_gate_input and self.experts_per_token != 1:
+            raise ValueError(f"ModelConfig.router_gate_input scales each token's one expert input by its gate; "
+                             f"experts_per_token={self.experts_per_token} must be 1")
+        if self.nope_temperature < 0 or self.nope_temperature_floor < 1:
+            raise ValueError(f"ModelConfig.nope_temperature={self.nope_temperature} must be >= 0 and "
+                             f"nope_temperature_floor={self.nope_temperature_floor} >= 1")
         if self.qk_norm_position == "after_rope" and self.qk_norm_scope != "head":
             raise ValueError("ModelConfig.qk_norm_position='after_rope' normalises each rotated head: it needs "
                              "qk_norm_scope='head'")
@@ -808,7 +826,11 @@ class ModelConfig:
 
     def _check_pattern(self):
         pattern = self.attention_pattern
+        if self.attention_span is not None and self.attention_span < 1:
+            raise ValueError(f"ModelConfig.attention_span must be >= 1, got {self.attention_span}")
         if pattern is None:
+            if self.attention_span is not None:
+                raise ValueError("ModelConfig.attention_span is the 'span' layers' of attention_pattern, which is None")
             return
         if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
             raise ValueError(f"ModelConfig.attention_pattern must be a non-empty tuple of {ATTENTION_KINDS}, "
@@ -819,6 +841,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_pattern has unknown kinds {bad}; choose from {ATTENTION_KINDS}")
         if "local" in pattern and self.sliding_window is None:
             raise ValueError("ModelConfig.attention_pattern has 'local' layers but sliding_window is None")
+        if ("span" in pattern) != (self.attention_span is not None):
+            raise ValueError(f"ModelConfig.attention_span={self.attention_span} is the 'span' layers' (attention_pattern="
+                             f"{pattern}): set both or neither")
         for name in ("num_layers", "num_decoder_layers"):
             if getattr(self, name) % len(pattern):
                 raise ValueError(f"ModelConfig.attention_pattern of length {len(pattern)} does not divide "
@@ -923,6 +948,12 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} needs an attention backend that implements {feature} "
                                  f"({' or '.join(map(repr, able + ['auto']))}); execution.attention_impl="
                                  f"{self.execution.attention_impl!r} does not")
+
+    def layer_span(self, layer: int) -> Optional[int]:
+        """The aligned span layer `layer` attends within (None = not a "span" layer) under attention_pattern."""
+        if self.attention_pattern is None:
+            return None
+        return self.attention_span if self.attention_pattern[layer % len(self.attention_pattern)] == "span" else None
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of layer `layer` (None = global) under attention_pattern."""

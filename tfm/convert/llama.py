@@ -92,10 +92,10 @@ def layer(w: Weights, p: str, cfg: ModelConfig, ffn: Callable, norms: Mapping[st
     return out
 
 
-def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn, **layout) -> dict:
-    """The Llama layout's param tree; `layout`: `layer`'s norms and projections. A MoE model's first
-    cfg.dense_layers layers take `dense_ffn` instead of `ffn`."""
-    ffns = lambda i: dense_ffn if i < cfg.dense_layers else ffn
+def params(w: Weights, cfg: ModelConfig, ffn: Callable = dense_ffn, dense: Callable = dense_ffn, **layout) -> dict:
+    """The Llama layout's param tree; `layout`: `layer`'s norms and projections. A MoE model's dense layers (its
+    first cfg.dense_layers, and "dense" ones of ffn_pattern) take `dense` instead of `ffn`."""
+    ffns = lambda i: dense if cfg.num_experts and cfg.layer_ffn(i, dense=i < cfg.dense_layers) == "dense" else ffn
     decoder = Stack(lambda i: layer(w, f"model.layers.{i}", cfg, ffns(i), **layout), cfg.num_layers,
                     final_norm="model.norm")
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})

@@ -3,7 +3,7 @@ projections (none on the output one), and HF's per-layer `layer_types` (full or 
 attention) as tfm's repeating attention_pattern."""
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Mapping, Sequence, Tuple
 
 from tfm.config import ModelConfig
 from tfm.convert import llama
@@ -20,7 +20,7 @@ def config(hf: HFConfig, **extra) -> ModelConfig:
                         **attention_layers(hf), **extra)
 
 
-def attention_layers(hf: HFConfig) -> dict:
+def attention_layers(hf: HFConfig, kinds: Mapping[str, str] = KINDS) -> dict:
     """ModelConfig's sliding_window and attention_pattern from HF's per-layer `layer_types`, or, in a config
     saved without them, from use_sliding_window / max_window_layers as HF derives them (layers from
     max_window_layers on slide)."""
@@ -33,20 +33,20 @@ def attention_layers(hf: HFConfig) -> dict:
                                   f"use_sliding_window does not say which layers slide; give layer_types")
         L = hf.require("num_hidden_layers")
         layer_types = ["sliding_attention" if use and window and i >= first else "full_attention" for i in range(L)]
-    pattern = attention_pattern(hf, layer_types)
+    pattern = attention_pattern(hf, layer_types, kinds)
     if "local" not in pattern:
         window = None
-    if len(set(pattern)) == 1:
+    if len(set(pattern)) == 1 and pattern[0] != "span":
         pattern = None  # one kind on every layer: sliding_window alone says which
     return dict(sliding_window=window, attention_pattern=pattern)
 
 
-def attention_pattern(hf: HFConfig, layer_types: Sequence[str]) -> Tuple[str, ...]:
-    """HF layer_types -> the shortest repeating tuple of "global"/"local" that reproduces them."""
-    unknown = sorted(set(layer_types) - set(KINDS))
+def attention_pattern(hf: HFConfig, layer_types: Sequence[str], names: Mapping[str, str] = KINDS) -> Tuple[str, ...]:
+    """HF layer_types -> the shortest repeating tuple of tfm's attention kinds (`names` maps them) that gives them."""
+    unknown = sorted(set(layer_types) - set(names))
     if unknown:
-        raise hf.unsupported("layer_types", unknown, f"tfm maps {sorted(KINDS)}")
-    kinds = tuple(KINDS[t] for t in layer_types)
+        raise hf.unsupported("layer_types", unknown, f"tfm maps {sorted(names)}")
+    kinds = tuple(names[t] for t in layer_types)
     if "local" in kinds and not hf.get("sliding_window"):
         raise ConversionError(f"{hf.architecture}: layer_types has sliding layers but sliding_window is unset")
     for period in range(1, len(kinds) + 1):

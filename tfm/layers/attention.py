@@ -74,6 +74,9 @@ class Attention(nn.Module):
             q, k, v, kv_segment_ids = self._cross_qkv(x, memory, kv_segment_ids, decode)
             kv_positions = None
         else:
+            span = cfg.layer_span(self.layer_index)
+            if span is not None:
+                q_segment_ids = kv_segment_ids = span_segments(q_segment_ids, positions, x.shape[:2], span, cfg.max_len)
             qkv = self._self_qkv if cfg.mla is None else self._latent_qkv
             q, k, v, kv_segment_ids, kv_positions = qkv(x, positions, q_segment_ids, kv_segment_ids, decode)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
@@ -182,6 +185,12 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, layer_cfg), apply_rope(k, positions, layer_cfg)
         if self._norms_after_rope():
             q, k = Norm(cfg, "head_dim", name="query_norm")(q), Norm(cfg, "head_dim", name="key_norm")(k)
+        if rope is not None and cfg.rope_qk_rms_norm:
+            q, k = _rms(q, cfg.norm_eps), _rms(k, cfg.norm_eps)
+        if rope is None and cfg.nope_temperature:  # Llama 4's temperature on layers without positions
+            pos = (jnp.arange(x.shape[1])[None] if positions is None else positions).astype(jnp.float32)
+            t = 1.0 + cfg.nope_temperature * jnp.log1p(jnp.floor((pos + 1.0) / cfg.nope_temperature_floor))
+            q = (q.astype(jnp.float32) * t[..., None, None]).astype(q.dtype)
         if cfg.linformer_length is not None:
             if self.causal or decode:
                 raise ValueError("ModelConfig.linformer_length projects keys along the whole length, which has no "
@@ -327,6 +336,22 @@ class Attention(nn.Module):
         """The cache variable `name`, created by make() and boxed with logical `axes`; reading
         its value constrains it to the sharding the active rules give those names."""
         return self.variable("cache", name, param_init(lambda: constrain(make(), axes), axes))
+
+
+def _rms(x, eps: float):
+    """x [..., H] divided by its root mean square over H, in float32."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def span_segments(segment_ids, positions, shape, span: int, max_len: int):
+    """Segment ids [B, T] refined so that a token sees only its own aligned span of positions (p // span): a span
+    layer's mask is then the segment mask every backend and the decode cache already apply. Padding (0) stays 0."""
+    B, T = shape
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T)[None] if positions is None else positions, (B, T)).astype(jnp.int32)
+    spans = -(-max_len // span) + 1  # distinct spans a sequence can have, and one to spare
+    return jnp.where(seg > 0, seg * spans + pos // span + 1, 0)
 
 
 def _swap_length_heads(x):

@@ -207,11 +207,14 @@ class MoeMlp(nn.Module):
         if bias is not None:
             load = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(axis=(0, 1, 2))  # [E] tokens per expert
             self.sow("losses", "router_balance", balance_signal(bias, load))
+        routed = x
+        if cfg.router_gate_input:  # the one expert's input times its gate, its output as it is (Llama 4)
+            routed, gates = x * gates.astype(x.dtype), jnp.ones_like(gates)
         if cfg.execution.moe_impl == "ragged":
-            y = grouped_experts(self._grouped_ffn, x.astype(compute_dtype(cfg)), gates, experts, weights, E,
+            y = grouped_experts(self._grouped_ffn, routed.astype(compute_dtype(cfg)), gates, experts, weights, E,
                                 chunks=cfg.execution.moe_chunks)
         else:
-            y = self._einsum(x, gates, experts, weights)
+            y = self._einsum(routed, gates, experts, weights)
         self.sow("losses", "moe_aux_loss", cfg.router_aux_loss_coef * aux)
         if cfg.router_seq_aux_loss_coef:
             seq_aux = sequence_balance_loss(logits, experts, cfg)
