@@ -241,3 +241,50 @@ def test_each_feature_changes_the_logits(family, change):
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     off = DecoderLM(cfg.replace(**change)).apply({"params": params}, ids, segment_ids=seg, positions=pos).logits
     assert max_abs(off, forward(ids, seg, pos), MASK) > 1e-3, (name, change)
+
+
+# ---- published sizes -----------------------------------------------------------------------------------------
+
+PUBLISHED = {  # preset: (HF class, its published config)
+    "gpt_oss_120b": ("GptOssForCausalLM", lambda: tr.GptOssConfig()),
+    "gpt_oss_20b": ("GptOssForCausalLM", lambda: tr.GptOssConfig(num_hidden_layers=24, num_local_experts=32)),
+    "gemma3_27b": ("Gemma3ForCausalLM", lambda: tr.Gemma3TextConfig(
+        hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, query_pre_attn_scalar=168, sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "llama4_scout": ("Llama4ForCausalLM", lambda: tr.Llama4TextConfig(
+        max_position_embeddings=10485760, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})),
+    "olmo2_13b": ("Olmo2ForCausalLM", lambda: tr.Olmo2Config(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+        vocab_size=100352, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "glm4_5_air": ("Glm4MoeForCausalLM", lambda: tr.Glm4MoeConfig(
+        head_dim=128, n_shared_experts=1, attention_bias=True, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})),
+    "qwen3_5_35b_a3b": ("Qwen3_5MoeForCausalLM", lambda: tr.Qwen3_5MoeTextConfig()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_size_is_the_converted_config_and_counts_what_transformers_builds(name):
+    """The preset is what the converter makes of the published config (every field but pad_id and the execution
+    settings), and its parameters (jax.eval_shape) number what transformers builds for it on the meta device,
+    counting persistent buffers (the routers' correction biases, which tfm keeps as parameters)."""
+    import dataclasses
+    from tfm.convert import CONVERTERS
+    from tfm.models import DecoderLM, presets
+    arch, published = PUBLISHED[name]
+    with torch.device("meta"):
+        hf = getattr(tr, arch)(published())
+    state = hf.state_dict()
+    count = sum(p.numel() for p in hf.parameters()) + sum(b.numel() for n, b in hf.named_buffers() if n in state)
+    cfg = presets.PRESETS[name]()
+    converted = CONVERTERS[arch].read_config(published().to_dict(), arch)
+    differ = {f.name: (getattr(cfg, f.name), getattr(converted, f.name)) for f in dataclasses.fields(cfg)
+              if f.name not in ("pad_id", "execution") and getattr(cfg, f.name) != getattr(converted, f.name)}
+    assert not differ, differ
+    shapes = jax.eval_shape(lambda: DecoderLM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    assert sum(x.size for x in jax.tree.leaves(shapes["params"])) == count

@@ -106,9 +106,9 @@ class RopeConfig(_FieldGroup):
         if self.scaling in ("llama3", "yarn", "dynamic") and (self.original_max_len or 0) < 1:
             raise ValueError(f"ModelConfig.rope.scaling={self.scaling!r} needs rope.original_max_len "
                              f"(the pretraining context length), got {self.original_max_len}")
-        if self.scaling == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(f"ModelConfig.rope.low_freq_factor={self.low_freq_factor} must be > 0 and "
-                             f"below rope.high_freq_factor={self.high_freq_factor}")
+        if self.scaling == "llama3" and not 0 < self.low_freq_factor <= self.high_freq_factor:
+            raise ValueError(f"ModelConfig.rope.low_freq_factor={self.low_freq_factor} must be > 0 and at most "
+                             f"rope.high_freq_factor={self.high_freq_factor}")
         if self.scaling == "yarn" and not 0 < self.beta_slow <= self.beta_fast:
             raise ValueError(f"ModelConfig.rope.beta_slow={self.beta_slow} must be > 0 and <= "
                              f"rope.beta_fast={self.beta_fast}")

@@ -70,7 +70,7 @@ def _llama3_frequencies(inv_freq, config: ModelConfig):
     original = config.rope.original_max_len
     wavelength = 2 * np.pi / inv_freq
     scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelength - low) / (high - low)
+    smooth = (original / wavelength - low) / max(high - low, 1e-9)  # high == low (Llama 4 Scout): no band between
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelength >= original / high) & (wavelength <= original / low)
     return jnp.where(medium, blended, scaled)

@@ -51,9 +51,10 @@ def gpt2_medium(vocab_size: int = 50_257, **overrides) -> ModelConfig:
 
 
 def llama(vocab_size: int = 32_000, d_model: int = 4096, num_layers: int = 32, num_heads: int = 32,
-          num_kv_heads: int = 8, d_ff: int = 14_336, **overrides) -> ModelConfig:
+          num_kv_heads: int = 8, d_ff: int = 14_336, head_dim: Optional[int] = None, **overrides) -> ModelConfig:
     """Llama-style: RMSNorm pre-norm, RoPE, SwiGLU, no biases, untied output, GQA."""
     cfg = ModelConfig(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim,
                       num_layers=num_layers, d_ff=d_ff, max_len=8192, norm="rmsnorm", norm_eps=1e-5,
                       norm_position="pre", final_norm=True, position="rope", rope=dict(theta=500_000.0),
                       activation="swiglu", attention_bias=False, ffn_bias=False, tie_embeddings=False)
@@ -153,6 +154,86 @@ def recurrentgemma_2b(vocab_size: int = 256_000, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def gpt_oss_120b(vocab_size: int = 201_088, **overrides) -> ModelConfig:
+    """gpt-oss-120b (OpenAI 2025): 36 layers of D 2880 alternating a 128-token sliding window and full attention
+    (64 query heads of 64, GQA 8, biased projections, a learned sink logit per head), YaRN x32 from 4k (theta
+    150k, untruncated); on every layer 128 experts (F 2880, biased, clamped SwiGLU), top 4 by a biased router,
+    softmax over the chosen. About 117B parameters, 5.1B active per token."""
+    cfg = llama(vocab_size, d_model=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, d_ff=2880,
+                max_len=131_072, attention_bias=True, attention_sinks=True, sliding_window=128,
+                attention_pattern=("local", "global"), norm_eps=1e-5,
+                rope=dict(theta=150_000.0, scaling="yarn", factor=32.0, original_max_len=4096, truncate=False),
+                num_experts=128, experts_per_token=4, router_logit_bias=True, ffn_bias=True,
+                activation="swiglu_clamped", swiglu_limit=7.0, router_aux_loss_coef=0.001)
+    return cfg.replace(**overrides)
+
+
+def gpt_oss_20b(vocab_size: int = 201_088, **overrides) -> ModelConfig:
+    """gpt-oss-20b: gpt-oss-120b's layers, 24 of them with 32 experts each. About 21B parameters, 3.6B active."""
+    return gpt_oss_120b(vocab_size, num_layers=24, num_experts=32).replace(**overrides)
+
+
+def gemma3_27b(vocab_size: int = 262_208, **overrides) -> ModelConfig:
+    """Gemma 3 27B's text model (Gemma Team 2025): 62 layers of D 5376, five sliding-window layers (1024, RoPE
+    base 10k) to one global (base 1M, linear x8), 32 query heads of 128 (GQA 16) with per-head q/k RMSNorm,
+    logits times 168**-0.5, each sublayer between two zero-centred RMSNorms, tanh-GeLU gates (F 21504),
+    embeddings times sqrt(D), tied. About 27B parameters."""
+    layers = 62
+    cfg = llama(vocab_size, d_model=5376, num_layers=layers, num_heads=32, num_kv_heads=16, head_dim=128,
+                d_ff=21_504, max_len=131_072, norm_eps=1e-6, norm_scale_offset=1.0, norm_position="sandwich",
+                qk_norm=True, attention_scale=168 ** -0.5, activation="geglu", scale_embeddings=True,
+                tie_embeddings=True, sliding_window=1024, attention_pattern=(("local",) * 5 + ("global",)) * 10
+                + ("local", "local"), rope=dict(theta=1e6, scaling="linear", factor=8.0),
+                local_rope=dict(theta=10_000.0, scaling=None, factor=1.0))
+    return cfg.replace(**overrides)
+
+
+def llama4_scout(vocab_size: int = 202_048, **overrides) -> ModelConfig:
+    """Llama 4 Scout's text model (Meta 2025): 48 layers of D 5120, 40 query heads of 128 (GQA 8); three RoPE
+    layers (adjacent pairs, Llama 3 scaling x16 from 8k, q/k RMS-normed after it) attending within 8192-token
+    spans to one global layer without positions (with the attention temperature); on every layer 16 experts
+    (F 8192), top 1 by sigmoid score scaling the expert's input, beside a shared expert. About 108B parameters,
+    17B active per token."""
+    cfg = llama(vocab_size, d_model=5120, num_layers=48, num_heads=40, num_kv_heads=8, head_dim=128, d_ff=8192,
+                max_len=10_485_760, rope=dict(theta=500_000.0, scaling="llama3", factor=16.0, low_freq_factor=1.0,
+                                              high_freq_factor=1.0, original_max_len=8192, interleaved=True),
+                position_pattern=("rope", "rope", "rope", "none"), attention_pattern=("span", "span", "span", "global"),
+                attention_span=8192, rope_qk_rms_norm=True, nope_temperature=0.1, nope_temperature_floor=8192,
+                num_experts=16, experts_per_token=1, router_score="sigmoid", router_norm_topk=False,
+                router_gate_input=True, shared_expert_d_ff=8192, shared_expert_gate=False, router_aux_loss_coef=0.001,
+                dense_d_ff=16_384)  # intermediate_size_mlp, unused: every layer has experts
+    return cfg.replace(**overrides)
+
+
+def olmo2_13b(vocab_size: int = 100_352, **overrides) -> ModelConfig:
+    """OLMo 2 13B (OLMo Team 2024): 40 layers of D 5120, 40 heads, each sublayer's RMSNorm on its output inside the
+    residual, q/k RMSNorm over all heads together, SwiGLU (F 13824), RoPE base 500k. About 13.7B parameters."""
+    cfg = llama(vocab_size, d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, d_ff=13_824, max_len=4096,
+                norm_eps=1e-6, norm_position="post_sublayer", qk_norm=True, qk_norm_scope="heads", pad_id=1)
+    return cfg.replace(**overrides)
+
+
+def glm4_5_air(vocab_size: int = 151_552, **overrides) -> ModelConfig:
+    """GLM-4.5-Air (Zhipu AI 2025): 46 layers of D 4096, 96 query heads of 128 (GQA 8, q/k/v biases), RoPE on half
+    of each head; the first layer dense (F 10944), then 128 experts (F 1408), top 8 by sigmoid score plus a
+    correction bias, renormalised, beside one shared expert. About 106B parameters, 12B active (the
+    multi-token-prediction layer not included)."""
+    cfg = llama(vocab_size, d_model=4096, num_layers=46, num_heads=96, num_kv_heads=8, head_dim=128, d_ff=1408,
+                max_len=131_072, rope=dict(theta=1e6, dim=64), attention_bias=True, attention_out_bias=False,
+                num_experts=128, experts_per_token=8, dense_layers=1, dense_d_ff=10_944, router_score="sigmoid",
+                router_bias=True, shared_expert_d_ff=1408, shared_expert_gate=False, router_aux_loss_coef=0.0)
+    return cfg.replace(**overrides)
+
+
+def qwen3_5_35b_a3b(vocab_size: int = 248_320, **overrides) -> ModelConfig:
+    """Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults give it: 40 layers of D 2048 in
+    Qwen3-Next's 3:1 layout (DeltaNet : gated attention), 256 experts (F 512) top 8 beside a gated shared expert
+    (F 512), RoPE base 10k on a quarter of each head over 32k positions. About 34.7B parameters."""
+    cfg = qwen3_next_80b_a3b(vocab_size, num_layers=40, num_experts=256, experts_per_token=8, max_len=32_768,
+                             rope=dict(theta=10_000.0, dim=64))
+    return cfg.replace(**overrides)
+
+
 # Nemotron-H's pattern letters: one sublayer a layer, (token mixer, feed-forward)
 HYBRID_LETTERS = {"M": ("mamba2", "none"), "*": ("attention", "none"), "-": ("none", "dense"), "E": ("none", "moe")}
 
@@ -214,7 +295,9 @@ TINY_FAMILIES = ("decoder", "llama", "moe", "encoder", "encdec", "mamba2", "hybr
 TINY_ALIASES = {"gpt2": "decoder", "gpt": "decoder", "bert": "encoder", "mixtral": "moe", "transformer": "encdec"}
 PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base, bert_large, gpt2_small,
                                    gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
-                                   jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b)}
+                                   jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b,
+                                   gpt_oss_120b, gpt_oss_20b, gemma3_27b, llama4_scout, olmo2_13b, glm4_5_air,
+                                   qwen3_5_35b_a3b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
