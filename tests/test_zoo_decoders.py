@@ -188,7 +188,8 @@ def test_pallas_equals_xla(family):
 
 # ---- sharded training -------------------------------------------------------------------------
 
-MESHES = {"single": MeshConfig(data=1), "data4_tensor2": MeshConfig(data=4, tensor=2)}
+MESHES = {"single": (MeshConfig(data=1), "data"), "data4_tensor2": (MeshConfig(data=4, tensor=2), "data+tensor"),
+          "data2_context4": (MeshConfig(data=2, context=4), "data+context")}  # name -> (mesh, rule sets)
 
 
 def _train_batch(name, rng, Bt=8, Tt=16):
@@ -200,11 +201,10 @@ def _train_batch(name, rng, Bt=8, Tt=16):
 
 
 def _losses(name, cfg, mesh_name, steps=3):
-    mesh_cfg = MESHES[mesh_name]
+    mesh_cfg, parallelism = MESHES[mesh_name]
     task = LMClassificationTask() if name == "gpt1" else LMTask()
     batch = _train_batch(name, np.random.default_rng(0))
-    train_cfg = TrainConfig(num_train_steps=steps, batch_size=8, mesh=mesh_cfg,
-                            parallelism="data" if mesh_name == "single" else "data+tensor",
+    train_cfg = TrainConfig(num_train_steps=steps, batch_size=8, mesh=mesh_cfg, parallelism=parallelism,
                             optimizer=OptimizerConfig(name="adam", learning_rate=5e-3))
     n = int(np.prod(mesh_cfg.ici_sizes()))
     trainer = Trainer(DecoderLM(cfg), task, train_cfg, make_mesh(mesh_cfg, jax.devices()[:n])).setup(batch)

@@ -288,3 +288,56 @@ def test_published_size_is_the_converted_config_and_counts_what_transformers_bui
     assert not differ, differ
     shapes = jax.eval_shape(lambda: DecoderLM(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     assert sum(x.size for x in jax.tree.leaves(shapes["params"])) == count
+
+
+# ---- other backends, sharding ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["cohere2", "gemma2", "llama4", "olmo3"], indirect=True)
+def test_pallas_equals_xla(family):
+    """attention_impl="pallas" (the flash kernels, interpreted) gives xla's logits (1e-5): NoPE and local-RoPE
+    layers, spans (as segment ids), windows and soft caps reach the kernels."""
+    name, hf, _, (cfg, params, _, forward) = family
+    _, _, pallas = from_hf(hf, attention_impl="pallas")
+    ids, seg = jnp.asarray(tokens(3)), jnp.asarray(MASK)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    got = jax.jit(pallas.apply)({"params": params}, ids, segment_ids=seg, positions=pos).logits
+    assert max_abs(got, forward(ids, seg, pos), MASK) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)
+def test_sinks_run_where_declared_and_are_refused_elsewhere(family):
+    """Only the backends declaring `sinks` (tfm.capabilities) compute them: "auto" picks one (the logits equal
+    xla's), "pallas" is refused in one line naming the field."""
+    from tfm import capabilities
+    name, hf, _, (cfg, params, _, forward) = family
+    assert capabilities.supporting(sinks=True) == ["xla"]
+    with pytest.raises(ValueError, match="attention_sinks"):
+        from_hf(hf, attention_impl="pallas")
+    _, _, auto = from_hf(hf, attention_impl="auto")
+    ids, seg = jnp.asarray(tokens(3)), jnp.asarray(MASK)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    got = jax.jit(auto.apply)({"params": params}, ids, segment_ids=seg, positions=pos).logits
+    np.testing.assert_array_equal(got, forward(ids, seg, pos))
+
+
+# One family for each new parameter layout the sharding rules must split: sinks [N], biased experts and router
+# (gpt-oss), q/k norms over all heads [N * H] (OLMo 2), a sublayer's second norm (Gemma 3).
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "olmo2"], indirect=True)
+def test_sharded_training_equals_single_device(family):
+    """3 Adam steps on data 4 x tensor 2 give the single-device losses (1e-5), and they fall."""
+    from test_zoo_decoders import _losses
+    name, _, _, (cfg, _, _, _) = family
+    ref, got = _losses(name, cfg, "single"), _losses(name, cfg, "data4_tensor2")
+    assert ref[0] - ref[-1] > 0.01, (name, ref)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4"], indirect=True)
+def test_context_parallel_training_equals_single_device(family):
+    """The sequence split over context 4 (ring attention) beside data 2: the same losses as one device (1e-5)
+    with per-layer RoPE bases and windows (Gemma 3), NoPE layers with their temperature and spans (Llama 4)."""
+    from test_zoo_decoders import _losses
+    name, _, _, (cfg, _, _, _) = family
+    ref, got = _losses(name, cfg, "single"), _losses(name, cfg, "data2_context4")
+    assert ref[0] - ref[-1] > 0.01, (name, ref)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
