@@ -60,3 +60,15 @@ def test_every_forced_conversion_is_parity_or_a_one_line_refusal(models):
 def test_a_forced_llama_converter_names_the_field_it_does_not_read(models, name, field):
     with pytest.raises(ConversionError, match=field):
         from_hf(models[name], architecture="LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("arch", sorted(CONVERTERS))
+def test_every_field_of_the_architectures_config_class_is_read_or_declared_inert(arch):
+    """Every registered converter reads each field its transformers config class has (at its defaults) or declares
+    it inert: a field added to the class, or a family registered without reading one, fails here by name. (A
+    refusal of a default value, such as GLM-4.5's odd rotary width at its defaults, is not a failure.)"""
+    fields = getattr(tr, arch).config_class().to_dict()
+    try:
+        CONVERTERS[arch].read_config(fields, arch)
+    except ConversionError as e:
+        assert "is not read by" not in str(e), str(e)
