@@ -228,10 +228,12 @@ class MoeMlp(nn.Module):
         return y
 
     def _grouped_ffn(self, rows, group_sizes, weights):
-        """rows [R, D] sorted by expert -> [R, D]: each expert's feed-forward on its rows (+ its biases)."""
-        owner = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows.shape[0])  # [R]
+        """rows [R, D] sorted by expert -> [R, D]: each expert's feed-forward on its rows (+ its biases, each row's
+        expert's as a ragged product of a ones column: no gather by row, and no scatter in the backward)."""
+        ones = jnp.ones((rows.shape[0], 1), rows.dtype)
+        bias = lambda name: jax.lax.ragged_dot(ones, weights[f"{name}_bias"][:, None], group_sizes)  # [R, out]
         project = lambda x, name: jax.lax.ragged_dot(x, weights[name], group_sizes) + (
-            weights[f"{name}_bias"][owner] if f"{name}_bias" in weights else 0)
+            bias(name) if f"{name}_bias" in weights else 0)
         return project(hidden_activation(self.config, lambda name: project(rows, name)), "wo")
 
     def _einsum(self, x, gates, experts, weights):

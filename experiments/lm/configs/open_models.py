@@ -9,9 +9,11 @@ reproducing their quality. `tfm.convert.from_hf` imports their checkpoints into 
            rematerialised, each chip's MoE tokens in 4 chunks. Attention "auto": the sinks run on the backends
            declaring them (xla), not the flash kernels.
 `:gemma3_27b`: Gemma 3 27B's text model (`presets.gemma3_27b`: 62 layers, five 1024-window layers to one global,
-           sandwich norms, q/k norms, local RoPE base 10k beside the global 1M x8), 8192 tokens, 256 sequences
-           (2M tokens) a step, FSDP, layers looped (the 62 do not repeat in whole periods of 6) and
-           rematerialised.
+           sandwich norms, q/k norms, local RoPE base 10k beside the global 1M x8), 4096 tokens, 512 sequences
+           (2M tokens) a step, FSDP over one node's 8 GPUs (a whole 8k sequence a chip does not fit an H100 beside
+           its share of the state: the preflight advises `context` = 4 for 8k, whose ring the GPU compiler takes
+           over 10 minutes to compile 62 looped layers for), layers looped (the 62 do not repeat in whole periods
+           of 6) and rematerialised.
 Both:      bf16 compute, fp32 parameters and AdamW (lr 3e-4, b2 0.95, weight decay 0.1, clip 1.0), the loss in
            vocabulary chunks.
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/open_models.py:gpt_oss_120b --workdir=DIR
@@ -27,9 +29,9 @@ from experiments.lm.configs import gpt2_small
 
 VARIANTS = {
     "gpt_oss_120b": dict(preset="gpt_oss_120b", vocab_size=201_088, seq_len=4096, batch=512, chips=64, expert=8,
-                         scan_layers=True),
-    "gemma3_27b": dict(preset="gemma3_27b", vocab_size=262_208, seq_len=8192, batch=256, chips=8, expert=1,
-                       scan_layers=False),
+                         context=1, scan_layers=True),
+    "gemma3_27b": dict(preset="gemma3_27b", vocab_size=262_208, seq_len=4096, batch=512, chips=8, expert=1,
+                       context=1, scan_layers=False),
 }
 TINY = {  # runlocal: the same features at CPU size
     "gpt_oss_120b": dict(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2, d_ff=16, max_len=64,
@@ -54,14 +56,14 @@ def get_config(arg: str = "gpt_oss_120b"):
     c.vocab_size, c.seq_len = v["vocab_size"], v["seq_len"]
     c.task.vocab_chunk = VOCAB_CHUNK
     c.batch_size = v["batch"]
-    c.microbatches = v["batch"] // v["chips"]
+    c.microbatches = v["batch"] * v["context"] // v["chips"]
     c.optimizer.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, schedule="cosine", weight_decay=0.1,
                        b2=0.95, clip_grad_norm=1.0)
-    c.mesh.data, c.mesh.fsdp, c.mesh.expert = 1, -1, v["expert"]
-    c.parallelism = "fsdp+expert" if v["expert"] > 1 else "fsdp"
+    c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.context = 1, -1, v["expert"], v["context"]
+    c.parallelism = "fsdp" + ("+expert" if v["expert"] > 1 else "") + ("+context" if v["context"] > 1 else "")
     if local:
         gpt2_small.shrink(c)
         c.model.overrides.update(TINY[variant], execution=dict(dtype="float32", attention_impl="xla",
                                                                remat_policy="none", scan_layers=False, moe_chunks=1))
-        c.microbatches, c.mesh.expert, c.parallelism = 1, 1, "fsdp"
+        c.microbatches, c.mesh.expert, c.mesh.context, c.parallelism = 1, 1, 1, "fsdp"
     return c
