@@ -16,7 +16,7 @@ import train_job
 from experiments import common
 from experiments.bert.configs import base as bert_base, large as bert_large, roberta
 from experiments.bert.settings import BertSettings
-from experiments.lm.configs import gpt2_small, hybrid, llama, llama2, tiny
+from experiments.lm.configs import gpt2_small, hybrid, llama, llama2, open_models, tiny
 from experiments.lm.settings import LMSettings
 from experiments.translation import train as translation_train
 from experiments.translation.configs import base, big
@@ -29,7 +29,8 @@ from tfm.train import (Checkpointer, CheckpointError, Hook, LMTask, MLMTask, Opt
 RECIPES = [(tiny, LMSettings, LMTask), (gpt2_small, LMSettings, LMTask), (llama, LMSettings, LMTask),
            (base, TranslationSettings, Seq2SeqTask), (big, TranslationSettings, Seq2SeqTask),
            (bert_base, BertSettings, MLMTask), (bert_large, BertSettings, MLMTask), (roberta, BertSettings, MLMTask),
-           (llama2, LMSettings, LMTask), (hybrid, LMSettings, LMTask)]
+           (llama2, LMSettings, LMTask), (hybrid, LMSettings, LMTask),
+           (open_models, LMSettings, LMTask)]
 TOKEN_BUDGET = {"batch_size": 64}  # what translation derives from tokens_per_batch at run time
 
 

@@ -497,7 +497,7 @@ class ModelConfig:
     # Llama 4's attention temperature on layers without RoPE (position_pattern "none"): queries at position p times
     # 1 + nope_temperature * log(1 + floor((p + 1) / nope_temperature_floor)); 0 = none
     nope_temperature: float = 0.0
-    nope_temperature_floor: int = 8192
+    nope_temperature_floor: int = 8192  # nope_temperature's position step: the temperature grows every this many
     # Llama 4: the rotated layers' queries and keys divided by their root mean square over each head after RoPE
     # (no weight; eps norm_eps)
     rope_qk_rms_norm: bool = False
@@ -545,7 +545,7 @@ class ModelConfig:
     # activation="swiglu_clamped" (gpt-oss): the gate clamped to at most swiglu_limit, the up projection to
     # [-swiglu_limit, swiglu_limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
     swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
+    swiglu_alpha: float = 1.702  # swiglu_clamped's gate sharpness: gate * sigmoid(swiglu_alpha * gate)
     ffn_bias: bool = True  # biases on the feed-forward projections
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing

@@ -14,7 +14,7 @@ from tfm.models import DecoderLM
 
 
 def config(hf: HFConfig, **extra) -> ModelConfig:
-    bias = bool(hf.get("use_bias", False))
+    bias = bool(hf.require("use_bias"))  # every ERNIE 4.5 config says it; a config without it is another family's
     return llama.config(hf, default_theta=500_000.0, rope=dataclasses.replace(rope(hf, 500_000.0), interleaved=True),
                         attention_bias=bias, ffn_bias=bias, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                         **extra)

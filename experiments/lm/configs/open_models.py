@@ -2,6 +2,9 @@
 their architectures at scale (sharding, memory, attention sinks, sandwich norms, per-layer RoPE), not for
 reproducing their quality. `tfm.convert.from_hf` imports their checkpoints into the same configs.
 
+Model: `gpt_oss_120b` (position='rope', num_layers=36, d_model=2880, num_experts=128, attention_sinks=True);
+  `:gemma3_27b` builds `gemma3_27b` (num_layers=62, d_model=5376, norm_position='sandwich', local_rope)
+
 `:gpt_oss_120b` (default): gpt-oss-120b (`tfm.models.presets.gpt_oss_120b`: 36 layers alternating a 128-token
            window and full attention with sinks, 128 biased experts top-4 with clamped SwiGLU on every layer),
            4096 tokens, 512 sequences (2M tokens) a step in passes of one sequence per chip; FSDP over every chip
