@@ -22,8 +22,10 @@ Both:      bf16 compute, fp32 parameters and AdamW (lr 3e-4, b2 0.95, weight dec
 Command:   python -m experiments.lm.train --config=experiments/lm/configs/open_models.py:gpt_oss_120b --workdir=DIR
 Preflight: python -m experiments.preflight --config=experiments/lm/configs/open_models.py:gpt_oss_120b --target=v5p-128 --noeval
            python -m experiments.preflight --config=experiments/lm/configs/open_models.py:gemma3_27b --target=h100-8 --noeval
-Hardware:  the preflight verdicts, memory per chip and dates are in benchmarks/RESULTS.md ("Open models: where they
-           train").
+Hardware:  gpt_oss_120b: v5p-128 (64 chips; its fp32 parameters and AdamW alone are 1.87 TB, more than an 8-GPU
+           node holds): the preflight (2026-12-02) fits at 78.43 GiB of 95 GiB per chip; gemma3_27b: one node of 8
+           H100s: the preflight (2026-12-02) fits at 62.32 GiB of 79.14 GiB per GPU (a v5p-16 does not: 102.87
+           GiB). benchmarks/RESULTS.md ("The 2025-26 zoo").
 Runtime:   not run on hardware.
 Expected:  no published lm1b figure at these sizes.
 `,runlocal` shrinks either to a CPU smoke run (a tiny model with the same features).
