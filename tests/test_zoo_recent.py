@@ -17,11 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 tr = pytest.importorskip("transformers")
 
+from test_zoo_decoders import MASK, B, T, V, max_abs, randomize, tokens  # noqa: E402  (the same tiny shapes)
 from tfm import decode  # noqa: E402
 from tfm.convert import from_hf, to_hf  # noqa: E402
 
 TOL = 1e-4
-V, B, T = 100, 2, 9
 EAGER = dict(attn_implementation="eager")
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, **EAGER)
@@ -122,25 +122,6 @@ ROPES = {"gemma3": dict(rope=(1e4, "linear"), local_rope=(50.0, None)), "phi3": 
          "cohere": dict(rope=(500.0, None)), "glm": dict(rope=(500.0, None))}
 
 
-def randomize(model):
-    """Perturb every float parameter so that zero biases and unit scales hide nothing."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def tokens(seed, shape=(B, T)):
-    return np.random.default_rng(seed).integers(1, V - 1, shape)
-
-
-def max_abs(a, b, mask=None):
-    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-    return float(diff[np.asarray(mask, bool)].max() if mask is not None else diff.max())
-
-
-MASK = (np.arange(T)[None] < np.array([[T], [6]])).astype(np.int64)  # right padding on row 1
 
 
 @pytest.fixture(scope="module")
