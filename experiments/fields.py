@@ -92,7 +92,8 @@ def _allowed(cls, name: str) -> str:
     if name in getattr(cls, "CHOICES", {}):
         return ", ".join(map(repr, cls.CHOICES[name]))
     if name in getattr(cls, "ENTRY_CHOICES", {}):
-        return "each of " + ", ".join(map(repr, cls.ENTRY_CHOICES[name]))
+        choices = cls.ENTRY_CHOICES[name]  # a tuple, or a function of none giving the registered kinds
+        return "each of " + ", ".join(map(repr, choices() if callable(choices) else choices))
     return ""
 
 

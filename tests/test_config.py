@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.config import ExecutionConfig, ModelConfig
+from tfm.config import ExecutionConfig, ModelConfig, mixer_groups
 from tfm.models import DecoderLM, EncoderDecoder, EncoderModel, presets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -217,11 +217,11 @@ WHAT_FIELDS = (
     'type_vocab_size', 'scale_embeddings', 'tie_embeddings', 'share_source_target_embeddings', 'output_bias',
     'rescale_tied_output', 'pad_id', 'heads', 'num_labels', 'head_activation', 'image_size', 'patch_size',
     'num_channels', 'multimodal', 'norm_scale_offset', 'attention_output_gate', 'mixer_pattern', 'ffn_pattern',
-    'mamba', 'mamba2', 'deltanet', 'rwkv', 'rglru', 'embedding_scale_rounding', 'final_logit_softcap',
+    'mixer_multipliers', 'embedding_scale_rounding', 'final_logit_softcap',
     'position_pattern', 'local_rope', 'qk_norm_scope', 'attention_scale', 'residual_multiplier', 'embedding_multiplier',
     'logits_multiplier', 'swiglu_limit', 'swiglu_alpha', 'router_logit_bias', 'attention_sinks',
     'qk_norm_position', 'attention_span', 'nope_temperature', 'nope_temperature_floor', 'rope_qk_rms_norm',
-    'router_gate_input')
+    'router_gate_input') + tuple(g.FIELD for g in mixer_groups())  # a mixer's group: its registration's field
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

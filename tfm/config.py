@@ -30,10 +30,8 @@ POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 # ModelConfig.attention_pattern entries: every earlier key, a sliding window, aligned spans (attention_span)
 ATTENTION_KINDS = ("global", "local", "span")
-# ModelConfig.mixer_pattern entries: a layer's token mixer ("none": the layer has a feed-forward only)
-MIXERS = ("attention", "mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "none")
-# ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only)
-FFN_KINDS = ("dense", "moe", "rwkv", "none")
+# ModelConfig.ffn_pattern entries besides the registered ones (tfm.layers.slot.ffn_kinds: RWKV's channel mix)
+FFN_KINDS = ("dense", "moe", "none")
 # relu2: relu(x)**2; swiglu_clamped: gpt-oss's (g * sigmoid(alpha g)) * (u + 1), g and u clamped (swiglu_limit)
 ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "swiglu_clamped")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "swiglu_clamped": "silu"}
@@ -151,6 +149,37 @@ class MlaConfig(_FieldGroup):
             raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
 
 
+MIXER_GROUPS = {}  # mixer_pattern kind -> the ModelConfig group that configures it (filled by `mixer_group`)
+
+
+def mixer_group(*kinds: str):
+    """Class decorator: the group configures the mixer_pattern (or ffn_pattern) `kinds`; ModelConfig gets
+    a field named its FIELD holding it (an instance, a dict of its fields, or None for its defaults)."""
+    def register(group):
+        for kind in kinds:
+            MIXER_GROUPS[kind] = group
+        return group
+    return register
+
+
+def mixer_groups() -> tuple:
+    """The registered mixer groups, each once."""
+    return tuple(dict.fromkeys(MIXER_GROUPS.values()))
+
+
+def mixer_kinds() -> tuple:
+    """ModelConfig.mixer_pattern's kinds: every registered mixer (tfm.layers.slot), and "none"."""
+    from tfm.layers import slot  # the layers import this module: looked up when first needed
+    return slot.kinds()
+
+
+def ffn_kinds() -> tuple:
+    """ModelConfig.ffn_pattern's kinds: FFN_KINDS and the registered feed-forwards (tfm.layers.slot)."""
+    from tfm.layers import slot
+    return FFN_KINDS[:2] + slot.ffn_kinds() + FFN_KINDS[2:]
+
+
+@mixer_group("mamba")
 @dataclasses.dataclass(frozen=True)
 class MambaConfig(_FieldGroup):
     """Mamba's selective state-space mixer (ModelConfig.mamba, layers "mamba"; Gu & Dao 2023): x [B, T, D]
@@ -172,6 +201,7 @@ class MambaConfig(_FieldGroup):
         _positive(self, "state_size", "conv_kernel", "expand", "dt_rank")
 
 
+@mixer_group("mamba2")
 @dataclasses.dataclass(frozen=True)
 class Mamba2Config(_FieldGroup):
     """Mamba-2's SSD mixer (ModelConfig.mamba2, layers "mamba2"; Dao & Gu 2024): E = expand * D channels in
@@ -199,6 +229,7 @@ class Mamba2Config(_FieldGroup):
             raise ValueError(f"ModelConfig.mamba2.dt_limit={self.dt_limit} must be (low, high) with 0 <= low < high")
 
 
+@mixer_group("gated_deltanet")
 @dataclasses.dataclass(frozen=True)
 class DeltaNetConfig(_FieldGroup):
     """Gated DeltaNet (ModelConfig.deltanet, layers "gated_deltanet"; Yang et al. 2024, Qwen3-Next's linear
@@ -222,6 +253,7 @@ class DeltaNetConfig(_FieldGroup):
                              f"key_heads={self.key_heads}")
 
 
+@mixer_group("rwkv")
 @dataclasses.dataclass(frozen=True)
 class RwkvConfig(_FieldGroup):
     """RWKV (ModelConfig.rwkv; layers "rwkv" and ffn "rwkv", RWKV-4 as transformers' RwkvModel): the time mix
@@ -236,6 +268,7 @@ class RwkvConfig(_FieldGroup):
         _positive(self, "attention_width")
 
 
+@mixer_group("rglru")
 @dataclasses.dataclass(frozen=True)
 class RgLruConfig(_FieldGroup):
     """Griffin's recurrent block (ModelConfig.rglru, layers "rglru"; De et al. 2024, RecurrentGemma): two
@@ -251,10 +284,6 @@ class RgLruConfig(_FieldGroup):
 
     def __post_init__(self):
         _positive(self, "width", "conv_kernel", "c")
-
-
-MIXER_GROUPS = {"mamba": MambaConfig, "mamba2": Mamba2Config, "gated_deltanet": DeltaNetConfig, "rwkv": RwkvConfig,
-                "rglru": RgLruConfig}  # mixer_pattern kind -> the ModelConfig group that configures it
 
 
 def _positive(group, *names):
@@ -526,19 +555,21 @@ class ModelConfig:
     # globals may be 0: no global token, the projections unused).
     global_projections: bool = False
 
-    # Token mixers: layer i's is mixer_pattern[i % len] ("attention" = the attention above; a linear-time
-    # mixer configured by its group below; "none" = no mixer). None = attention in every layer. Jamba:
-    # 7 "mamba" to 1 "attention"; Qwen3-Next: 3 "gated_deltanet" to 1; RecurrentGemma ("rglru", "rglru", "attention").
+    # Token mixers: layer i's is mixer_pattern[i % len], a registered kind (tfm.layers.slot: "attention" = the
+    # attention above; a linear-time mixer configured by its group below), "none" (no mixer) or "a+b" (a
+    # parallel composite: both from one norm, outputs summed; Falcon-H1's "attention+mamba2"). None =
+    # attention in every layer. Jamba: 7 "mamba" to 1 "attention"; Qwen3-Next: 3 "gated_deltanet" to 1.
     mixer_pattern: Optional[Tuple[str, ...]] = None
+    # (kind, input multiplier, output multiplier) triples: that kind's mixer reads input * h and its output is
+    # times output, in every layer it is in (Falcon-H1's per-branch µP multipliers); None = all 1
+    mixer_multipliers: Optional[Tuple[Tuple[str, float, float], ...]] = None
     # Layer i's feed-forward: ffn_pattern[i % len] of FFN_KINDS. None = "moe" with num_experts (after the
     # dense_layers), else "dense". Jamba ("dense", "moe"); Nemotron-H's mixer-only layers "none".
     ffn_pattern: Optional[Tuple[str, ...]] = None
-    # The mixers' groups (each a dataclass or a dict of its fields; None = its defaults): MIXER_GROUPS.
-    mamba: Union[MambaConfig, dict, None] = None
-    mamba2: Union[Mamba2Config, dict, None] = None
-    deltanet: Union[DeltaNetConfig, dict, None] = None
-    rwkv: Union[RwkvConfig, dict, None] = None
-    rglru: Union[RgLruConfig, dict, None] = None
+    # The mixers' groups, one field per group decorated `mixer_group` (named its FIELD: mamba, mamba2,
+    # deltanet, ...), each a dataclass or a dict of its fields; None = its defaults.
+    __annotations__.update({g.FIELD: f"Union[{g.__name__}, dict, None]" for g in mixer_groups()})
+    vars().update({g.FIELD: None for g in mixer_groups()})
 
     # Feed-forward
     activation: str = "relu"  # the feed-forward's; swiglu, geglu and swiglu_clamped are gated (two input projections)
@@ -612,7 +643,7 @@ class ModelConfig:
     CHOICES = dict(norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS, activation=ACTIVATION_NAMES,
                    router_score=ROUTER_SCORES, head_activation=(None,) + ACTIVATION_NAMES, qk_norm_scope=QK_NORM_SCOPES,
                    qk_norm_position=QK_NORM_POSITIONS)
-    ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=MIXERS, ffn_pattern=FFN_KINDS, heads=HEADS,
+    ENTRY_CHOICES = dict(attention_pattern=ATTENTION_KINDS, mixer_pattern=mixer_kinds, ffn_pattern=ffn_kinds, heads=HEADS,
                          position_pattern=LAYER_POSITIONS)
 
     def __post_init__(self):
@@ -850,32 +881,43 @@ class ModelConfig:
                                  f"{name}={getattr(self, name)}")
 
     def _check_mixers(self):
-        """The layer patterns' kinds, periods and groups (MIXERS, FFN_KINDS, MIXER_GROUPS)."""
-        for group in MIXER_GROUPS.values():
+        """The layer patterns' kinds, periods and groups (mixer_kinds, ffn_kinds, MIXER_GROUPS)."""
+        for group in mixer_groups():
             object.__setattr__(self, group.FIELD, group.coerce(getattr(self, group.FIELD)))
-        for name, kinds in (("mixer_pattern", MIXERS), ("ffn_pattern", FFN_KINDS)):
+        for name, kinds in (("mixer_pattern", mixer_kinds()), ("ffn_pattern", ffn_kinds())):
             pattern = getattr(self, name)
             if pattern is None:
                 continue
             if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
                 raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of {kinds}, got {pattern!r}")
             object.__setattr__(self, name, tuple(pattern))
-            bad = sorted(set(pattern) - set(kinds))
+            parts = [p for entry in pattern for p in (entry.split("+") if name == "mixer_pattern" else [entry])]
+            bad = sorted(set(parts) - set(kinds))
             if bad:
-                raise ValueError(f"ModelConfig.{name} has unknown kinds {bad}; choose from {kinds}")
+                raise ValueError(f"ModelConfig.{name} has unknown kinds {bad}; choose from {kinds}"
+                                 + (" (or 'a+b', a parallel composite)" if name == "mixer_pattern" else ""))
             if self.num_layers % len(pattern):
                 raise ValueError(f"ModelConfig.{name} of length {len(pattern)} does not divide "
                                  f"num_layers={self.num_layers}")
+        for entry in set(self.mixer_pattern or ()):
+            parts = entry.split("+")
+            if len(parts) > 1 and ("none" in parts or len(set(parts)) < len(parts)):
+                raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r}: a parallel composite joins distinct "
+                                 f"mixers with '+' (not 'none')")
         if "moe" in (self.ffn_pattern or ()) and not self.num_experts:
             raise ValueError("ModelConfig.ffn_pattern has 'moe' layers but num_experts=0")
         if self.num_experts and self.ffn_pattern is not None and "moe" not in self.ffn_pattern:
             raise ValueError(f"ModelConfig.num_experts={self.num_experts} but ffn_pattern={self.ffn_pattern} "
                              f"has no 'moe' layer")
-        mixers = set(self.mixer_pattern or ("attention",))
-        if mixers - {"attention"} and self.parallel_block:
-            raise ValueError("ModelConfig.mixer_pattern's linear-time mixers need a sequential block "
-                             "(parallel_block=False)")
-        if mixers - {"attention", "none"} and self.multimodal is not None and (
+        mixers = {k for i in range(len(self.mixer_pattern or "a")) for k in self.layer_mixers(i)}
+        if self.mixer_multipliers is not None:
+            triples = tuple((str(k), float(a), float(b)) for k, a, b in self.mixer_multipliers)
+            object.__setattr__(self, "mixer_multipliers", triples)
+            unused = sorted({k for k, _, _ in triples} - mixers)
+            if unused:
+                raise ValueError(f"ModelConfig.mixer_multipliers names {unused}, which no layer of mixer_pattern="
+                                 f"{self.mixer_pattern} has")
+        if mixers - {"attention"} and self.multimodal is not None and (
                 MultimodalConfig.coerce(self.multimodal).cross_attention_layers):
             raise ValueError("ModelConfig.mixer_pattern's linear-time mixers and multimodal cross-attention "
                              "layers cannot be combined")
@@ -885,9 +927,21 @@ class ModelConfig:
                              f"(the RG-LRU's gates are block-diagonal over the heads)")
 
     def layer_mixer(self, layer: int) -> str:
-        """Layer `layer`'s token mixer under mixer_pattern (MIXERS)."""
+        """Layer `layer`'s mixer_pattern entry: a kind (mixer_kinds), "none", or a composite "a+b"."""
         pattern = self.mixer_pattern or ("attention",)
         return pattern[layer % len(pattern)]
+
+    def layer_mixers(self, layer: int) -> tuple:
+        """The kinds of layer `layer`'s mixers: one, several (a parallel composite), or none."""
+        entry = self.layer_mixer(layer)
+        return () if entry == "none" else tuple(entry.split("+"))
+
+    def mixer_scales(self, kind: str) -> Tuple[float, float]:
+        """(input, output) multipliers of `kind`'s mixer under mixer_multipliers (1, 1 unless named)."""
+        for name, a, b in self.mixer_multipliers or ():
+            if name == kind:
+                return a, b
+        return 1.0, 1.0
 
     def layer_ffn(self, layer: int, dense: bool = False) -> str:
         """Layer `layer`'s feed-forward under ffn_pattern (FFN_KINDS); dense=True: one of a MoE model's
@@ -994,7 +1048,7 @@ class ModelConfig:
                 local = dataclasses.replace(local, dim=None)
             changes["local_rope"] = RopeConfig.coerce(changes.get("local_rope"), local)
         changes["execution"] = ExecutionConfig.coerce(changes.get("execution"), self.execution)
-        for group in MIXER_GROUPS.values():
+        for group in mixer_groups():
             changes[group.FIELD] = group.coerce(changes.get(group.FIELD), getattr(self, group.FIELD))
         if self.mla is not None and changes.get("mla", self.mla) is not None:
             mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
@@ -1026,12 +1080,12 @@ def _why_inapplicable(config: ModelConfig, path: str) -> Optional[str]:
     """Why the field at `path` ("rope.theta", "execution.moe_impl", "num_experts") has no effect on
     `config`, or None if it may: its group's switch is off."""
     group, _, field = path.rpartition(".")
-    kinds = set(config.mixer_pattern or ()) | set(config.ffn_pattern or ())
+    kinds = {k for i in range(config.num_layers) for k in config.layer_mixers(i)} | set(config.ffn_pattern or ())
     if group == "rope" and config.position != "rope":
         return f"position={config.position!r} has no RoPE; set position='rope' with it"
     if group in ("", "execution") and field.startswith(_MOE_PREFIXES):
         return "the model has no experts (num_experts=0); set num_experts with it" if not config.num_experts else None
-    if group in {g.FIELD for g in MIXER_GROUPS.values()}:
+    if group in {g.FIELD for g in mixer_groups()}:
         users = [k for k, g in MIXER_GROUPS.items() if g.FIELD == group]
         if not kinds & set(users):
             return (f"no layer is {' or '.join(map(repr, users))} (mixer_pattern={config.mixer_pattern}); "
@@ -1050,7 +1104,7 @@ def check_overrides(config: ModelConfig, overrides: Mapping[str, Any]) -> None:
     where `config`, the model built with them, has that setting's switch off: a RoPE field without
     position="rope", a MoE field without experts, a mixer group no layer uses, ALiBi's or T5's
     bias knobs under another position scheme. A preset's own values are not overrides."""
-    groups = {g.FIELD: g for g in (RopeConfig, ExecutionConfig, *MIXER_GROUPS.values())}
+    groups = {g.FIELD: g for g in (RopeConfig, ExecutionConfig, *mixer_groups())}
     for name, value in _nest_execution(dict(overrides)).items():
         if name in groups and value is not None:
             given = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)

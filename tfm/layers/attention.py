@@ -8,7 +8,9 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.inputs import BlockInputs
 from tfm.layers.norms import Norm
+from tfm.layers.slot import register_mixer
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.ops.masks import NEG_INF
@@ -357,3 +359,17 @@ def span_segments(segment_ids, positions, shape, span: int, max_len: int):
 def _swap_length_heads(x):
     """[B, L, K, H] <-> [B, K, L, H]; XLA folds it into the attention products that read the cache."""
     return x.transpose(0, 2, 1, 3)
+
+
+class SelfAttention(Attention):
+    """Self-attention in the Block's mixer slot (kind "attention", params `self_attn`): x [B, T, D] ->
+    [B, T, D], reading the segment ids, positions, T5's relative table and the self mask from `inputs`."""
+
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        seg = inputs.segment_ids
+        return Attention.__call__(self, x, q_segment_ids=seg, kv_segment_ids=seg, positions=inputs.positions,
+                                  relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
+                                  deterministic=deterministic, decode=decode)
+
+
+register_mixer("attention", SelfAttention, name="self_attn", norm="attn", bidirectional=True)

@@ -2,46 +2,27 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.linen as nn
-from flax import struct
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
 from tfm.layers.common import constrain, param_init
+from tfm.layers import slot
 from tfm.layers.feedforward import Mlp, MoeMlp
-from tfm.layers.mixers import FFN_LAYERS, MIXER_LAYERS
+from tfm.layers.inputs import BlockInputs
 from tfm.layers.norms import Norm
 
 
-@struct.dataclass
-class BlockInputs:
-    """What a Block reads besides x, each optional: segment_ids [B, T] and positions [B, T] of the
-    queries; memory [B, S, D] and memory_segment_ids [B, S] for cross-attention; relative_table
-    [buckets, N] (T5's bias, set by the `Stack` and shared by its layers); memory_mask [B, T, M]
-    (gated cross-attention layers): whether each query sees each of M equal runs of the memory (the
-    image tiles); self_mask [B, T, T] bool: which keys each query sees in self-attention, on top of
-    the segment ids (Mllama's tiled vision encoder, whose padding rule they cannot describe). A pytree,
-    so a scan broadcasts it to every layer."""
-
-    segment_ids: Optional[jnp.ndarray] = None
-    positions: Optional[jnp.ndarray] = None
-    memory: Optional[jnp.ndarray] = None
-    memory_segment_ids: Optional[jnp.ndarray] = None
-    relative_table: Optional[jnp.ndarray] = None
-    memory_mask: Optional[jnp.ndarray] = None
-    self_mask: Optional[jnp.ndarray] = None
-
-
 class Block(nn.Module):
-    """Self-attention, optional cross-attention, feed-forward; norms as config.norm_position (pre, post, sandwich,
-    post_sublayer); sequential or parallel (x + attn(norm x) + ffn(norm x), or two norms: x + attn(n1 x) + ffn(n2 x)).
-    x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the attention
-    kind under config.attention_pattern, the token mixer under config.mixer_pattern (a linear-time
-    mixer, `mixer` after `mixer_norm`, takes self-attention's place; "none" leaves the slot empty) and
-    the feed-forward under config.ffn_pattern ("none": no feed-forward sublayer).
+    """A token mixer, optional cross-attention, feed-forward; norms as config.norm_position (pre, post, sandwich,
+    post_sublayer); sequential or parallel (x + mix(norm x) + ffn(norm x), or two norms: x + mix(n1 x) + ffn(n2 x)).
+    x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the token mixer under
+    config.mixer_pattern (a kind registered in tfm.layers.slot, named as registered: self-attention
+    `self_attn` after `attn_norm`, the others `mixer` after `mixer_norm`; a composite "a+b" sums its
+    mixers from the first one's norm; "none" leaves the slot empty), the attention kind under
+    config.attention_pattern and the feed-forward under config.ffn_pattern ("none": no feed-forward).
 
     gated: tanh gates (pi/4 at init) scale the attention and feed-forward outputs (`attn_gate`,
     `ffn_gate`; Mllama's global vision layers). In a causal stack the layers at
@@ -66,7 +47,7 @@ class Block(nn.Module):
         cfg, deterministic, decode = self.config, self.deterministic, self.decode
         drop = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)
         position = cfg.norm_position
-        seg, pos = inputs.segment_ids, inputs.positions
+        seg = inputs.segment_ids
         if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
             return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
@@ -85,20 +66,11 @@ class Block(nn.Module):
                 y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
             return norm(x + y) if position == "post" else x + self._residual(y)
 
-        mixer_kind, ffn_kind = cfg.layer_mixer(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
-        if mixer_kind == "attention":
-            self_attn = Attention(cfg, causal=self.causal, layer_index=self.layer_index, name="self_attn")
-            attend = lambda h: self_attn(h, q_segment_ids=seg, kv_segment_ids=seg, positions=pos,
-                                         relative_table=inputs.relative_table, kv_mask=inputs.self_mask,
-                                         deterministic=deterministic, decode=decode)
-        elif mixer_kind != "none":
-            if not self.causal:
-                raise ValueError(f"ModelConfig.mixer_pattern: a {mixer_kind!r} layer is causal; it cannot sit in a "
-                                 f"bidirectional stack (an encoder)")
-            mixer = MIXER_LAYERS[mixer_kind](cfg, name="mixer")
-            attend = lambda h: mixer(h, seg, decode)
-        if ffn_kind in FFN_LAYERS:
-            channel_mix = FFN_LAYERS[ffn_kind](cfg, name="ffn")
+        kinds, ffn_kind = cfg.layer_mixers(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
+        mix = self._mixers(kinds, inputs)
+        channel_mix = slot.ffn(ffn_kind)
+        if channel_mix is not None:
+            channel_mix = channel_mix(cfg, name="ffn")
             ffn = lambda h, deterministic: channel_mix(h, seg, decode)
         elif ffn_kind == "moe":
             ffn = MoeMlp(cfg, name="ffn")
@@ -109,10 +81,11 @@ class Block(nn.Module):
                 raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
             h = Norm(cfg, name="attn_norm")(x)
             h_ffn = Norm(cfg, name="ffn_norm")(x) if cfg.parallel_norms == 2 else h
-            x = x + self._residual(drop(attend(h)) + drop(ffn(h_ffn, deterministic)))
+            y = drop(ffn(h_ffn, deterministic)) if ffn_kind != "none" else 0.0
+            x = x + self._residual((drop(mix(h)) if kinds else 0.0) + y)
         else:
-            if mixer_kind != "none":
-                x = sublayer(x, "attn" if mixer_kind == "attention" else "mixer", attend)
+            if kinds:
+                x = sublayer(x, slot.kind(kinds[0]).norm, mix)
             if self.cross:
                 cross_attn = Attention(cfg, cross=True, name="cross_attn")
                 x = sublayer(x, "cross", lambda h: cross_attn(
@@ -147,6 +120,28 @@ class Block(nn.Module):
         if seen is not None:
             h = h * seen[..., None].astype(h.dtype)
         return x + gate("ffn_gate") * drop(h)
+
+    def _mixers(self, kinds, inputs: BlockInputs):
+        """The layer's token mixers (tfm.layers.slot), each named as registered (a composite's later branch
+        whose name is taken: its kind), as one function h [B, T, D] -> sum over them of
+        out * mixer(in * h) (in, out: config.mixer_scales of its kind)."""
+        cfg, branches = self.config, []
+        for kind in kinds:
+            spec = slot.kind(kind)
+            if not (self.causal or spec.bidirectional):
+                raise ValueError(f"ModelConfig.mixer_pattern: a {kind!r} layer is causal; it cannot sit in a "
+                                 f"bidirectional stack (an encoder)")
+            name = kind if spec.name in [m.name for m, _ in branches] else spec.name
+            branches.append((spec.module(cfg, causal=self.causal, layer_index=self.layer_index, name=name),
+                             cfg.mixer_scales(kind)))
+
+        def mix(h):
+            out = 0.0
+            for module, (scale_in, scale_out) in branches:
+                y = module(h if scale_in == 1.0 else h * scale_in, inputs, self.deterministic, self.decode)
+                out = out + (y if scale_out == 1.0 else y * scale_out)
+            return out
+        return mix
 
     def _residual(self, y):
         """A sublayer's output as added to the residual stream: times config.residual_multiplier."""

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from tfm import capabilities
-from tfm.config import ModelConfig
+from tfm.layers.inputs import BlockInputs
+from tfm.layers.slot import TokenMixer, register_mixer
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.recurrent import GatedRmsNorm, ShortConv, decode_states
 from tfm.ops.delta_rule import gated_delta_rule
@@ -25,7 +26,7 @@ def _a_log_init(key, shape, dtype=jnp.float32):
     return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(TokenMixer):
     """Gated DeltaNet (config.deltanet): x [B, T, D] -> [B, T, D].
 
     With Nk = key_heads of Hk = key_head_dim and Nv = value_heads of Hv = value_head_dim: q, k
@@ -39,10 +40,9 @@ class GatedDeltaNet(nn.Module):
     holds `recurrent_state` [B, Nv, Hk, Hv] and each convolution's window.
     """
 
-    config: ModelConfig
-
     @nn.compact
-    def __call__(self, x, segment_ids=None, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        segment_ids = inputs.segment_ids
         cfg, m = self.config, self.config.deltanet
         B, T, D = x.shape
         Nk, Hk, Nv, Hv = m.key_heads, m.key_head_dim, m.value_heads, m.value_head_dim
@@ -74,3 +74,6 @@ class GatedDeltaNet(nn.Module):
         y = GatedRmsNorm(cfg, gate_first=False, axes=("head_dim",), name="norm")(y, z)  # [B, T, Nv, Hv]
         out = Einsum("BTNH,NHD->BTD", (Nv, Hv, D), ("heads", "head_dim", "embed"), dtype=dtype, name="out")
         return out(y)
+
+
+register_mixer("gated_deltanet", GatedDeltaNet)

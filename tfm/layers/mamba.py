@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from tfm import capabilities
-from tfm.config import ModelConfig
+from tfm.layers.inputs import BlockInputs
+from tfm.layers.slot import TokenMixer, register_mixer
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.recurrent import GatedRmsNorm, ShortConv, decode_states
 from tfm.layers.norms import Norm
@@ -27,7 +28,7 @@ def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4)
     return init
 
 
-class Mamba(nn.Module):
+class Mamba(TokenMixer):
     """Mamba-1 (config.mamba): x [B, T, D] -> [B, T, D].
 
     With E = expand * D channels: x' and the gate z [B, T, E] are projections of x; x' passes a short
@@ -39,10 +40,9 @@ class Mamba(nn.Module):
     `ssm_state` [B, E, S] and the convolution's window.
     """
 
-    config: ModelConfig
-
     @nn.compact
-    def __call__(self, x, segment_ids=None, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        segment_ids = inputs.segment_ids
         cfg, m = self.config, self.config.mamba
         Bsz, T, D = x.shape
         E, S = m.expand * D, m.state_size
@@ -76,7 +76,7 @@ class Mamba(nn.Module):
         return proj("BTE,ED->BTD", "out", y.astype(dtype), (E, D), ("mlp", "embed"), m.proj_bias)
 
 
-class Mamba2(nn.Module):
+class Mamba2(TokenMixer):
     """Mamba-2 (config.mamba2): x [B, T, D] -> [B, T, D].
 
     With E = expand * D channels in N = E / P heads of P = head_dim: z (the gate) and x' [B, T, N, P],
@@ -88,10 +88,9 @@ class Mamba2(nn.Module):
     each convolution's window.
     """
 
-    config: ModelConfig
-
     @nn.compact
-    def __call__(self, x, segment_ids=None, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        segment_ids = inputs.segment_ids
         cfg, m = self.config, self.config.mamba2
         Bsz, T, D = x.shape
         P, G, S = m.head_dim, m.groups, m.state_size
@@ -126,3 +125,7 @@ class Mamba2(nn.Module):
         out = Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", "head_dim", "embed"), ("embed",), use_bias=m.proj_bias,
                      dtype=dtype, name="out")
         return out(y)
+
+
+register_mixer("mamba", Mamba)
+register_mixer("mamba2", Mamba2)

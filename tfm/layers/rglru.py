@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from tfm import capabilities
-from tfm.config import ModelConfig
+from tfm.layers.inputs import BlockInputs
+from tfm.layers.slot import TokenMixer, register_mixer
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.recurrent import ShortConv, decode_states
 from tfm.ops.context_scan import with_previous
@@ -51,7 +52,7 @@ class BlockDiagonal(nn.Module):
         return jnp.einsum("BTNI,NIJ->BTNJ", x.astype(jnp.float32), kernel) + bias
 
 
-class RecurrentBlock(nn.Module):
+class RecurrentBlock(TokenMixer):
     """Griffin's recurrent block (config.rglru): x [B, T, D] -> [B, T, D].
 
     Two projections of x to W = rglru.width channels in N = config.num_heads heads of P = W / N: the gate
@@ -69,10 +70,9 @@ class RecurrentBlock(nn.Module):
     convolution's window.
     """
 
-    config: ModelConfig
-
     @nn.compact
-    def __call__(self, x, segment_ids=None, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        segment_ids = inputs.segment_ids
         cfg, r = self.config, self.config.rglru
         Bsz, T, D = x.shape
         N = cfg.num_heads
@@ -107,3 +107,6 @@ class RecurrentBlock(nn.Module):
         y = constrain(h.astype(dtype) * gate, ("batch", "length", "heads", None))
         return Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", None, "embed"), ("embed",), use_bias=True, dtype=dtype,
                       name="out")(y)
+
+
+register_mixer("rglru", RecurrentBlock)

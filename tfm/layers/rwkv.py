@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from tfm import capabilities
 from tfm.config import ModelConfig
+from tfm.layers.inputs import BlockInputs
+from tfm.layers.slot import TokenMixer, register_ffn, register_mixer
 from tfm.layers.common import Einsum, compute_dtype, param_init
 from tfm.layers.recurrent import decode_states
 from tfm.ops.context_scan import with_previous
@@ -69,7 +71,7 @@ def _bonus_init(key, shape, dtype=jnp.float32):
     return (math.log(0.3) + zigzag).astype(dtype)
 
 
-class RwkvTimeMix(nn.Module):
+class RwkvTimeMix(TokenMixer):
     """RWKV-4's time mix (config.rwkv): x [B, T, D] -> [B, T, D].
 
     With C = attention_width channels: k, v, r [B, T, C] are projections (`key`, `value`, `receptance`,
@@ -79,10 +81,9 @@ class RwkvTimeMix(nn.Module):
     and the WKV state at each sequence.
     """
 
-    config: ModelConfig
-
     @nn.compact
-    def __call__(self, x, segment_ids=None, decode: bool = False):
+    def __call__(self, x, inputs: BlockInputs, deterministic: bool = True, decode: bool = False):
+        segment_ids = inputs.segment_ids
         cfg = self.config
         B, T, D = x.shape
         C = cfg.rwkv.attention_width or D
@@ -136,3 +137,7 @@ class RwkvChannelMix(nn.Module):
         r = Einsum("BTD,DR->BTR", (D, D), ("embed", None), dtype=dtype, name="receptance")(
             _mix(self, "time_mix_receptance", x, prev))
         return jax.nn.sigmoid(r) * v
+
+
+register_mixer("rwkv", RwkvTimeMix)
+register_ffn("rwkv", RwkvChannelMix)

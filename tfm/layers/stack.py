@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 
 from tfm.config import ModelConfig
-from tfm.layers.block import Block, BlockInputs
+from tfm.layers.block import Block
+from tfm.layers.inputs import BlockInputs
 from tfm.layers.positions import RelativePositionBias
 from tfm.layers.norms import Norm
 

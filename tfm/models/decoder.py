@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.block import BlockInputs
+from tfm.layers.inputs import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype
 from tfm.layers.stack import Stack
 from tfm.models.embedding import (DecodePosition, InputEmbedding, OutputLogits, check_inputs,

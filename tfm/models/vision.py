@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.block import BlockInputs
+from tfm.layers.inputs import BlockInputs
 from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
 from tfm.layers.norms import Norm
 from tfm.layers.stack import Stack, remat_block
