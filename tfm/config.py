@@ -286,6 +286,22 @@ class RgLruConfig(_FieldGroup):
         _positive(self, "width", "conv_kernel", "c")
 
 
+@mixer_group("short_conv")
+@dataclasses.dataclass(frozen=True)
+class ShortConvConfig(_FieldGroup):
+    """LFM2's gated short convolution (ModelConfig.short_conv, layers "short_conv"; Liquid AI 2025): from x
+    [B, T, D] three projections b, c, h; the causal depthwise convolution of `kernel` taps over b * h, times c,
+    projected back to D."""
+
+    kernel: int = 3  # taps of the causal depthwise convolution (HF's conv_L_cache)
+    bias: bool = False  # biases on the projections and the convolution
+
+    FIELD = "short_conv"
+
+    def __post_init__(self):
+        _positive(self, "kernel")
+
+
 def _positive(group, *names):
     """Raises unless each named field of `group` is None or > 0."""
     for name in names:

