@@ -33,6 +33,11 @@ FAMILIES = {
         vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
         conv_bias=True, block_multiple_of=16, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False)),
+    # Mamba (E = 64, state 8, dt rank 4, projection biases) with weightless norms on dt, B and C (eps 1e-3, not
+    # the blocks' 1e-5, so a mix-up shows)
+    "falcon_mamba": lambda: tr.FalconMambaForCausalLM(tr.FalconMambaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        use_bias=True, mixer_rms_eps=1e-3)),
 }
 REFERENCE_LOOP = ()  # families whose generate is compared with transformers' cache-free greedy loop
 

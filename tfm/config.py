@@ -194,6 +194,8 @@ class MambaConfig(_FieldGroup):
     conv_bias: bool = True  # a bias on the convolution
     proj_bias: bool = False  # biases on the input and output projections
     inner_norms: bool = False  # config.norm over dt (before its up-projection), B and C (Jamba)
+    inner_norm_weights: bool = True  # False: the inner norms are RMSNorms without a scale (FalconMamba)
+    inner_norm_eps: Optional[float] = None  # the inner norms' epsilon; None = ModelConfig.norm_eps
 
     FIELD = "mamba"
 

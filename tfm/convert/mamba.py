@@ -76,7 +76,7 @@ def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
            "out": part(w(f"{p}.out_proj.weight", (D, E)), 0, D, w(f"{p}.out_proj.bias", (D,)) if m.proj_bias else None)}
     if m.conv_bias:
         out["conv"]["bias"] = w(f"{p}.conv1d.bias", (E,))
-    if m.inner_norms:
+    if m.inner_norms and m.inner_norm_weights:
         out.update(dt_norm=norm(w, f"{p}.dt_layernorm", "rmsnorm"), B_norm=norm(w, f"{p}.b_layernorm", "rmsnorm"),
                    C_norm=norm(w, f"{p}.c_layernorm", "rmsnorm"))
     return out

@@ -28,12 +28,19 @@ def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4)
     return init
 
 
+def _weightless_rms(x, eps: float):
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32, back in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class Mamba(TokenMixer):
     """Mamba-1 (config.mamba): x [B, T, D] -> [B, T, D].
 
     With E = expand * D channels: x' and the gate z [B, T, E] are projections of x; x' passes a short
     causal convolution and SiLU; from x' come dt' [B, T, R] (R = dt_rank), B and C [B, T, S]
-    (inner_norms: each through config.norm, as Jamba); dt = softplus(dt' W_dt + dt_bias) [B, T, E]; the
+    (inner_norms: each through config.norm, as Jamba, or with inner_norm_weights=False a weightless
+    RMSNorm, as FalconMamba); dt = softplus(dt' W_dt + dt_bias) [B, T, E]; the
     selective scan (tfm.ops.ssd.selective_scan) with A = -exp(A_log) [E, S] gives y, plus the skip
     D * x'; y * silu(z) is projected back to D by `out`. segment_ids [B, T] (0 = padding) reset the
     state and the convolution window at each sequence; in decode mode the cache holds the state
@@ -58,7 +65,12 @@ class Mamba(TokenMixer):
         b = proj("BTE,ES->BTS", "B", xs, (E, S), ("mlp", None))
         c = proj("BTE,ES->BTS", "C", xs, (E, S), ("mlp", None))
         if m.inner_norms:
-            dt, b, c = (Norm(cfg, axis=None, name=f"{name}_norm")(v) for name, v in (("dt", dt), ("B", b), ("C", c)))
+            eps = cfg.norm_eps if m.inner_norm_eps is None else m.inner_norm_eps
+            if m.inner_norm_weights:
+                dt, b, c = (Norm(cfg.replace(norm_eps=eps), axis=None, name=f"{name}_norm")(v)
+                            for name, v in (("dt", dt), ("B", b), ("C", c)))
+            else:
+                dt, b, c = (_weightless_rms(v, eps) for v in (dt, b, c))
         dt = Einsum("BTR,RE->BTE", (R, E), (None, "mlp"), dtype=dtype, name="dt")(dt)
         dt_bias = self.param("dt_bias", param_init(dt_bias_init(), ("mlp",)), (E,), jnp.float32)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
