@@ -38,6 +38,21 @@ FAMILIES = {
     "falcon_mamba": lambda: tr.FalconMambaForCausalLM(tr.FalconMambaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
         use_bias=True, mixer_rms_eps=1e-3)),
+    # Granite 4.0-H: mamba2 (4 heads of 16, 2 groups, state 8), attention with RoPE (4 heads, 2 kv), mamba2,
+    # mamba2; 4 experts top-2 of 16 beside an ungated shared MLP of 24; µP multipliers away from 1
+    "granite_moe_hybrid": lambda: tr.GraniteMoeHybridForCausalLM(tr.GraniteMoeHybridConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=16, shared_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["linear_attention", "full_attention",
+                                                                   "linear_attention", "linear_attention"],
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=4, position_embedding_type="rope", embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0)),
+    # the dense variant (no experts: the shared MLP alone) without positions, attention first
+    "granite_hybrid_dense": lambda: tr.GraniteMoeHybridForCausalLM(tr.GraniteMoeHybridConfig(
+        vocab_size=V, hidden_size=32, shared_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, layer_types=["full_attention", "linear_attention"], num_local_experts=0,
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, position_embedding_type="nope",
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0)),
 }
 REFERENCE_LOOP = ()  # families whose generate is compared with transformers' cache-free greedy loop
 
