@@ -234,6 +234,28 @@ def qwen3_5_35b_a3b(vocab_size: int = 248_320, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def lfm2_1_2b(vocab_size: int = 65_536, **overrides) -> ModelConfig:
+    """LFM2-1.2B (Liquid AI 2025): 16 layers of D 2048, 10 gated short convolutions (3 taps) and 6 GQA attention
+    layers (32/8 heads, RMSNorm per query and key head, RoPE base 1e6) at layers 2, 5, 8, 10, 12, 14, a SwiGLU of
+    F 8192 in each (HF's block_ff_dim 12288 adjusted by 2/3); tied. About 1.17B parameters."""
+    kinds = ["attention" if i in (2, 5, 8, 10, 12, 14) else "short_conv" for i in range(16)]
+    cfg = llama(vocab_size, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, d_ff=8192, max_len=128_000,
+                norm_eps=1e-5, rope=dict(theta=1_000_000.0), qk_norm=True, tie_embeddings=True,
+                mixer_pattern=tuple(kinds), short_conv=dict(kernel=3, bias=False))
+    return cfg.replace(**overrides)
+
+
+def falcon_mamba_7b(vocab_size: int = 65_024, **overrides) -> ModelConfig:
+    """FalconMamba-7B (TII 2024): 64 Mamba layers of D 4096 without feed-forward, E 8192, state 16,
+    weightless RMSNorms on dt, B and C (dt rank ceil(D / 16) = 256); untied. About 7.27B parameters."""
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=4096, num_heads=1, num_layers=64, d_ff=1, max_len=8192,
+                      norm="rmsnorm", norm_eps=1e-5, norm_position="pre", final_norm=True, position="none",
+                      mixer_pattern=("mamba",), ffn_pattern=("none",), attention_bias=False, tie_embeddings=False,
+                      mamba=dict(state_size=16, conv_kernel=4, expand=2, dt_rank=None, inner_norms=True,
+                                 inner_norm_weights=False, inner_norm_eps=1e-6))
+    return cfg.replace(**overrides)
+
+
 # Nemotron-H's pattern letters: one sublayer a layer, (token mixer, feed-forward)
 HYBRID_LETTERS = {"M": ("mamba2", "none"), "*": ("attention", "none"), "-": ("none", "dense"), "E": ("none", "moe")}
 
@@ -297,7 +319,7 @@ PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base,
                                    gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
                                    jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b,
                                    gpt_oss_120b, gpt_oss_20b, gemma3_27b, llama4_scout, olmo2_13b, glm4_5_air,
-                                   qwen3_5_35b_a3b)}
+                                   qwen3_5_35b_a3b, lfm2_1_2b, falcon_mamba_7b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
