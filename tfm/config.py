@@ -304,6 +304,19 @@ class ShortConvConfig(_FieldGroup):
         _positive(self, "kernel")
 
 
+@mixer_group("lightning")
+@dataclasses.dataclass(frozen=True)
+class LightningConfig(_FieldGroup):
+    """Lightning attention (ModelConfig.lightning, layers "lightning"; MiniMax-01 2025): linear attention with a
+    fixed decay per head, in ModelConfig.num_heads heads of head_dim: q, k, v = silu of projections of x,
+    state S_t = exp(-slope) S_{t-1} + k_t^T v_t, o_t = q_t S_t; an RMSNorm over all heads, a sigmoid output gate
+    and the output projection. The slopes are ALiBi's, scaled by 1 - layer / (num_layers - 1)."""
+
+    output_norm_eps: float = 1e-6  # the RMSNorm over the heads' outputs (MiniMax fixes it, apart from norm_eps)
+
+    FIELD = "lightning"
+
+
 def _positive(group, *names):
     """Raises unless each named field of `group` is None or > 0."""
     for name in names:
