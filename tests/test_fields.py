@@ -36,7 +36,7 @@ def test_every_field_is_listed_with_a_meaning():
     assert not missing, f"fields without a comment saying what they are: {missing}"
     assert rows["model.overrides.position"].allowed == "'sinusoidal', 'learned', 'rope', 'alibi', 'relative', 'none'"
     assert rows["model.overrides.rope.theta"].default == "10000.0"
-    assert rows["model.overrides.mixer_pattern"].allowed.startswith("each of 'attention', 'gated_deltanet', 'mamba',")
+    assert rows["model.overrides.mixer_pattern"].allowed.startswith("each of 'attention', 'mamba', 'mamba2',")
     assert rows["optimizer.schedule"].allowed == "'constant', 'noam', 'linear', 'cosine', 'bert_linear'"
     assert rows["model.overrides.qk_norm"].meaning.startswith("config.norm over each query and key head")
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import decode
+from tfm import config, decode
 from tfm.layers import slot
 from tfm.layers.block import Block
 from tfm.layers.inputs import BlockInputs
@@ -97,6 +97,7 @@ class Shift(slot.TokenMixer):
 def test_a_mixer_registered_outside_tfm_is_a_pattern_kind(monkeypatch):
     slot.kinds()
     monkeypatch.setattr(slot, "_MIXERS", dict(slot._MIXERS))  # the registration ends with the test
+    monkeypatch.setitem(config._KINDS, "mixer", list(config._KINDS["mixer"]))
     slot.register_mixer("toy_shift", Shift)
     x = _x(2)
     cfg = _cfg(mixer_pattern=("toy_shift",), ffn_pattern=("none",))

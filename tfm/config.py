@@ -30,8 +30,9 @@ POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "yarn", "dynamic")
 # ModelConfig.attention_pattern entries: every earlier key, a sliding window, aligned spans (attention_span)
 ATTENTION_KINDS = ("global", "local", "span")
-# ModelConfig.ffn_pattern entries besides the registered ones (tfm.layers.slot.ffn_kinds: RWKV's channel mix)
-FFN_KINDS = ("dense", "moe", "none")
+# ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only),
+# and those tfm.layers.slot registers
+FFN_KINDS = ("dense", "moe", "rwkv", "none")
 # relu2: relu(x)**2; swiglu_clamped: gpt-oss's (g * sigmoid(alpha g)) * (u + 1), g and u clamped (swiglu_limit)
 ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "swiglu_clamped")
 GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "swiglu_clamped": "silu"}
@@ -150,6 +151,15 @@ class MlaConfig(_FieldGroup):
 
 
 MIXER_GROUPS = {}  # mixer_pattern kind -> the ModelConfig group that configures it (filled by `mixer_group`)
+_KINDS = {"mixer": ["attention"], "ffn": []}  # the kinds registered so far, in order
+
+
+def register_kind(kind: str, ffn: bool = False) -> None:
+    """Makes `kind` a valid mixer_pattern (ffn=True: ffn_pattern) entry; tfm.layers.slot calls it for every
+    module it registers, `mixer_group` for every kind it configures."""
+    kinds = _KINDS["ffn" if ffn else "mixer"]
+    if kind not in kinds:
+        kinds.append(kind)
 
 
 def mixer_group(*kinds: str):
@@ -158,6 +168,7 @@ def mixer_group(*kinds: str):
     def register(group):
         for kind in kinds:
             MIXER_GROUPS[kind] = group
+            register_kind(kind)
         return group
     return register
 
@@ -168,15 +179,14 @@ def mixer_groups() -> tuple:
 
 
 def mixer_kinds() -> tuple:
-    """ModelConfig.mixer_pattern's kinds: every registered mixer (tfm.layers.slot), and "none"."""
-    from tfm.layers import slot  # the layers import this module: looked up when first needed
-    return slot.kinds()
+    """ModelConfig.mixer_pattern's kinds: attention, every kind a group configures or a module registered
+    (tfm.layers.slot), and "none"."""
+    return tuple(_KINDS["mixer"]) + ("none",)
 
 
 def ffn_kinds() -> tuple:
     """ModelConfig.ffn_pattern's kinds: FFN_KINDS and the registered feed-forwards (tfm.layers.slot)."""
-    from tfm.layers import slot
-    return FFN_KINDS[:2] + slot.ffn_kinds() + FFN_KINDS[2:]
+    return FFN_KINDS[:2] + tuple(k for k in _KINDS["ffn"] if k not in FFN_KINDS) + FFN_KINDS[2:]
 
 
 @mixer_group("mamba")

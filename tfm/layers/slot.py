@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 import pkgutil
 from typing import Dict
 
 import flax.linen as nn
 
+from tfm import config
 from tfm.config import ModelConfig
 
 
@@ -57,26 +59,30 @@ def register_mixer(kind: str, module: type, *, name: str = "mixer", norm: str = 
     if kind in _MIXERS or kind == "none" or "+" in kind:
         raise ValueError(f"mixer kind {kind!r} is taken or reserved")
     _MIXERS[kind] = MixerKind(module, name, norm, bidirectional)
+    config.register_kind(kind)
 
 
 def register_ffn(kind: str, module: type) -> None:
     """Makes `kind` an ffn_pattern entry computed by `module(config, name="ffn")(x, segment_ids, decode)`
     (a feed-forward that reads more than its own token, like RWKV's channel mix)."""
     _FFNS[kind] = module
+    config.register_kind(kind, ffn=True)
 
 
 @functools.lru_cache(maxsize=None)
 def _discover() -> None:
     """Imports every module of tfm.layers once (each registers its kinds)."""
-    import tfm.layers as package
-    for info in pkgutil.iter_modules(package.__path__):
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
         if info.name not in _SKIP:
-            importlib.import_module(f"{package.__name__}.{info.name}")
+            importlib.import_module(f"{__package__}.{info.name}")
 
 
 def kind(name: str) -> MixerKind:
     """The registered mixer `name`."""
     _discover()
+    if name not in _MIXERS:
+        raise ValueError(f"ModelConfig.mixer_pattern kind {name!r} has a config group but no registered module; "
+                         f"register one with tfm.layers.slot.register_mixer")
     return _MIXERS[name]
 
 
@@ -90,9 +96,3 @@ def ffn(name: str):
     """The feed-forward module registered as `name`, or None (dense, MoE and "none" are the Block's own)."""
     _discover()
     return _FFNS.get(name)
-
-
-def ffn_kinds() -> tuple:
-    """The registered feed-forward kinds."""
-    _discover()
-    return tuple(_FFNS)
