@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import decode
+from test_zoo_recurrent import decode_in_steps
 from tfm.layers.inputs import BlockInputs
 from tfm.layers.lightning import LightningAttention, slopes
 from tfm.models import DecoderLM
@@ -94,11 +94,4 @@ def test_hybrid_prompt_continued_from_the_cache_equals_the_whole():
     ids = jax.random.randint(jax.random.PRNGKey(4), (B, T), 1, cfg.vocab_size)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids))["params"]
     full = model.apply({"params": params}, ids).logits
-    step = jax.jit(decode.step_fn(model, params))
-    cache = decode.init_cache(model, params, B, T)
-    logits, cache = step(cache, ids[:, :6])
-    steps = [logits]
-    for t in range(6, T):
-        logits, cache = step(cache, ids[:, t:t + 1])
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
+    np.testing.assert_allclose(decode_in_steps(model, params, ids, 6), full, atol=1e-5)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import config, decode
+from test_zoo_recurrent import decode_in_steps
+from tfm import config
 from tfm.layers import slot
 from tfm.layers.block import Block
 from tfm.layers.inputs import BlockInputs
@@ -74,14 +75,7 @@ def test_composite_decodes_as_its_full_forward():
     ids = jax.random.randint(jax.random.PRNGKey(3), (B, T), 1, cfg.vocab_size)
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids))["params"]
     full = model.apply({"params": params}, ids).logits
-    step = jax.jit(decode.step_fn(model, params))
-    cache = decode.init_cache(model, params, B, T)
-    logits, cache = step(cache, ids[:, :5])  # the chunked forms, then one token a step
-    steps = [logits]
-    for t in range(5, T):
-        logits, cache = step(cache, ids[:, t:t + 1])
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5)
+    np.testing.assert_allclose(decode_in_steps(model, params, ids, 5), full, atol=1e-5)  # chunked, then steps
 
 class Shift(slot.TokenMixer):
     """A toy mixer registered from outside tfm: y_t = w * x_{t-1} (within a sequence), x [B, T, D]."""

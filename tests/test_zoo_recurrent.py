@@ -4,7 +4,8 @@ Each family: one tiny random HF model (every parameter perturbed) converted from
 from its save_pretrained directory; logits match within max-abs 1e-4 (right padding on one row: the
 padded positions are not compared). From the same conversion: a prompt continued from the recurrent
 cache equals the whole prompt (1e-5), greedy decoding equals transformers' `generate`, and `to_hf`
-writes a directory transformers reloads with no missing or unexpected keys and every tensor equal.
+writes a directory transformers reloads with no missing or unexpected keys and every tensor equal; for the
+2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H) a packed row also equals its sequences alone (1e-5).
 """
 import functools
 
@@ -80,6 +81,33 @@ FAMILIES = {
         num_key_value_heads=2, head_dim=8, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
         conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1))),
+    # conv, attention, conv, conv (layer_types of no period but 4): 4 heads, 2 kv heads of 8 with RMSNorm per
+    # head, convolutions of 3 taps with biases; a SwiGLU whose width HF adjusts (2/3 of 96, times 1.5, up to a
+    # multiple of 16: 96), untied output
+    "lfm2": lambda: tr.Lfm2ForCausalLM(tr.Lfm2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+        conv_bias=True, block_multiple_of=16, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False)),
+    # Mamba (E = 64, state 8, dt rank 4, projection biases) with weightless norms on dt, B and C (eps 1e-3, not
+    # the blocks' 1e-5, so a mix-up shows)
+    "falcon_mamba": lambda: tr.FalconMambaForCausalLM(tr.FalconMambaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        use_bias=True, mixer_rms_eps=1e-3)),
+    # Granite 4.0-H: mamba2 (4 heads of 16, 2 groups, state 8), attention with RoPE (4 heads, 2 kv), mamba2,
+    # mamba2; 4 experts top-2 of 16 beside an ungated shared MLP of 24; µP multipliers away from 1
+    "granite_moe_hybrid": lambda: tr.GraniteMoeHybridForCausalLM(tr.GraniteMoeHybridConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=16, shared_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["linear_attention", "full_attention",
+                                                                   "linear_attention", "linear_attention"],
+        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=4, position_embedding_type="rope", embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0)),
+    # the dense variant (no experts: the shared MLP alone) without positions, attention first
+    "granite_hybrid_dense": lambda: tr.GraniteMoeHybridForCausalLM(tr.GraniteMoeHybridConfig(
+        vocab_size=V, hidden_size=32, shared_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, layer_types=["full_attention", "linear_attention"], num_local_experts=0,
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, position_embedding_type="nope",
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0)),
 }
 
 
@@ -97,6 +125,8 @@ def _router_bias(model):
 # for B > 1, so its batched generate is wrong from the second new token: compared one prompt at a time.
 ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
+# packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
+PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense")
 
 
 def tokens(seed, shape=(B, T)):
@@ -115,7 +145,8 @@ def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     cfg, params, model = from_hf(hf, mixer_chunk_size=4)
-    forward = jax.jit(lambda ids, segment_ids: model.apply({"params": params}, ids, segment_ids=segment_ids).logits)
+    forward = jax.jit(lambda ids, segment_ids, positions=None: model.apply(
+        {"params": params}, ids, segment_ids=segment_ids, positions=positions).logits)
     return request.param, hf, str(path), (cfg, params, model, forward)
 
 
@@ -141,16 +172,38 @@ def test_prompt_continued_from_the_cache_equals_the_whole(family):
     form): every logit equals the full forward's (1e-5)."""
     name, _, _, (cfg, params, model, forward) = family
     ids = jnp.asarray(tokens(2))
-    full = forward(ids, jnp.ones_like(ids))
+    diff = max_abs(decode_in_steps(model, params, ids, 6), forward(ids, jnp.ones_like(ids)))
+    assert diff < 1e-5, (name, diff)
+
+
+def decode_in_steps(model, params, ids, first):
+    """The logits [B, T, V] of `ids` [B, T] run through the decode cache: the first `first` tokens in one call,
+    then one token a step."""
     step = jax.jit(decode.step_fn(model, params))
-    cache = decode.init_cache(model, params, B, T)
-    logits, cache = step(cache, ids[:, :6])
+    cache = decode.init_cache(model, params, *ids.shape)
+    logits, cache = step(cache, ids[:, :first])
     steps = [logits]
-    for t in range(6, T):
+    for t in range(first, ids.shape[1]):
         logits, cache = step(cache, ids[:, t:t + 1])
         steps.append(logits)
-    diff = max_abs(jnp.concatenate(steps, 1), full)
-    assert diff < 1e-5, (name, diff)
+    return jnp.concatenate(steps, 1)
+
+
+@pytest.mark.parametrize("family", sorted(PACKED), indirect=True)
+def test_packed_row_equals_its_sequences_alone(family):
+    """Two sequences (5 and 4 tokens) packed in one row, positions restarting, then padding: each sequence's
+    logits as run alone (1e-5)."""
+    name, _, _, (_, _, _, forward) = family
+    ids = tokens(4, (1, T))
+    seg = jnp.asarray([[1] * 5 + [2] * 4 + [0] * (T - 9)])
+    pos = jnp.asarray([list(range(5)) + list(range(4)) + [0] * (T - 9)])
+    packed = forward(jnp.asarray(ids), seg, pos)
+    pad = lambda x: jnp.pad(jnp.asarray(x), ((0, 0), (0, T - x.shape[1])))
+    for lo, hi in ((0, 5), (5, 9)):
+        n = hi - lo
+        alone = forward(pad(ids[:, lo:hi]), pad(np.ones((1, n), np.int32)), pad(np.arange(n)[None]))
+        diff = max_abs(packed[:, lo:hi], alone[:, :n])
+        assert diff < 1e-5, (name, lo, diff)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)

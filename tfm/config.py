@@ -950,7 +950,7 @@ class ModelConfig:
         if self.num_experts and self.ffn_pattern is not None and "moe" not in self.ffn_pattern:
             raise ValueError(f"ModelConfig.num_experts={self.num_experts} but ffn_pattern={self.ffn_pattern} "
                              f"has no 'moe' layer")
-        mixers = {k for i in range(len(self.mixer_pattern or "a")) for k in self.layer_mixers(i)}
+        mixers = self.mixers_used
         if self.mixer_multipliers is not None:
             triples = tuple((str(k), float(a), float(b)) for k, a, b in self.mixer_multipliers)
             object.__setattr__(self, "mixer_multipliers", triples)
@@ -976,6 +976,11 @@ class ModelConfig:
         """The kinds of layer `layer`'s mixers: one, several (a parallel composite), or none."""
         entry = self.layer_mixer(layer)
         return () if entry == "none" else tuple(entry.split("+"))
+
+    @property
+    def mixers_used(self) -> set:
+        """The mixer kinds some layer has (a composite's each; not "none")."""
+        return {k for entry in self.mixer_pattern or ("attention",) for k in entry.split("+") if k != "none"}
 
     def mixer_scales(self, kind: str) -> Tuple[float, float]:
         """(input, output) multipliers of `kind`'s mixer under mixer_multipliers (1, 1 unless named)."""
@@ -1121,7 +1126,7 @@ def _why_inapplicable(config: ModelConfig, path: str) -> Optional[str]:
     """Why the field at `path` ("rope.theta", "execution.moe_impl", "num_experts") has no effect on
     `config`, or None if it may: its group's switch is off."""
     group, _, field = path.rpartition(".")
-    kinds = {k for i in range(config.num_layers) for k in config.layer_mixers(i)} | set(config.ffn_pattern or ())
+    kinds = config.mixers_used | set(config.ffn_pattern or ())
     if group == "rope" and config.position != "rope":
         return f"position={config.position!r} has no RoPE; set position='rope' with it"
     if group in ("", "execution") and field.startswith(_MOE_PREFIXES):

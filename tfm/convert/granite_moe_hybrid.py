@@ -22,7 +22,7 @@ from tfm.models import DecoderLM
 
 KINDS = {"linear_attention": "mamba2", "full_attention": "attention"}  # HF layer_types -> mixer_pattern
 # GraniteMoeHybridConfig's defaults for the fields a checkpoint's config.json may leave out
-DEFAULTS = dict(bamba.DEFAULTS, rms_norm_eps=1e-6, max_position_embeddings=2048, mamba_d_state=256,
+DEFAULTS = dict(bamba.DEFAULTS, rms_norm_eps=1e-6, max_position_embeddings=2048,
                 num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024)
 
 

@@ -65,12 +65,12 @@ class Mamba(TokenMixer):
         b = proj("BTE,ES->BTS", "B", xs, (E, S), ("mlp", None))
         c = proj("BTE,ES->BTS", "C", xs, (E, S), ("mlp", None))
         if m.inner_norms:
-            eps = cfg.norm_eps if m.inner_norm_eps is None else m.inner_norm_eps
+            norm_cfg = cfg if m.inner_norm_eps is None else cfg.replace(norm_eps=m.inner_norm_eps)
             if m.inner_norm_weights:
-                dt, b, c = (Norm(cfg.replace(norm_eps=eps), axis=None, name=f"{name}_norm")(v)
+                dt, b, c = (Norm(norm_cfg, axis=None, name=f"{name}_norm")(v)
                             for name, v in (("dt", dt), ("B", b), ("C", c)))
             else:
-                dt, b, c = (_weightless_rms(v, eps) for v in (dt, b, c))
+                dt, b, c = (_weightless_rms(v, norm_cfg.norm_eps) for v in (dt, b, c))
         dt = Einsum("BTR,RE->BTE", (R, E), (None, "mlp"), dtype=dtype, name="dt")(dt)
         dt_bias = self.param("dt_bias", param_init(dt_bias_init(), ("mlp",)), (E,), jnp.float32)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
