@@ -108,7 +108,21 @@ FAMILIES = {
         num_key_value_heads=4, layer_types=["full_attention", "linear_attention"], num_local_experts=0,
         mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, position_embedding_type="nope",
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0)),
+    # Falcon-H1: attention (4 heads, 2 kv of 8, RoPE) and mamba2 (3 heads of 16: 48 channels, not a multiple of
+    # the width 32; state 8) from one norm in every layer, summed; silu(z) gating without a norm (HF's default);
+    # every µP multiplier away from 1 and from each other
+    "falcon_h1": lambda: falcon_h1(),
 }
+
+
+def falcon_h1(**fields):
+    return tr.FalconH1ForCausalLM(tr.FalconH1Config(**{**dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_d_ssm=48, mamba_n_heads=3, mamba_d_head=16, mamba_d_state=8,
+        mamba_d_conv=4, mamba_chunk_size=4, lm_head_multiplier=0.5, embedding_multiplier=3.0, mlp_multipliers=[0.7, 1.3],
+        key_multiplier=0.6, attention_in_multiplier=1.5, attention_out_multiplier=0.8,
+        ssm_multipliers=[0.5, 1.2, 0.9, 1.1, 0.4], ssm_in_multiplier=0.75, ssm_out_multiplier=1.25,
+        eos_token_id=None), **fields}))  # no end token: generate runs all its steps
 
 
 def _router_bias(model):
@@ -126,7 +140,7 @@ def _router_bias(model):
 ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 # packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
-PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense")
+PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1")
 
 
 def tokens(seed, shape=(B, T)):
@@ -232,6 +246,21 @@ def test_export_reloads_in_transformers_bit_identical(family, tmp_path):
     for key, tensor in hf.state_dict().items():
         if tensor.is_floating_point():
             assert torch.equal(state[key], tensor), key
+
+
+@pytest.mark.parametrize("before_gate, gate_norm", [(True, "norm_first"), (False, "gate_first")])
+def test_falcon_h1_gated_norms_match_hf(before_gate, gate_norm):
+    """Falcon-H1 with mamba_rms_norm: the gated RMSNorm before or after the gate (mamba2.gate_norm), logits
+    within 1e-4 of transformers' on the padded batch."""
+    torch.manual_seed(0)
+    hf = randomize(falcon_h1(num_hidden_layers=1, mamba_rms_norm=True, mamba_norm_before_gate=before_gate))
+    cfg, params, model = from_hf(hf, mixer_chunk_size=4)
+    assert cfg.mamba2.gate_norm == gate_norm
+    ids = tokens(1)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(MASK)).logits.numpy()
+    ours = model.apply({"params": params}, jnp.asarray(ids), segment_ids=jnp.asarray(MASK)).logits
+    assert max_abs(ours, ref, MASK) < TOL
 
 
 # Published sizes: tfm's preset against the same model built by transformers on the meta device.

@@ -231,14 +231,34 @@ class Mamba2Config(_FieldGroup):
     conv_bias: bool = True  # a bias on the convolution
     proj_bias: bool = False  # biases on the input and output projections
     dt_limit: Tuple[float, float] = (0.0, float("inf"))  # the step size clamped to (low, high)
+    inner: Optional[int] = None  # inner channels E, a multiple of head_dim; None = expand * D (Falcon-H1's mamba_d_ssm)
+    # the gate z with the output y: "gate_first" RMSNorm(y * silu(z)) (Mamba-2), "norm_first" RMSNorm(y) * silu(z),
+    # "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm=False)
+    gate_norm: str = "gate_first"
+    # the input projections' outputs (gate, x, B, C, dt) times these (Falcon-H1's µP ssm_multipliers)
+    proj_multipliers: Tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
 
     FIELD = "mamba2"
+    PROJECTIONS = ("gate", "x", "B", "C", "dt")  # proj_multipliers' order
+    GATE_NORMS = ("gate_first", "norm_first", "none")
 
     def __post_init__(self):
-        _positive(self, "state_size", "conv_kernel", "expand", "head_dim", "groups", "norm_groups")
+        _positive(self, "state_size", "conv_kernel", "expand", "head_dim", "groups", "norm_groups", "inner")
         object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
         if len(self.dt_limit) != 2 or not 0 <= self.dt_limit[0] < self.dt_limit[1]:
             raise ValueError(f"ModelConfig.mamba2.dt_limit={self.dt_limit} must be (low, high) with 0 <= low < high")
+        if self.inner is not None and self.inner % self.head_dim:
+            raise ValueError(f"ModelConfig.mamba2.inner={self.inner} must be a multiple of head_dim={self.head_dim}")
+        if self.gate_norm not in self.GATE_NORMS:
+            raise ValueError(f"ModelConfig.mamba2.gate_norm={self.gate_norm!r} must be one of {self.GATE_NORMS}")
+        object.__setattr__(self, "proj_multipliers", tuple(float(v) for v in self.proj_multipliers))
+        if len(self.proj_multipliers) != 5 or not all(v > 0 for v in self.proj_multipliers):
+            raise ValueError(f"ModelConfig.mamba2.proj_multipliers={self.proj_multipliers} must be 5 values > 0, "
+                             f"one per input projection {self.PROJECTIONS}")
+
+    def width(self, d_model: int) -> int:
+        """The inner channels E: `inner`, or expand * d_model."""
+        return self.inner or self.expand * d_model
 
 
 @mixer_group("gated_deltanet")
@@ -582,6 +602,7 @@ class ModelConfig:
     # Each head's attention output times sigmoid of a `gate` projection [D, N, H] of the queries' input,
     # before the output projection (Qwen3-Next).
     attention_output_gate: bool = False
+    key_multiplier: float = 1.0  # self-attention's projected keys times this (Falcon-H1's µP key_multiplier)
     # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
     mla: Union[MlaConfig, dict, None] = None
     value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]
@@ -619,6 +640,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702  # swiglu_clamped's gate sharpness: gate * sigmoid(swiglu_alpha * gate)
     ffn_bias: bool = True  # biases on the feed-forward projections
+    # (gate, output) multipliers of the dense feed-forward: its gate projection (wi_gate; wi when not gated) times
+    # gate before the activation, its output times output (Falcon-H1's µP mlp_multipliers)
+    ffn_multipliers: Tuple[float, float] = (1.0, 1.0)
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
     router_aux_loss_coef: float = 0.01  # weight of each MoE layer's load-balancing loss (Switch, Mixtral)
@@ -865,10 +889,20 @@ class ModelConfig:
                                  f"got {self.position!r}")
         if self.local_rope is not None and self.local_rope.dim > self.head_dim:
             raise ValueError(f"ModelConfig.local_rope.dim={self.local_rope.dim} must be at most head_dim={self.head_dim}")
-        for name in ("attention_scale", "residual_multiplier", "embedding_multiplier", "logits_multiplier"):
+        for name in ("attention_scale", "residual_multiplier", "embedding_multiplier", "logits_multiplier",
+                     "key_multiplier"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {value}")
+        object.__setattr__(self, "ffn_multipliers", tuple(float(v) for v in self.ffn_multipliers))
+        if len(self.ffn_multipliers) != 2 or not all(v > 0 for v in self.ffn_multipliers):
+            raise ValueError(f"ModelConfig.ffn_multipliers={self.ffn_multipliers} must be (gate, output), both > 0")
+        if self.ffn_multipliers != (1.0, 1.0) and self.num_experts:
+            raise ValueError("ModelConfig.ffn_multipliers scale the dense feed-forward; the experts of "
+                             f"num_experts={self.num_experts} do not read them")
+        if self.key_multiplier != 1.0 and self.mla is not None:
+            raise ValueError("ModelConfig.key_multiplier scales the key projection, which multi-head latent "
+                             "attention (mla) does not have")
         if self.router_gate_input and self.experts_per_token != 1:
             raise ValueError(f"ModelConfig.router_gate_input scales each token's one expert input by its gate; "
                              f"experts_per_token={self.experts_per_token} must be 1")

@@ -26,14 +26,18 @@ def mixer_config(hf: HFConfig, fields: Mapping[str, Optional[str]] = MIXER_FIELD
     pass their own, e.g. Bamba's mamba_d_state)."""
     D = hf.require("hidden_size")
     head_dim, heads = hf.require(fields["head_dim"]), hf.require(fields["num_heads"])
-    expand = hf.get(fields["expand"], 2) if fields["expand"] else heads * head_dim // D
-    if heads * head_dim != expand * D:
-        raise hf.unsupported(fields["num_heads"], heads, f"tfm needs {fields['num_heads']} * {fields['head_dim']} "
-                                                         f"== expand * hidden_size ({heads} * {head_dim}, "
-                                                         f"hidden_size {D})")
+    if fields["expand"]:
+        expand = hf.get(fields["expand"], 2)
+        if heads * head_dim != expand * D:
+            raise hf.unsupported(fields["num_heads"], heads, f"tfm needs {fields['num_heads']} * {fields['head_dim']} "
+                                                             f"== expand * hidden_size ({heads} * {head_dim}, "
+                                                             f"hidden_size {D})")
+        width = dict(expand=expand)
+    else:  # sized by the heads alone
+        width = dict(expand=heads * head_dim // D) if heads * head_dim % D == 0 else dict(inner=heads * head_dim)
     hf.expect(fields["activation"], ["silu"], "silu")
     out = dict(state_size=hf.require(fields["state_size"]), conv_kernel=hf.get(fields["conv_kernel"], 4),
-               expand=expand, head_dim=head_dim, groups=hf.get(fields["groups"], 1),
+               head_dim=head_dim, groups=hf.get(fields["groups"], 1), **width,
                conv_bias=bool(hf.get(fields["conv_bias"], True)), proj_bias=bool(hf.get(fields["proj_bias"], False)))
     if fields["dt_limit"]:
         out["dt_limit"] = tuple(map(_float, hf.get(fields["dt_limit"], (0.0, float("inf")))))
@@ -58,7 +62,7 @@ def config(hf: HFConfig) -> ModelConfig:
 def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
     """HF's Mamba2Mixer at prefix `p` -> tfm's Mamba2 params."""
     m, D = cfg.mamba2, cfg.d_model
-    E = m.expand * D
+    E = m.width(D)
     N, P, GS = E // m.head_dim, m.head_dim, m.groups * m.state_size
     K = m.conv_kernel
     in_proj = w(f"{p}.in_proj.weight", (2 * E + 2 * GS + N, D))
@@ -77,8 +81,9 @@ def mixer_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
         out[name] = {"kernel": conv[:, lo:hi]}
         if conv_bias is not None:
             out[name]["bias"] = conv_bias[lo:hi]
-    out.update(dt_bias=w(f"{p}.dt_bias", (N,)), A_log=w(f"{p}.A_log", (N,)), D=w(f"{p}.D", (N,)),
-               norm={"weight": w(f"{p}.norm.weight", (E,))})
+    out.update(dt_bias=w(f"{p}.dt_bias", (N,)), A_log=w(f"{p}.A_log", (N,)), D=w(f"{p}.D", (N,)))
+    if m.gate_norm != "none":
+        out["norm"] = {"weight": w(f"{p}.norm.weight", (E,))}
     out["out"] = {"kernel": w(f"{p}.out_proj.weight", (D, E)).T.reshape(N, P, D)}
     if m.proj_bias:
         out["out"]["bias"] = w(f"{p}.out_proj.bias")
@@ -101,8 +106,10 @@ def mixer_hf_config(cfg: ModelConfig, fields: Mapping[str, Optional[str]] = MIXE
     if m.norm_groups not in (None, m.groups):
         raise ConversionError(f"Mamba-2 normalises its gated output in n_groups groups; mamba2.norm_groups="
                               f"{m.norm_groups} differs from mamba2.groups={m.groups}")
+    if fields["expand"] and m.width(cfg.d_model) != m.expand * cfg.d_model:
+        raise ConversionError(f"this family's Mamba-2 is expand * hidden_size wide; mamba2.inner={m.inner}")
     values = dict(state_size=m.state_size, conv_kernel=m.conv_kernel, expand=m.expand, head_dim=m.head_dim,
-                  num_heads=m.expand * cfg.d_model // m.head_dim, groups=m.groups, conv_bias=m.conv_bias,
+                  num_heads=m.width(cfg.d_model) // m.head_dim, groups=m.groups, conv_bias=m.conv_bias,
                   proj_bias=m.proj_bias, dt_limit=list(m.dt_limit), activation="silu")
     return {fields[name]: value for name, value in values.items() if fields[name]}
 

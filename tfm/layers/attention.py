@@ -181,6 +181,8 @@ class Attention(nn.Module):
         cfg = self.config
         q = self._heads("query", cfg.num_heads)(x)
         k, v = self._heads("key", cfg.num_kv_heads)(x), self._value(x)  # [B, T, K, H]
+        if cfg.key_multiplier != 1.0:
+            k = k * jnp.asarray(cfg.key_multiplier, k.dtype)
         rope = cfg.layer_rope(self.layer_index) if not self.cross else None
         if rope is not None:
             layer_cfg = cfg if rope is cfg.rope else cfg.replace(rope=rope)

@@ -91,11 +91,11 @@ class Mamba(TokenMixer):
 class Mamba2(TokenMixer):
     """Mamba-2 (config.mamba2): x [B, T, D] -> [B, T, D].
 
-    With E = expand * D channels in N = E / P heads of P = head_dim: z (the gate) and x' [B, T, N, P],
-    B and C [B, T, G, S] and dt [B, T, N] are projections of x; x', B and C pass a short causal
-    convolution and SiLU; dt = clamp(softplus(dt + dt_bias), dt_limit); the SSD scan
-    (tfm.ops.ssd) with A = -exp(A_log) gives y, plus the skip D * x'; a gated RMSNorm with z, then
-    `out` projects back to D. segment_ids [B, T] (0 = padding) reset the state and the convolution
+    With E = mamba2.width(D) channels in N = E / P heads of P = head_dim: z (the gate) and x' [B, T, N, P],
+    B and C [B, T, G, S] and dt [B, T, N] are projections of x (each times its proj_multipliers); x', B
+    and C pass a short causal convolution and SiLU; dt = clamp(softplus(dt + dt_bias), dt_limit); the
+    SSD scan (tfm.ops.ssd) with A = -exp(A_log) gives y, plus the skip D * x'; z gates y as gate_norm
+    says (a gated RMSNorm, or silu(z) alone), then `out` projects back to D. segment_ids [B, T] (0 = padding) reset the state and the convolution
     window at each sequence; in decode mode the cache holds the state `ssm_state` [B, N, P, S] and
     each convolution's window.
     """
@@ -106,11 +106,14 @@ class Mamba2(TokenMixer):
         cfg, m = self.config, self.config.mamba2
         Bsz, T, D = x.shape
         P, G, S = m.head_dim, m.groups, m.state_size
-        E = m.expand * D
+        E = m.width(D)
         N = E // P
         dtype = compute_dtype(cfg)
-        proj = lambda spec, name, shape, axes: Einsum(spec, shape, axes, axes[1:], use_bias=m.proj_bias, dtype=dtype,
-                                                      name=name)(x)
+        scales = dict(zip(m.PROJECTIONS, m.proj_multipliers))
+
+        def proj(spec, name, shape, axes):
+            y = Einsum(spec, shape, axes, axes[1:], use_bias=m.proj_bias, dtype=dtype, name=name)(x)
+            return y if scales[name] == 1.0 else y * jnp.asarray(scales[name], y.dtype)
         z = proj("BTD,DNP->BTNP", "gate", (D, N, P), ("embed", "heads", "head_dim"))
         xs = proj("BTD,DNP->BTNP", "x", (D, N, P), ("embed", "heads", "head_dim"))
         b = proj("BTD,DGS->BTGS", "B", (D, G, S), ("embed", None, None))
@@ -132,8 +135,12 @@ class Mamba2(TokenMixer):
         write({"ssm_state": final})
         skip = self.param("D", param_init(nn.initializers.ones_init(), ("heads",)), (N,), jnp.float32)
         y = y.astype(jnp.float32) + skip[:, None] * xs.astype(jnp.float32)  # [B, T, N, P]
-        norm = GatedRmsNorm(cfg, m.norm_groups or G, gate_first=True, axes=("heads",), name="norm")
-        y = norm(y.reshape(Bsz, T, E), z.reshape(Bsz, T, E)).reshape(Bsz, T, N, P)
+        if m.gate_norm == "none":
+            y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+        else:
+            norm = GatedRmsNorm(cfg, m.norm_groups or G, gate_first=m.gate_norm == "gate_first", axes=("heads",),
+                                name="norm")
+            y = norm(y.reshape(Bsz, T, E), z.reshape(Bsz, T, E)).reshape(Bsz, T, N, P)
         out = Einsum("BTNP,NPD->BTD", (N, P, D), ("heads", "head_dim", "embed"), ("embed",), use_bias=m.proj_bias,
                      dtype=dtype, name="out")
         return out(y)
