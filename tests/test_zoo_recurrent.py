@@ -112,6 +112,14 @@ FAMILIES = {
     # the width 32; state 8) from one norm in every layer, summed; silu(z) gating without a norm (HF's default);
     # every µP multiplier away from 1 and from each other
     "falcon_h1": lambda: falcon_h1(),
+    # MiniMax-01: lightning, attention (4 heads, 2 kv of 8, RoPE), lightning, lightning; 4 experts top-2 of 16;
+    # every alpha (skip) and beta (branch) factor away from 1 and from each other
+    "minimax": lambda: tr.MiniMaxForCausalLM(tr.MiniMaxConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        full_attn_alpha_factor=1.5, full_attn_beta_factor=0.7, linear_attn_alpha_factor=0.8,
+        linear_attn_beta_factor=1.3, mlp_alpha_factor=0.9, mlp_beta_factor=1.1, eos_token_id=None)),
 }
 
 
@@ -140,7 +148,8 @@ def _router_bias(model):
 ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 # packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
-PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1")
+PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1",
+          "minimax")
 
 
 def tokens(seed, shape=(B, T)):

@@ -22,7 +22,7 @@ from tfm.kernels.tiles import BlockSizes
 NORMS = ("layernorm", "rmsnorm")
 # Where a sublayer's norm sits: "pre" x + f(n(x)); "post" n(x + f(x)) (the original Transformer, BERT);
 # "sandwich" x + n2(f(n(x))) (Gemma 2/3, GLM-4); "post_sublayer" x + n(f(x)) (OLMo 2/3)
-NORM_POSITIONS = ("pre", "post", "sandwich", "post_sublayer")
+NORM_POSITIONS = ("pre", "post", "sandwich", "post_sublayer", "normed_residual")
 LAYER_POSITIONS = ("rope", "none")  # ModelConfig.position_pattern entries
 QK_NORM_SCOPES = ("head", "heads")  # ModelConfig.qk_norm_scope
 QK_NORM_POSITIONS = ("before_rope", "after_rope")  # ModelConfig.qk_norm_position
@@ -540,7 +540,9 @@ class ModelConfig:
     # Norms
     norm: str = "layernorm"  # the normalisation: LayerNorm or RMSNorm
     norm_eps: float = 1e-6  # added to the variance in every norm
-    norm_position: str = "pre"  # one of NORM_POSITIONS: "post" for the original Transformer and BERT
+    # one of NORM_POSITIONS: "post" for the original Transformer and BERT; "normed_residual" a pre-norm whose skip
+    # path is the normed input, n(x) + f(n(x)) (MiniMax)
+    norm_position: str = "pre"
     final_norm: bool = True  # a norm after the last block (pre-norm stacks)
     embedding_norm: bool = False  # BERT: LayerNorm on summed embeddings
     norm_bias: bool = True  # LayerNorm with a bias; False = scale only (MPT)
@@ -625,6 +627,10 @@ class ModelConfig:
     # (kind, input multiplier, output multiplier) triples: that kind's mixer reads input * h and its output is
     # times output, in every layer it is in (Falcon-H1's per-branch µP multipliers); None = all 1
     mixer_multipliers: Optional[Tuple[Tuple[str, float, float], ...]] = None
+    # (sublayer, multiplier) pairs: the skip path around that sublayer (a mixer kind, or "ffn") times this at the
+    # residual add (MiniMax's alpha factors; its beta factors are mixer_multipliers' and ffn_multipliers' outputs);
+    # None = all 1
+    skip_multipliers: Optional[Tuple[Tuple[str, float], ...]] = None
     # Layer i's feed-forward: ffn_pattern[i % len] of FFN_KINDS. None = "moe" with num_experts (after the
     # dense_layers), else "dense". Jamba ("dense", "moe"); Nemotron-H's mixer-only layers "none".
     ffn_pattern: Optional[Tuple[str, ...]] = None
@@ -640,8 +646,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702  # swiglu_clamped's gate sharpness: gate * sigmoid(swiglu_alpha * gate)
     ffn_bias: bool = True  # biases on the feed-forward projections
-    # (gate, output) multipliers of the dense feed-forward: its gate projection (wi_gate; wi when not gated) times
-    # gate before the activation, its output times output (Falcon-H1's µP mlp_multipliers)
+    # (gate, output) multipliers: the dense feed-forward's gate projection (wi_gate; wi when not gated) times gate
+    # before the activation (Falcon-H1's µP mlp_multipliers), every feed-forward's output times output (also
+    # MiniMax's mlp beta factor)
     ffn_multipliers: Tuple[float, float] = (1.0, 1.0)
     num_experts: int = 0  # E; 0 = dense feed-forward
     experts_per_token: int = 2  # top-k routing
@@ -897,9 +904,9 @@ class ModelConfig:
         object.__setattr__(self, "ffn_multipliers", tuple(float(v) for v in self.ffn_multipliers))
         if len(self.ffn_multipliers) != 2 or not all(v > 0 for v in self.ffn_multipliers):
             raise ValueError(f"ModelConfig.ffn_multipliers={self.ffn_multipliers} must be (gate, output), both > 0")
-        if self.ffn_multipliers != (1.0, 1.0) and self.num_experts:
-            raise ValueError("ModelConfig.ffn_multipliers scale the dense feed-forward; the experts of "
-                             f"num_experts={self.num_experts} do not read them")
+        if self.ffn_multipliers[0] != 1.0 and self.num_experts:
+            raise ValueError("ModelConfig.ffn_multipliers' gate scales the dense feed-forward's gate projection; the "
+                             f"experts of num_experts={self.num_experts} do not read it")
         if self.key_multiplier != 1.0 and self.mla is not None:
             raise ValueError("ModelConfig.key_multiplier scales the key projection, which multi-head latent "
                              "attention (mla) does not have")
@@ -992,6 +999,13 @@ class ModelConfig:
             if unused:
                 raise ValueError(f"ModelConfig.mixer_multipliers names {unused}, which no layer of mixer_pattern="
                                  f"{self.mixer_pattern} has")
+        if self.skip_multipliers is not None:
+            pairs = tuple((str(k), float(a)) for k, a in self.skip_multipliers)
+            object.__setattr__(self, "skip_multipliers", pairs)
+            unused = sorted({k for k, _ in pairs} - mixers - {"ffn"})
+            if unused or not all(a > 0 for _, a in pairs):
+                raise ValueError(f"ModelConfig.skip_multipliers={pairs}: each names a mixer kind some layer has, or "
+                                 f"'ffn', with a multiplier > 0 ({unused} unused)")
         if mixers - {"attention"} and self.multimodal is not None and (
                 MultimodalConfig.coerce(self.multimodal).cross_attention_layers):
             raise ValueError("ModelConfig.mixer_pattern's linear-time mixers and multimodal cross-attention "
@@ -1022,6 +1036,10 @@ class ModelConfig:
             if name == kind:
                 return a, b
         return 1.0, 1.0
+
+    def skip_scale(self, sublayer: str) -> float:
+        """The skip path's multiplier around `sublayer` (a mixer kind or "ffn") under skip_multipliers."""
+        return dict(self.skip_multipliers or ()).get(sublayer, 1.0)
 
     def layer_ffn(self, layer: int, dense: bool = False) -> str:
         """Layer `layer`'s feed-forward under ffn_pattern (FFN_KINDS); dense=True: one of a MoE model's

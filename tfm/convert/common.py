@@ -42,6 +42,10 @@ class Converter:
     # Export tries the writable classes in (export_rank, architecture's module) order: a family whose config
     # generalises another's (Granite's multipliers over Llama's) ranks after it, so a Llama exports as a Llama.
     export_rank: int = 0
+    # Export: (the HF config object, the tensors written so far) -> the tensors HF keeps in its state dict but
+    # derives from others (MiniMax's decays from its slopes), each matching an `ignore` pattern, which
+    # import skips; None = every HF tensor comes from a tfm param.
+    derived: Optional[Callable[[object, dict], dict]] = None
 
     def read_config(self, fields: dict, architecture: str):
         """The tfm config of the HF config `fields`; refuses any field it neither reads nor knows inert."""

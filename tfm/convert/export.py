@@ -35,6 +35,7 @@ of the params, plus the verifying import.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 from typing import Dict, Optional
@@ -194,6 +195,8 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
     """Every tensor of `model`'s state dict (less `_keys_to_ignore_on_save`), from tfm params."""
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in skip}
+    pending = {k for k in shapes if converter.derived and any(fnmatch.fnmatch(k, g) for g in converter.ignore)}
+    shapes = {k: v for k, v in shapes.items() if k not in pending}
     rec = _Recorder(shapes, arch)
     index_tree = converter.params(rec, config)
 
@@ -231,6 +234,13 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
             what = "does not read it" if key not in rec.used else f"leaves {int((~done).sum())} element(s) unset"
             raise ConversionError(f"{arch}: cannot export HF tensor {key!r}: the importer {what}")
         out[key] = flat_hf[start:start + size].reshape(shape)
+    if pending:
+        extra = {k: np.asarray(v, np.float32) for k, v in converter.derived(model.config, out).items()}
+        wrong = sorted(k for k in pending if k not in extra or extra[k].shape != tuple(model.state_dict()[k].shape))
+        if wrong or set(extra) - pending:
+            raise ConversionError(f"{arch}: the derived tensors {wrong or sorted(set(extra) - pending)} are missing, "
+                                  f"misshapen or not HF's")
+        out.update(extra)
     return out
 
 

@@ -51,12 +51,14 @@ class Block(nn.Module):
         if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
             return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
-        def sublayer(x, name, fn):
+        def sublayer(x, name, fn, skip=1.0):
             """Residual around fn with its norm where config.norm_position puts it: before fn (pre), after the
             residual add (post), before fn and on its output (sandwich: `{name}_post_norm`), on fn's output only
-            (post_sublayer); fn's output times config.residual_multiplier."""
+            (post_sublayer), before fn with the normed input as the skip path (normed_residual); fn's output
+            times config.residual_multiplier, the skip path times `skip`."""
             norm = Norm(cfg, name=f"{name}_norm")
-            h = fn(norm(x) if position in ("pre", "sandwich") else x)
+            h_in = norm(x) if position in ("pre", "sandwich", "normed_residual") else x
+            h = fn(h_in)
             if position == "sandwich":
                 h = Norm(cfg, name=f"{name}_post_norm")(h)
             elif position == "post_sublayer":
@@ -64,7 +66,10 @@ class Block(nn.Module):
             y = drop(h)
             if self.gated:
                 y = self._gate(f"{name}_gate", math.pi / 4, y.dtype) * y
-            return norm(x + y) if position == "post" else x + self._residual(y)
+            if position == "post":
+                return norm(x + y)
+            base = h_in if position == "normed_residual" else x
+            return (base if skip == 1.0 else base * jnp.asarray(skip, base.dtype)) + self._residual(y)
 
         kinds, ffn_kind = cfg.layer_mixers(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
         mix = self._mixers(kinds, inputs)
@@ -76,6 +81,9 @@ class Block(nn.Module):
             ffn = MoeMlp(cfg, name="ffn")
         elif ffn_kind == "dense":
             ffn = Mlp(cfg.replace(d_ff=cfg.dense_d_ff) if cfg.dense_d_ff else cfg, name="ffn")
+        if ffn_kind != "none" and cfg.ffn_multipliers[1] != 1.0:
+            unscaled = ffn
+            ffn = lambda h, deterministic: unscaled(h, deterministic) * jnp.asarray(cfg.ffn_multipliers[1], h.dtype)
         if cfg.parallel_block:
             if self.gated:
                 raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
@@ -85,14 +93,14 @@ class Block(nn.Module):
             x = x + self._residual((drop(mix(h)) if kinds else 0.0) + y)
         else:
             if kinds:
-                x = sublayer(x, slot.kind(kinds[0]).norm, mix)
+                x = sublayer(x, slot.kind(kinds[0]).norm, mix, cfg.skip_scale(kinds[0]))
             if self.cross:
                 cross_attn = Attention(cfg, cross=True, name="cross_attn")
                 x = sublayer(x, "cross", lambda h: cross_attn(
                     h, inputs.memory, q_segment_ids=seg, kv_segment_ids=inputs.memory_segment_ids,
                     deterministic=deterministic, decode=decode))
             if ffn_kind != "none":
-                x = sublayer(x, "ffn", lambda h: ffn(h, deterministic))
+                x = sublayer(x, "ffn", lambda h: ffn(h, deterministic), cfg.skip_scale("ffn"))
         return constrain(x, ("batch", "length", "embed")), None
 
     def _gated_cross(self, x, inputs: BlockInputs, drop):

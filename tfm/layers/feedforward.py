@@ -39,7 +39,7 @@ def hidden_activation(config: ModelConfig, up):
 
 class Mlp(nn.Module):
     """[B, T, D] -> [B, T, D]: wo(act(wi x)), or wo(act(wi_gate x) * wi_up x) for SwiGLU/GeGLU (the gate
-    projection and the output times config.ffn_multipliers)."""
+    projection times config.ffn_multipliers' gate; the Block scales the output)."""
 
     config: ModelConfig
 
@@ -47,15 +47,14 @@ class Mlp(nn.Module):
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
         D, F = cfg.d_model, cfg.d_ff
-        gate_scale, out_scale = cfg.ffn_multipliers
+        gate_scale = cfg.ffn_multipliers[0]
         kw = dict(use_bias=cfg.ffn_bias, dtype=compute_dtype(cfg))
 
         def up(name):
             y = Einsum("BTD,DF->BTF", (D, F), ("embed", "mlp"), ("mlp",), name=name, **kw)(x)
             return y * jnp.asarray(gate_scale, y.dtype) if gate_scale != 1.0 and name != "wi_up" else y
         h = constrain(hidden_activation(cfg, up), ("batch", "length", "mlp"))  # [B, T, F]
-        y = Einsum("BTF,FD->BTD", (F, D), ("mlp", "embed"), ("embed",), name="wo", **kw)(h)
-        return y * jnp.asarray(out_scale, y.dtype) if out_scale != 1.0 else y
+        return Einsum("BTF,FD->BTD", (F, D), ("mlp", "embed"), ("embed",), name="wo", **kw)(h)
 
 
 def expert_capacity(tokens_per_group: int, config: ModelConfig) -> int:
