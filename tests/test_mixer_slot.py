@@ -25,8 +25,8 @@ POS = jnp.asarray([[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 0]])
 
 
 def _cfg(**kw):
-    kw = {"num_layers": 1, **kw}
-    return tiny("llama", d_model=D, num_kv_heads=2, mamba2=MAMBA2, mixer_chunk_size=4, **kw)
+    kw = {"num_layers": 1, **kw, "mamba2": {**MAMBA2, **kw.get("mamba2", {})}}
+    return tiny("llama", d_model=D, num_kv_heads=2, mixer_chunk_size=4, **kw)
 
 
 def _block(cfg, x, params=None, decode=False):
@@ -109,6 +109,11 @@ def test_a_mixer_registered_outside_tfm_is_a_pattern_kind(monkeypatch):
     (dict(mixer_pattern=("mamba2+mamba2",)), "distinct mixers"),
     (dict(mixer_pattern=("attention+mamba3",)), r"unknown kinds \['mamba3'\]"),
     (dict(mixer_pattern=("mamba2",), mixer_multipliers=(("attention", 1.0, 2.0),)), r"names \['attention'\]"),
+    (dict(mixer_pattern=("mamba2",), skip_multipliers=(("lightning", 0.5),)), r"\['lightning'\] unused"),
+    (dict(skip_multipliers=(("ffn", 0.0),)), "multiplier > 0"),
+    (dict(num_experts=4, ffn_multipliers=(2.0, 1.0)), "experts of num_experts=4 do not read it"),
+    (dict(mamba2=dict(gate_norm="after")), "gate_norm='after' must be one of"),
+    (dict(mamba2=dict(head_dim=8, inner=20)), "inner=20 must be a multiple of head_dim=8"),
 ])
 def test_bad_composites_fail_in_one_line(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -27,7 +27,8 @@ and the fields the family's `config` reads (helpers in `common`: `hf_activation`
 only what HF has a field for, and let the round-trip check refuse the rest. An HF tensor the
 importer does not read is an error naming it: nothing is written as a placeholder. Importers must not look at tensor values (other than through `w.tied`): under
 export they see indices; tensors HF recomputes and leaves out of its files (`_keys_to_ignore_on_save`,
-like Marian's position tables) are hidden from them. Tensors are written in float32; ModelConfig fields that do not change the
+like Marian's position tables) are hidden from them. Tensors HF keeps but derives from others (MiniMax's decays from its slopes) come from the
+family's `Converter.derived`, computed as HF computes them. Tensors are written in float32; ModelConfig fields that do not change the
 function (`ModelConfig.execution`, dropout) are not compared. Memory: the
 placeholder indices and the flat HF vector take about 9 bytes per parameter (13 past 2**31) on top
 of the params, plus the verifying import.
