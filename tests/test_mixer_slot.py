@@ -111,6 +111,7 @@ def test_a_mixer_registered_outside_tfm_is_a_pattern_kind(monkeypatch):
     (dict(mixer_pattern=("mamba2",), mixer_multipliers=(("attention", 1.0, 2.0),)), r"names \['attention'\]"),
     (dict(mixer_pattern=("mamba2",), skip_multipliers=(("lightning", 0.5),)), r"\['lightning'\] unused"),
     (dict(skip_multipliers=(("ffn", 0.0),)), "multiplier > 0"),
+    (dict(skip_multipliers=(("ffn", 0.5),), parallel_block=True), "a parallel block has one"),
     (dict(num_experts=4, ffn_multipliers=(2.0, 1.0)), "experts of num_experts=4 do not read it"),
     (dict(mamba2=dict(gate_norm="after")), "gate_norm='after' must be one of"),
     (dict(mamba2=dict(head_dim=8, inner=20)), "inner=20 must be a multiple of head_dim=8"),

@@ -1006,6 +1006,9 @@ class ModelConfig:
             if unused or not all(a > 0 for _, a in pairs):
                 raise ValueError(f"ModelConfig.skip_multipliers={pairs}: each names a mixer kind some layer has, or "
                                  f"'ffn', with a multiplier > 0 ({unused} unused)")
+            if self.parallel_block:
+                raise ValueError("ModelConfig.skip_multipliers scale each sublayer's own skip path; a parallel block "
+                                 "has one: use residual_multiplier or a sequential block")
         if mixers - {"attention"} and self.multimodal is not None and (
                 MultimodalConfig.coerce(self.multimodal).cross_attention_layers):
             raise ValueError("ModelConfig.mixer_pattern's linear-time mixers and multimodal cross-attention "
