@@ -301,15 +301,20 @@ def linear_pair(w: Weights, prefix: str, bias: bool):
     return w(f"{prefix}.weight"), (w(f"{prefix}.bias") if bias else None)
 
 
-def hybrid_mixer(w: Weights, p: str, cfg, layer: int, mixer_params: Callable) -> dict:
+def self_attention(w: Weights, p: str, cfg) -> dict:
+    """`{p}.{q,k,v,o}_proj` (biases as cfg.attention_bias) -> an Attention's params."""
+    qkvo = [linear_pair(w, f"{p}.{n}_proj", cfg.attention_bias) for n in ("q", "k", "v", "o")]
+    return attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+
+def hybrid_mixer(w: Weights, p: str, cfg, layer: int, mixer_params: Callable, at: str = "mamba") -> dict:
     """Layer `layer`'s token mixer in the layout Jamba and Bamba share: `input_layernorm` (RMSNorm), then
-    `self_attn.{q,k,v,o}_proj` (biases as cfg.attention_bias) where cfg.mixer_pattern says attention, else
-    the linear-time mixer at `mamba` (`mixer_params(w, prefix, cfg)`)."""
+    `self_attn` (`self_attention`) where cfg.mixer_pattern says attention, else the linear-time mixer at
+    `at` (`mixer_params(w, prefix, cfg)`; MiniMax keeps it at `self_attn`)."""
     if cfg.layer_mixer(layer) == "attention":
-        qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", cfg.attention_bias) for n in ("q", "k", "v", "o")]
         return {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-                "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
-    return {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.mamba", cfg)}
+                "self_attn": self_attention(w, f"{p}.self_attn", cfg)}
+    return {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"), "mixer": mixer_params(w, f"{p}.{at}", cfg)}
 
 
 def period(kinds: Sequence) -> tuple:

@@ -196,8 +196,8 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
     """Every tensor of `model`'s state dict (less `_keys_to_ignore_on_save`), from tfm params."""
     skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in skip}
-    pending = {k for k in shapes if converter.derived and any(fnmatch.fnmatch(k, g) for g in converter.ignore)}
-    shapes = {k: v for k, v in shapes.items() if k not in pending}
+    pending = {k: shapes.pop(k) for k in list(shapes)  # derived by the family, not from tfm params
+               if converter.derived and any(fnmatch.fnmatch(k, g) for g in converter.ignore)}
     rec = _Recorder(shapes, arch)
     index_tree = converter.params(rec, config)
 
@@ -237,9 +237,9 @@ def _hf_tensors(arch: str, converter: Converter, config: ModelConfig, params, mo
         out[key] = flat_hf[start:start + size].reshape(shape)
     if pending:
         extra = {k: np.asarray(v, np.float32) for k, v in converter.derived(model.config, out).items()}
-        wrong = sorted(k for k in pending if k not in extra or extra[k].shape != tuple(model.state_dict()[k].shape))
-        if wrong or set(extra) - pending:
-            raise ConversionError(f"{arch}: the derived tensors {wrong or sorted(set(extra) - pending)} are missing, "
+        wrong = sorted(k for k, shape in pending.items() if k not in extra or extra[k].shape != shape)
+        if wrong or set(extra) - set(pending):
+            raise ConversionError(f"{arch}: the derived tensors {wrong or sorted(set(extra) - set(pending))} are missing, "
                                   f"misshapen or not HF's")
         out.update(extra)
     return out

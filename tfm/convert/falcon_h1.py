@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from tfm.config import ModelConfig
 from tfm.convert import bamba, llama, mamba2
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, hf_rope,
-                                linear_pair, model_params, norm, rope)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hf_rope, model_params, norm,
+                                rope, self_attention)
 from tfm.models import DecoderLM
 
 MIXERS = ("attention+mamba2",)  # every layer's
@@ -27,7 +27,6 @@ DEFAULTS = dict(num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5, max
                 mamba_d_ssm=1024, mamba_n_heads=128, mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256,
                 mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False,
                 mamba_norm_before_gate=True, mamba_rms_norm=False, projectors_bias=False)
-GATE_NORMS = {(False, True): "none", (False, False): "none", (True, True): "norm_first", (True, False): "gate_first"}
 
 
 def _mixer(hf: HFConfig) -> dict:
@@ -43,8 +42,8 @@ def _mixer(hf: HFConfig) -> dict:
     if bool(hf.get("projectors_bias")) != bool(hf.get("mamba_proj_bias")):
         raise hf.unsupported("projectors_bias", hf.get("projectors_bias"),
                              "tfm's Mamba-2 has biases on both its projections or on neither (mamba_proj_bias)")
-    scaled = bool(hf.get("mamba_rms_norm"))
-    gate_norm = GATE_NORMS[scaled, bool(hf.get("mamba_norm_before_gate"))]
+    before_gate = bool(hf.get("mamba_norm_before_gate"))  # read either way: it says nothing without the norm
+    gate_norm = ("norm_first" if before_gate else "gate_first") if hf.get("mamba_rms_norm") else "none"
     multipliers = tuple(hf.get("ssm_multipliers") or (1.0,) * 5)
     if len(multipliers) != 5:
         raise hf.unsupported("ssm_multipliers", multipliers, "one per in_proj segment (z, x, B, C, dt)")
@@ -76,9 +75,8 @@ def config(hf: HFConfig) -> ModelConfig:
 
 
 def layer(w: Weights, p: str, cfg: ModelConfig) -> dict:
-    qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", cfg.attention_bias) for n in ("q", "k", "v", "o")]
     return {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-            "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            "self_attn": self_attention(w, f"{p}.self_attn", cfg),
             "mixer": mamba2.mixer_params(w, f"{p}.mamba", cfg),
             "ffn_norm": norm(w, f"{p}.pre_ff_layernorm", "rmsnorm"),
             "ffn": llama.swiglu(w, f"{p}.feed_forward", cfg.ffn_bias)}

@@ -15,8 +15,8 @@ import numpy as np
 
 from tfm.config import ModelConfig
 from tfm.convert import bamba, llama, mixtral
-from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, attention, linear_pair,
-                                model_params, norm, period, rope)
+from tfm.convert.common import (ConversionError, Converter, HFConfig, Stack, Weights, hybrid_mixer, model_params,
+                                norm, period, rope)
 from tfm.models import DecoderLM
 
 KINDS = {"full_attention": "attention", "linear_attention": "lightning"}  # HF layer_types -> mixer_pattern
@@ -71,15 +71,8 @@ def lightning_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
 def params(w: Weights, cfg: ModelConfig) -> dict:
     def layer(i: int) -> dict:
         p = f"model.layers.{i}"
-        if cfg.layer_mixer(i) == "attention":
-            qkvo = [linear_pair(w, f"{p}.self_attn.{n}_proj", False) for n in ("q", "k", "v", "o")]
-            out = {"attn_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-                   "self_attn": attention(*qkvo, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)}
-        else:
-            out = {"mixer_norm": norm(w, f"{p}.input_layernorm", "rmsnorm"),
-                   "mixer": lightning_params(w, f"{p}.self_attn", cfg)}
-        return dict(out, ffn_norm=norm(w, f"{p}.post_attention_layernorm", "rmsnorm"),
-                    ffn=mixtral.moe_ffn(w, p, cfg))
+        return dict(hybrid_mixer(w, p, cfg, i, lightning_params, at="self_attn"),
+                    ffn_norm=norm(w, f"{p}.post_attention_layernorm", "rmsnorm"), ffn=mixtral.moe_ffn(w, p, cfg))
     decoder = Stack(layer, cfg.num_layers, final_norm="model.norm")
     return model_params(w, cfg, embedding="model.embed_tokens.weight", stacks={"decoder": decoder})
 

@@ -95,9 +95,9 @@ class Mamba2(TokenMixer):
     B and C [B, T, G, S] and dt [B, T, N] are projections of x (each times its proj_multipliers); x', B
     and C pass a short causal convolution and SiLU; dt = clamp(softplus(dt + dt_bias), dt_limit); the
     SSD scan (tfm.ops.ssd) with A = -exp(A_log) gives y, plus the skip D * x'; z gates y as gate_norm
-    says (a gated RMSNorm, or silu(z) alone), then `out` projects back to D. segment_ids [B, T] (0 = padding) reset the state and the convolution
-    window at each sequence; in decode mode the cache holds the state `ssm_state` [B, N, P, S] and
-    each convolution's window.
+    says (a gated RMSNorm, or silu(z) alone), then `out` projects back to D. segment_ids [B, T]
+    (0 = padding) reset the state and the convolution window at each sequence; in decode mode the cache
+    holds the state `ssm_state` [B, N, P, S] and each convolution's window.
     """
 
     @nn.compact
