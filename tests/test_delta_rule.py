@@ -1,8 +1,9 @@
-"""The gated delta rule: both impls against a float64 NumPy loop written here (fp32 and bf16
-inputs), chunked gradients against the reference impl's (fp32) and float64 finite differences of
+"""The gated delta rule, with a decay per head or per key channel (KDA): both impls against a float64 NumPy loop
+written here (fp32 and bf16 inputs), chunked gradients against the reference impl's (fp32) and float64 finite differences of
 the loop, packed segments and padding against sequences alone, continuation through final_state,
 and input errors."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from tfm.ops.delta_rule import gated_delta_rule
 
 IMPLS = ("reference", "chunked")
 CHUNK = 4
+FORMS = [("reference", False), ("chunked", False), ("chunked", True)]  # (impl, per-channel decay)
 run = jax.jit(gated_delta_rule, static_argnames=("impl", "chunk_size"))
 
 
@@ -31,22 +33,22 @@ def loop(q, k, v, g, beta, segment_ids=None, initial_state=None):
                 if t > 0 and segment_ids[b, t] not in (0, segment_ids[b, t - 1]):
                     s[b] = 0.0
                 if segment_ids[b, t] == 0:
-                    g_t, beta_t = np.zeros(H), np.zeros(H)
+                    g_t, beta_t = np.zeros_like(g_t), np.zeros(H)
             for h in range(H):
-                s[b, h] *= np.exp(g_t[h])
+                s[b, h] *= np.exp(g_t[h])[..., None]  # a scalar, or one per key channel
                 s[b, h] += beta_t[h] * np.outer(k[b, t, h], v[b, t, h] - s[b, h].T @ k[b, t, h])
                 o[b, t, h] = s[b, h].T @ q[b, t, h]
     return o, s
 
 
-def inputs(B=2, T=13, H=2, K=4, V=3, seed=0, strong=False):
-    """q, k L2-normalised (q scaled by K**-0.5), v, g <= 0, beta in (0, 1), a state, as float32.
-    strong: some decays of -100, whose reversed spans would overflow exp in float32."""
+def inputs(B=2, T=13, H=2, K=4, V=3, seed=0, strong=False, per_channel=False):
+    """q, k L2-normalised (q scaled by K**-0.5), v, g <= 0 ([B, T, H], or [B, T, H, K] per_channel), beta in
+    (0, 1), a state, as float32. strong: some decays of -100, whose reversed spans would overflow exp in float32."""
     r = np.random.default_rng(seed)
     q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in r.normal(size=(2, B, T, H, K)))
-    g = -np.exp(r.normal(-1.0, 1.0, (B, T, H)))
+    g = -np.exp(r.normal(-1.0, 1.0, (B, T, H) + ((K,) if per_channel else ())))
     if strong:
-        g[r.random((B, T, H)) < 0.3] = -100.0
+        g[r.random(g.shape) < 0.3] = -100.0
     beta = 1 / (1 + np.exp(-r.normal(size=(B, T, H))))
     arrays = (q * K**-0.5, k, r.normal(size=(B, T, H, V)), g, beta, r.normal(size=(B, H, K, V)))
     return tuple(np.asarray(x, np.float32) for x in arrays)
@@ -61,10 +63,11 @@ def ids(*rows):
 SEGMENTS = ids([(0, 2), (1, 4), (2, 3), (0, 2), (3, 1), (0, 1)], [(1, 9), (2, 4)])
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_matches_loop_fp32(impl, segments):
-    q, k, v, g, beta, s0 = inputs()
+def test_matches_loop_fp32(impl, segments, per_channel):
+    q, k, v, g, beta, s0 = inputs(per_channel=per_channel, strong=per_channel)
     seg = SEGMENTS if segments else None
     o, s = run(q, k, v, g, beta, segment_ids=seg, initial_state=s0, impl=impl, chunk_size=CHUNK)
     want_o, want_s = loop(q, k, v, g, beta, seg, s0)
@@ -91,10 +94,11 @@ def _loss(impl, seg, weights, *args):
     return jnp.sum(o * weights[0]) + jnp.sum(s * weights[1])
 
 
-def test_gradients_match_reference():
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gradients_match_reference(per_channel):
     """fp32, with resets, padding and decays of -100 (exp of a reversed span, >= 100, overflows
     float32): finite, and equal."""
-    args = inputs(strong=True)
+    args = inputs(strong=True, per_channel=per_channel)
     r = np.random.default_rng(1)
     weights = (r.normal(size=args[2].shape), r.normal(size=args[5].shape))
     grads = {impl: jax.jit(jax.grad(functools.partial(_loss, impl, SEGMENTS, weights),
@@ -105,11 +109,11 @@ def test_gradients_match_reference():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_gradients_float64_finite_differences(impl):
+@pytest.mark.parametrize("impl,per_channel", FORMS)
+def test_gradients_float64_finite_differences(impl, per_channel):
     """Under x64, float64 gradients against central differences of the NumPy loop; the first
     sequence continues initial_state, the second crosses a chunk boundary and ends the row."""
-    args = [np.asarray(x, np.float64) for x in inputs(B=1, T=7, H=1, K=3, V=2, seed=2)]
+    args = [np.asarray(x, np.float64) for x in inputs(B=1, T=7, H=1, K=3, V=2, seed=2, per_channel=per_channel)]
     seg = ids([(1, 2), (2, 5)])
     weights = (np.random.default_rng(3).normal(size=args[2].shape),
                np.random.default_rng(4).normal(size=args[5].shape))
@@ -152,10 +156,10 @@ def test_packed_row_equals_sequences_alone(impl):
     np.testing.assert_allclose(s, s_b.repeat(2, 0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_left_padding_equals_unpadded(impl):
+@pytest.mark.parametrize("impl,per_channel", FORMS)
+def test_left_padding_equals_unpadded(impl, per_channel):
     """Padding tokens carry large positive g and beta near 1, which must count for nothing."""
-    q, k, v, g, beta, _ = inputs(T=10)
+    q, k, v, g, beta, _ = inputs(T=10, per_channel=per_channel)
     pad = 3
     g[:, :pad], beta[:, :pad] = 5.0, 0.99
     seg = ids(*[[(0, pad), (1, 10 - pad)]] * 2)
@@ -165,11 +169,11 @@ def test_left_padding_equals_unpadded(impl):
     np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_continuation_equals_one_call(impl):
+@pytest.mark.parametrize("impl,per_channel", FORMS)
+def test_continuation_equals_one_call(impl, per_channel):
     """Two calls chained by final_state equal one (the split inside a chunk, a reset after it),
     and so do thirteen one-token calls (decoding)."""
-    q, k, v, g, beta, s0 = inputs()
+    q, k, v, g, beta, s0 = inputs(per_channel=per_channel)
     rows = (q, k, v, g, beta)
     seg = SEGMENTS[1:].repeat(2, 0)
     for seg, splits in ((seg, [(0, 6), (6, 13)]), (None, [(t, t + 1) for t in range(13)])):
@@ -192,11 +196,12 @@ def test_errors_name_the_argument():
         "k": dict(k=k[:, :, :1]),
         "v": dict(v=v[:, :4]),
         "g": dict(g=g[..., None]),
+        "impl='pallas'": dict(g=np.repeat(g[..., None], 4, -1), impl="pallas"),
         "beta": dict(beta=beta[:1]),
         "segment_ids": dict(segment_ids=np.ones((2, 4), np.int32)),
         "initial_state": dict(initial_state=s0[:, :, :2]),
     }
     for name, change in cases.items():
         kw = dict(q=q, k=k, v=v, g=g, beta=beta) | change
-        with pytest.raises(ValueError, match=f"^{name}"):
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}"):
             gated_delta_rule(**kw)

@@ -5,7 +5,7 @@ from its save_pretrained directory; logits match within max-abs 1e-4 (right padd
 padded positions are not compared). From the same conversion: a prompt continued from the recurrent
 cache equals the whole prompt (1e-5), greedy decoding equals transformers' `generate`, and `to_hf`
 writes a directory transformers reloads with no missing or unexpected keys and every tensor equal; for the
-2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H) a packed row also equals its sequences alone (1e-5).
+2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H, Falcon-H1, MiniMax, Kimi Linear) a packed row also equals its sequences alone (1e-5).
 """
 import functools
 
@@ -120,6 +120,14 @@ FAMILIES = {
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         full_attn_alpha_factor=1.5, full_attn_beta_factor=0.7, linear_attn_alpha_factor=0.8,
         linear_attn_beta_factor=1.3, mlp_alpha_factor=0.9, mlp_beta_factor=1.1, eos_token_id=None)),
+    # Kimi Linear: KDA (2 heads of 8, a decay per channel), MLA without positions (2 heads, latent 8, shared key
+    # part 4), KDA, KDA; the first layer dense, then 4 experts top-2 chosen in the best of 2 groups, a shared expert
+    "kimi_linear": lambda: _router_bias(tr.KimiLinearForCausalLM(tr.KimiLinearConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=8, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, linear_head_dim=8,
+        linear_num_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        eos_token_id=None, pad_token_id=0, bos_token_id=1))),
 }
 
 
@@ -149,7 +157,7 @@ ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 # packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
 PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1",
-          "minimax")
+          "minimax", "kimi_linear")
 
 
 def tokens(seed, shape=(B, T)):

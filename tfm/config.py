@@ -129,6 +129,7 @@ class MlaConfig(_FieldGroup):
     q_rank: queries through a latent of this rank too (None: one full-rank projection).
     value_dim: None = head_dim.
     softmax_scale_factor: multiplies the logits' head_dim**-0.5 (DeepSeek's YaRN mscale squared).
+    latent_norm_eps: the latents' RMSNorms' eps (None = ModelConfig.norm_eps; HF builds them with 1e-6).
     """
 
     kv_rank: int = 512  # the latent each token's keys and values come from (what a decode cache holds)
@@ -136,6 +137,7 @@ class MlaConfig(_FieldGroup):
     q_rank: Optional[int] = None
     value_dim: Optional[int] = None
     softmax_scale_factor: float = 1.0
+    latent_norm_eps: Optional[float] = None
 
     FIELD = "mla"
 
@@ -148,6 +150,8 @@ class MlaConfig(_FieldGroup):
             raise ValueError(f"ModelConfig.mla.rope_dim must be even, got {self.rope_dim}")
         if self.softmax_scale_factor <= 0:
             raise ValueError(f"ModelConfig.mla.softmax_scale_factor must be > 0, got {self.softmax_scale_factor}")
+        if self.latent_norm_eps is not None and self.latent_norm_eps <= 0:
+            raise ValueError(f"ModelConfig.mla.latent_norm_eps must be > 0, got {self.latent_norm_eps}")
 
 
 MIXER_GROUPS = {}  # mixer_pattern kind -> the ModelConfig group that configures it (filled by `mixer_group`)
@@ -283,6 +287,25 @@ class DeltaNetConfig(_FieldGroup):
         if self.value_heads % self.key_heads:
             raise ValueError(f"ModelConfig.deltanet.value_heads={self.value_heads} must be a multiple of "
                              f"key_heads={self.key_heads}")
+
+
+@mixer_group("kda")
+@dataclasses.dataclass(frozen=True)
+class KdaConfig(_FieldGroup):
+    """Kimi Delta Attention (ModelConfig.kda, layers "kda"; Kimi Linear 2025): the gated delta rule with a decay
+    per key channel. q, k and v in `heads` heads of head_dim, each through a causal depthwise convolution of
+    conv_kernel taps and SiLU, q and k L2-normalised; beta = sigmoid of a projection; the log decay
+    -exp(A_log) softplus(f + dt_bias) per channel and the sigmoid output gate each from a rank-head_dim
+    projection of x; an RMSNorm per head times the gate before the output projection."""
+
+    heads: int = 32  # heads of q, k and v
+    head_dim: int = 128  # width of each head (key and value alike)
+    conv_kernel: int = 4  # taps of the causal depthwise convolution over q, k and v
+
+    FIELD = "kda"
+
+    def __post_init__(self):
+        _positive(self, "heads", "head_dim", "conv_kernel")
 
 
 @mixer_group("rwkv")
@@ -851,19 +874,22 @@ class ModelConfig:
         if self.mla is None:
             return
         mla = MlaConfig.coerce(self.mla)
-        if self.position != "rope":
-            raise ValueError(f"ModelConfig.mla needs position='rope' (its decoupled RoPE key), got {self.position!r}")
+        if self.position not in ("rope", "none"):
+            raise ValueError(f"ModelConfig.mla needs position='rope' (its decoupled RoPE key) or 'none' (that part "
+                             f"unrotated: Kimi Linear), got {self.position!r}")
         if mla.rope_dim >= self.head_dim:
             raise ValueError(f"ModelConfig.mla.rope_dim={mla.rope_dim} must be below head_dim={self.head_dim} "
                              f"(a head is the RoPE part and the part without positions)")
         if self.num_kv_heads != self.num_heads:
             raise ValueError(f"ModelConfig.mla projects a key and value per query head: num_kv_heads="
                              f"{self.num_kv_heads} must equal num_heads={self.num_heads}")
-        if self.rope.dim not in (mla.rope_dim, self.head_dim):
+        if self.position == "rope" and self.rope.dim not in (mla.rope_dim, self.head_dim):
             raise ValueError(f"ModelConfig.rope.dim={self.rope.dim} disagrees with mla.rope_dim={mla.rope_dim}; "
                              f"set only mla.rope_dim")
         object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=mla.rope_dim))
-        object.__setattr__(self, "mla", dataclasses.replace(mla, value_dim=mla.value_dim or self.head_dim))
+        latent_eps = None if mla.latent_norm_eps == self.norm_eps else mla.latent_norm_eps  # None: norm_eps's
+        object.__setattr__(self, "mla", dataclasses.replace(mla, value_dim=mla.value_dim or self.head_dim,
+                                                            latent_norm_eps=latent_eps))
 
     def _derive(self, **defaults):
         """Sets each None field of `defaults` to its derived value."""

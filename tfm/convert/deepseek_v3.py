@@ -26,12 +26,11 @@ from tfm.convert import llama, mixtral
 from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, dense, model_params, norm
 from tfm.models import DecoderLM
 
-# The latent norms are built by HF without an eps, so they use RMSNorm's default; tfm has one eps.
+# The latent norms are built by HF without an eps, so they use RMSNorm's default (mla.latent_norm_eps).
 LATENT_NORM_EPS = 1e-6
 
 
 def config(hf: HFConfig) -> ModelConfig:
-    hf.expect("rms_norm_eps", [LATENT_NORM_EPS], LATENT_NORM_EPS)
     nope, rope_dim = hf.require("qk_nope_head_dim"), hf.require("qk_rope_head_dim")
     layers, dense = hf.require("num_hidden_layers"), hf.get("first_k_dense_replace", 3)
     moe = {}
@@ -46,7 +45,8 @@ def config(hf: HFConfig) -> ModelConfig:
                    router_aux_loss_coef=0.0)
     base = llama.config(hf, head_dim=nope + rope_dim, num_kv_heads=hf.require("num_attention_heads"), **moe)
     mla = MlaConfig(kv_rank=hf.require("kv_lora_rank"), rope_dim=rope_dim, q_rank=hf.get("q_lora_rank"),
-                    value_dim=hf.get("v_head_dim") or nope + rope_dim, softmax_scale_factor=_softmax_factor(hf))
+                    value_dim=hf.get("v_head_dim") or nope + rope_dim, softmax_scale_factor=_softmax_factor(hf),
+                    latent_norm_eps=LATENT_NORM_EPS)
     rope = {"interleaved": bool(hf.get("rope_interleave", True))}
     return base.replace(mla=mla, rope=rope)
 
@@ -117,6 +117,9 @@ def hf_config(cfg: ModelConfig) -> dict:
     """The inverse of `config` (export)."""
     if cfg.mla is None:
         raise ConversionError("DeepSeek-V3's attention is multi-head latent attention: ModelConfig.mla is None")
+    if (cfg.mla.latent_norm_eps or cfg.norm_eps) != LATENT_NORM_EPS:
+        raise ConversionError(f"mla.latent_norm_eps={cfg.mla.latent_norm_eps or cfg.norm_eps}: transformers builds "
+                              f"the latent norms with {LATENT_NORM_EPS}")
     out = llama.hf_config(cfg, model_type="deepseek_v3", bias_fields=False)
     del out["head_dim"]
     mla = cfg.mla

@@ -244,18 +244,20 @@ class Attention(nn.Module):
         rotated RoPE key [B, L, R]."""
         cfg, mla = self.config, self.config.mla
         D, N, H, R, C = cfg.d_model, cfg.num_heads, cfg.head_dim, mla.rope_dim, mla.kv_rank
+        latent_cfg = cfg if mla.latent_norm_eps in (None, cfg.norm_eps) else cfg.replace(norm_eps=mla.latent_norm_eps)
         if mla.q_rank is None:
             q = self._heads("query", N, use_bias=False)(x)
         else:
             cq = self._projection("BTD,DQ->BTQ", (D, mla.q_rank), ("embed", "latent"), "q_down")(x)
-            cq = Norm(cfg, axis="latent", name="q_norm")(cq)
+            cq = Norm(latent_cfg, axis="latent", name="q_norm")(cq)
             q = self._projection("BTQ,QNH->BTNH", (mla.q_rank, N, H), ("latent", "heads", "head_dim"), "q_up",
                                  use_bias=False)(cq)
-        c = Norm(cfg, axis="latent", name="kv_norm")(
+        c = Norm(latent_cfg, axis="latent", name="kv_norm")(
             self._projection("BSD,DC->BSC", (D, C), ("embed", "latent"), "kv_down")(x))  # [B, S, C]
         k_rope = self._projection("BSD,DR->BSR", (D, R), ("embed", "head_dim"), "key_rope")(x)
-        q = apply_rope(q, positions, cfg)  # rope.dim = R: the first R dims of each head rotate
-        k_rope = apply_rope(k_rope[:, :, None], positions, cfg)[:, :, 0]  # [B, S, R]
+        if cfg.layer_rope(self.layer_index) is not None:  # else the RoPE part passes unrotated (Kimi Linear)
+            q = apply_rope(q, positions, cfg)  # rope.dim = R: the first R dims of each head rotate
+            k_rope = apply_rope(k_rope[:, :, None], positions, cfg)[:, :, 0]  # [B, S, R]
         if decode:
             (c, k_rope), kv_segment_ids, positions = self._write_cache(
                 {"cached_latent": (c, CACHE_LATENT_AXES), "cached_key_rope": (k_rope, CACHE_LATENT_AXES)},

@@ -16,12 +16,12 @@ STATE_AXES = ("cache_batch", "cache_heads", None, None)  # [B, Nv, Hk, Hv]
 L2_EPS = 1e-6  # q and k are divided by sqrt(|x|^2 + L2_EPS) (the FLA kernels' and HF's form)
 
 
-def _l2_normalise(x):
+def l2_normalise(x):
     """x [..., H] float32 -> x / sqrt(sum(x^2) + L2_EPS) over the last axis."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + L2_EPS)
 
 
-def _a_log_init(key, shape, dtype=jnp.float32):
+def a_log_init(key, shape, dtype=jnp.float32):
     """log of decay rates A drawn uniformly from [1, 16] (g = -A * softplus(...))."""
     return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
@@ -58,11 +58,11 @@ class GatedDeltaNet(TokenMixer):
             u.reshape(B, T, -1), segment_ids, decode).reshape(u.shape)
         q, k = conv("conv_q", q, "kv_heads"), conv("conv_k", k, "kv_heads")
         v = constrain(conv("conv_v", v, "heads"), ("batch", "length", "heads", "head_dim"))
-        q = _l2_normalise(q.astype(jnp.float32)) * Hk ** -0.5
-        k = _l2_normalise(k.astype(jnp.float32))
+        q = l2_normalise(q.astype(jnp.float32)) * Hk ** -0.5
+        k = l2_normalise(k.astype(jnp.float32))
         q, k = (jnp.repeat(u, Nv // Nk, axis=2) for u in (q, k))  # [B, T, Nv, Hk]
         dt_bias = self.param("dt_bias", param_init(nn.initializers.ones_init(), ("heads",)), (Nv,), jnp.float32)
-        a_log = self.param("A_log", param_init(_a_log_init, ("heads",)), (Nv,), jnp.float32)
+        a_log = self.param("A_log", param_init(a_log_init, ("heads",)), (Nv,), jnp.float32)
         g = -jnp.exp(a_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)  # [B, T, Nv]
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         state, write = decode_states(self, decode, {"recurrent_state": ((B, Nv, Hk, Hv), STATE_AXES)})

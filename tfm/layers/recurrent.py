@@ -101,7 +101,8 @@ class ShortConv(nn.Module):
 
 
 class GatedRmsNorm(nn.Module):
-    """RMSNorm over groups of the last axis, gated by silu(z): x, z [..., C] -> [..., C] in the compute dtype.
+    """RMSNorm over groups of the last axis, gated by activation(z) (silu; KDA's sigmoid): x, z [..., C] ->
+    [..., C] in the compute dtype.
 
     gate_first: normalise x * silu(z) (Mamba-2); else silu(z) * norm(x) (gated DeltaNet). `groups` equal
     runs of C are normalised apart (Mamba-2's norm_groups); `weight` [C] scales the result."""
@@ -110,12 +111,13 @@ class GatedRmsNorm(nn.Module):
     groups: int = 1
     gate_first: bool = True
     axes: Sequence[Optional[str]] = (None,)
+    activation: Callable = jax.nn.silu
 
     @nn.compact
     def __call__(self, x, z):
         cfg = self.config
         C = x.shape[-1]
-        x32, gate = x.astype(jnp.float32), jax.nn.silu(z.astype(jnp.float32))
+        x32, gate = x.astype(jnp.float32), self.activation(z.astype(jnp.float32))
         if self.gate_first:
             x32 = x32 * gate
         g = x32.reshape(x32.shape[:-1] + (self.groups, C // self.groups))
