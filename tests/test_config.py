@@ -221,7 +221,7 @@ WHAT_FIELDS = (
     'position_pattern', 'local_rope', 'qk_norm_scope', 'attention_scale', 'residual_multiplier', 'embedding_multiplier',
     'logits_multiplier', 'swiglu_limit', 'swiglu_alpha', 'router_logit_bias', 'attention_sinks',
     'qk_norm_position', 'attention_span', 'nope_temperature', 'nope_temperature_floor', 'rope_qk_rms_norm',
-    'router_gate_input', 'key_multiplier', 'ffn_multipliers', 'skip_multipliers') + tuple(g.FIELD for g in mixer_groups())  # a mixer's group: its registration's field
+    'router_gate_input', 'key_multiplier', 'ffn_multipliers', 'skip_multipliers', 'indexer') + tuple(g.FIELD for g in mixer_groups())  # a mixer's group: its registration's field
 _EXECUTION_LIKE = re.compile(r"impl|chunk|block_size|remat|scan|strategy|dtype|capacity|precision|kernel|backend")
 
 

@@ -24,8 +24,8 @@ TIMEOUT_S = 300  # per cell; a whole notebook takes about a minute on two CPU co
 # steps of the same training loops (the notebooks assert nothing that depends on them).
 SHORTER = {"01_transformer_from_blocks": {"TRAIN_STEPS": 20},
            "02_translation": {"TRAIN_STEPS": 20, "TRAIN_PAIRS": 500},
-           "03_bert": {"PRETRAIN_STEPS": 40, "FINETUNE_STEPS": 10},
-           "06_captioning": {"TRAIN_STEPS": 20},
+           "03_bert": {"PRETRAIN_STEPS": 12, "FINETUNE_STEPS": 5},
+           "06_captioning": {"TRAIN_STEPS": 6},
            "07_linear_time_mixers": {"LENGTHS": (1024, 131072)}}
 
 

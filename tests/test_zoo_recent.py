@@ -19,6 +19,7 @@ tr = pytest.importorskip("transformers")
 
 from test_zoo_decoders import MASK, B, T, V, max_abs, randomize, tokens  # noqa: E402  (the same tiny shapes)
 from tfm import decode  # noqa: E402
+from tfm.config import IndexerConfig  # noqa: E402
 from tfm.convert import from_hf, to_hf  # noqa: E402
 
 TOL = 1e-4
@@ -93,9 +94,18 @@ FAMILIES = {
     "arcee": lambda: tr.ArceeForCausalLM(tr.ArceeConfig(**BASE, rope_parameters=dict(ROPE))),
     # + sandwich norms
     "glm4": lambda: tr.Glm4ForCausalLM(tr.Glm4Config(**BASE, rope_parameters={**ROPE, "partial_rotary_factor": 0.5})),
+    # DeepSeek Sparse Attention: each query's 4 keys of highest index score (8 index heads of 8, their first 4 dims
+    # rotated) over MLA (query latent 12, kv latent 8); a dense layer, then 4 experts top-2 in the best of 2 groups
+    "deepseek_v32": lambda: tr.DeepseekV32ForCausalLM(tr.DeepseekV32Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, index_topk=4, index_head_dim=8, index_n_heads=8, max_position_embeddings=64,
+        rope_parameters=dict(ROPE), pad_token_id=0, eos_token_id=None, **EAGER)),
 }
 
 EXPECTED = {  # what each family's conversion must turn on
+    "deepseek_v32": dict(indexer=IndexerConfig(heads=8, head_dim=8, top_k=4)),
     "smollm3": dict(position_pattern=("rope", "none")),
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_scale=0.2, logits_multiplier=0.4),
     "olmo2": dict(norm_position="post_sublayer", qk_norm_scope="heads"),
@@ -210,7 +220,8 @@ FEATURES_OFF = [("llama4", dict(rope_qk_rms_norm=False)), ("llama4", dict(nope_t
                 ("granite", dict(residual_multiplier=1.0)), ("granite", dict(attention_scale=None)),
                 ("olmo2", dict(norm_position="pre")), ("gemma3", dict(local_rope=None)),
                 ("hunyuan", dict(qk_norm_position="before_rope")), ("cohere2", dict(position_pattern=None)),
-                ("smollm3", dict(position_pattern=None)), ("glm4", dict(norm_position="pre"))]
+                ("smollm3", dict(position_pattern=None)), ("glm4", dict(norm_position="pre")),
+                ("deepseek_v32", dict(indexer=None))]
 
 
 @pytest.mark.parametrize("family,change", FEATURES_OFF, ids=[f"{f}-{next(iter(c))}" for f, c in FEATURES_OFF],
@@ -246,6 +257,11 @@ PUBLISHED = {  # preset: (HF class, its published config)
         head_dim=128, n_shared_experts=1, attention_bias=True, max_position_embeddings=131072,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})),
     "qwen3_5_35b_a3b": ("Qwen3_5MoeForCausalLM", lambda: tr.Qwen3_5MoeTextConfig()),
+    # DeepSeek-V3's YaRN (its config.json's rope_scaling), which DeepseekV32Config's defaults leave out
+    "deepseek_v3_2": ("DeepseekV32ForCausalLM", lambda: tr.DeepseekV32Config(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10_000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
+    "kimi_linear_48b_a3b": ("KimiLinearForCausalLM", lambda: tr.KimiLinearConfig()),
 }
 
 

@@ -154,6 +154,30 @@ class MlaConfig(_FieldGroup):
             raise ValueError(f"ModelConfig.mla.latent_norm_eps must be > 0, got {self.latent_norm_eps}")
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig(_FieldGroup):
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2; ModelConfig.indexer, with mla): each query
+    attends only to the top_k keys of highest index score I[t, s] = sum_h w[t, h] relu(q_h[t] . k[s] /
+    sqrt(head_dim)), over `heads` index heads of head_dim (queries from mla's query latent, one key per token
+    through a LayerNorm of norm_eps; the first mla.rope_dim dims of each rotated by RoPE, halves rotated
+    together) and per-head weights w = a projection of x / sqrt(heads). The scores take no gradient. Dense
+    attention masked to the chosen keys (attention_impl="xla")."""
+
+    heads: int = 64  # index heads
+    head_dim: int = 128  # width of an index head
+    top_k: int = 2048  # keys each query attends to
+    norm_eps: float = 1e-6  # the index keys' LayerNorm
+
+    FIELD = "indexer"
+
+    def __post_init__(self):
+        for name in ("heads", "head_dim", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.indexer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"ModelConfig.indexer.norm_eps must be > 0, got {self.norm_eps}")
+
+
 MIXER_GROUPS = {}  # mixer_pattern kind -> the ModelConfig group that configures it (filled by `mixer_group`)
 _KINDS = {"mixer": ["attention"], "ffn": []}  # the kinds registered so far, in order
 
@@ -630,6 +654,8 @@ class ModelConfig:
     key_multiplier: float = 1.0  # self-attention's projected keys times this (Falcon-H1's µP key_multiplier)
     # Multi-head latent attention (DeepSeek): an MlaConfig or a dict of its fields; None = plain projections.
     mla: Union[MlaConfig, dict, None] = None
+    # DeepSeek Sparse Attention (with mla): an IndexerConfig or a dict of its fields; None = every visible key.
+    indexer: Union[IndexerConfig, dict, None] = None
     value_rank: Optional[int] = None  # r: the value projection factorised W_V = W_V_down [D, r] W_V_up [r, K, H]
     # Linformer (encoders): keys and values projected along the length to this many rows (one learned
     # [max_len, P] matrix per layer, shared by keys and values); None = full attention.
@@ -871,6 +897,14 @@ class ModelConfig:
                              f"pattern's period {self.pattern_period} to scan the MoE layers after them")
 
     def _check_mla(self):
+        if self.indexer is not None:
+            indexer = IndexerConfig.coerce(self.indexer)
+            if self.mla is None or MlaConfig.coerce(self.mla).q_rank is None:
+                raise ValueError("ModelConfig.indexer scores keys from mla's query latent: set mla with a q_rank")
+            if indexer.head_dim <= MlaConfig.coerce(self.mla).rope_dim:
+                raise ValueError(f"ModelConfig.indexer.head_dim={indexer.head_dim} must exceed mla.rope_dim (the "
+                                 "rotated part of an index head)")
+            object.__setattr__(self, "indexer", indexer)
         if self.mla is None:
             return
         mla = MlaConfig.coerce(self.mla)
@@ -1180,6 +1214,8 @@ class ModelConfig:
         if self.mla is not None and changes.get("mla", self.mla) is not None:
             mla = self.mla if self.mla.value_dim != self.head_dim else dataclasses.replace(self.mla, value_dim=None)
             changes["mla"] = MlaConfig.coerce(changes.get("mla"), mla)
+        if self.indexer is not None and changes.get("indexer", self.indexer) is not None:
+            changes["indexer"] = IndexerConfig.coerce(changes.get("indexer"), self.indexer)
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -13,7 +13,7 @@ from tfm.layers.norms import Norm
 from tfm.layers.slot import register_mixer
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
-from tfm.ops.masks import NEG_INF
+from tfm.ops.masks import NEG_INF, visibility
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the
 # batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
@@ -72,6 +72,7 @@ class Attention(nn.Module):
         cfg = self.config
         N, H = cfg.num_heads, cfg.head_dim
         Hv = H if cfg.mla is None else cfg.mla.value_dim
+        index = ()  # the indexer's inputs (DeepSeek Sparse Attention)
         if self.cross:
             q, k, v, kv_segment_ids = self._cross_qkv(x, memory, kv_segment_ids, decode)
             kv_positions = None
@@ -80,7 +81,7 @@ class Attention(nn.Module):
             if span is not None:
                 q_segment_ids = kv_segment_ids = span_segments(q_segment_ids, positions, x.shape[:2], span, cfg.max_len)
             qkv = self._self_qkv if cfg.mla is None else self._latent_qkv
-            q, k, v, kv_segment_ids, kv_positions = qkv(x, positions, q_segment_ids, kv_segment_ids, decode)
+            q, k, v, kv_segment_ids, kv_positions, *index = qkv(x, positions, q_segment_ids, kv_segment_ids, decode)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -96,6 +97,10 @@ class Attention(nn.Module):
         scale = (H ** -0.5 if cfg.attention_scale is None else cfg.attention_scale) if cfg.scale_attention else 1.0
         if cfg.mla is not None:
             scale *= cfg.mla.softmax_scale_factor
+        if index:  # DeepSeek Sparse Attention: each query's top_k keys by the indexer's scores
+            chosen = self._top_keys(*index, positions if use_positions else None, kv_positions if use_positions
+                                    else None, q_segment_ids, kv_segment_ids)
+            bias = jnp.broadcast_to(jnp.where(chosen, 0.0, NEG_INF)[:, None], (x.shape[0], N) + chosen.shape[1:])
         if kv_mask is not None:
             (B, T, M), S = kv_mask.shape, k.shape[1]
             if S % M:
@@ -117,7 +122,7 @@ class Attention(nn.Module):
             sinks=sinks,
             scale=scale, dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            impl="xla" if use_positions or kv_mask is not None else cfg.execution.attention_impl,
+            impl="xla" if use_positions or kv_mask is not None or index else cfg.execution.attention_impl,
             chunk_size=cfg.execution.attention_chunk_size, block_sizes=cfg.execution.attention_block_sizes,
             context_strategy=cfg.execution.context_strategy)
         if cfg.global_projections and not self.cross:
@@ -258,16 +263,58 @@ class Attention(nn.Module):
         if cfg.layer_rope(self.layer_index) is not None:  # else the RoPE part passes unrotated (Kimi Linear)
             q = apply_rope(q, positions, cfg)  # rope.dim = R: the first R dims of each head rotate
             k_rope = apply_rope(k_rope[:, :, None], positions, cfg)[:, :, 0]  # [B, S, R]
+        entries = {"cached_latent": (c, CACHE_LATENT_AXES), "cached_key_rope": (k_rope, CACHE_LATENT_AXES)}
+        if cfg.indexer is not None:
+            index_q, index_k = self._index_heads(x, cq, positions)
+            entries["cached_index_key"] = (index_k, CACHE_LATENT_AXES)
         if decode:
-            (c, k_rope), kv_segment_ids, positions = self._write_cache(
-                {"cached_latent": (c, CACHE_LATENT_AXES), "cached_key_rope": (k_rope, CACHE_LATENT_AXES)},
-                segment_ids)
+            cached, kv_segment_ids, positions = self._write_cache(entries, segment_ids)
+            c, k_rope = cached[:2]
+            if cfg.indexer is not None:
+                index_k = cached[2]
         k_pass = self._projection("BSC,CNH->BSNH", (C, N, H - R), ("latent", "kv_heads", "head_dim"), "key_up",
                                   use_bias=False)(c)
         v = self._projection("BSC,CNH->BSNH", (C, N, mla.value_dim), ("latent", "kv_heads", "head_dim"),
                              "value_up", use_bias=False)(c)
         k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(k_pass.dtype), k_pass.shape[:3] + (R,))
-        return q, jnp.concatenate([k_rope, k_pass], axis=-1), v, kv_segment_ids, positions
+        out = (q, jnp.concatenate([k_rope, k_pass], axis=-1), v, kv_segment_ids, positions)
+        return out + ((x, index_q, index_k) if cfg.indexer is not None else ())
+
+    def _index_heads(self, x, cq, positions):
+        """The lightning indexer's queries [B, T, heads, head_dim] (from the query latent cq [B, T, Q]) and keys
+        [B, T, head_dim] (LayerNorm of a projection of x), the first mla.rope_dim dims of each rotated with
+        halves together (DeepSeek-V3.2's indexer, beside its attention's interleaved pairs)."""
+        cfg, ind = self.config, self.config.indexer
+        q = self._projection("BTQ,QNH->BTNH", (cfg.mla.q_rank, ind.heads, ind.head_dim), ("latent", "heads", None),
+                             "indexer_query", use_bias=False)(cq)
+        k = self._projection("BSD,DH->BSH", (cfg.d_model, ind.head_dim), ("embed", None), "indexer_key",
+                             use_bias=False)(x)
+        norm_cfg = cfg.replace(norm="layernorm", norm_bias=True, norm_eps=ind.norm_eps, norm_scale_offset=0.0)
+        k = Norm(norm_cfg, axis=None, name="indexer_key_norm")(k)
+        if cfg.layer_rope(self.layer_index) is not None:
+            halves = cfg.replace(rope=dict(interleaved=False))
+            q, k = apply_rope(q, positions, halves), apply_rope(k[:, :, None], positions, halves)[:, :, 0]
+        return q, k
+
+    def _top_keys(self, x, index_q, index_k, q_pos, kv_pos, q_segment_ids, kv_segment_ids):
+        """[B, T, S] bool: the indexer.top_k visible keys of highest score sum_h w_h relu(q_h . k / sqrt(head_dim))
+        for each query (ties to the earlier key), w = `indexer_weights` x / sqrt(heads); no gradient. q_pos, kv_pos:
+        the cache's positions when decoding, else None (the order of the tokens)."""
+        cfg, ind = self.config, self.config.indexer
+        T, S = index_q.shape[1], index_k.shape[1]
+        w = self._projection("BTD,DN->BTN", (cfg.d_model, ind.heads), ("embed", "heads"), "indexer_weights",
+                             use_bias=False)(x).astype(jnp.float32) * ind.heads ** -0.5
+        logits = jnp.einsum("btnh,bsh->btns", index_q.astype(jnp.float32), index_k.astype(jnp.float32))
+        scores = jax.lax.stop_gradient(jnp.einsum("btn,btns->bts", w, jax.nn.relu(logits * ind.head_dim ** -0.5)))
+        visible = visibility(jnp.arange(T)[None] if q_pos is None else q_pos,
+                             jnp.arange(S)[None] if kv_pos is None else kv_pos, q_segment_ids, kv_segment_ids,
+                             causal=self.causal, window=None)
+        if ind.top_k >= S:
+            return visible
+        _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), ind.top_k)  # [B, T, top_k]
+        B = top.shape[0]
+        chosen = jnp.zeros((B, T, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], top].set(True)
+        return chosen & visible
 
     def _cross_qkv(self, x, memory, memory_segment_ids, decode):
         """q [B, T, N, H]; the projected memory k, v [B, S, K, H], cached once in decode mode."""

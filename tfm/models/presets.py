@@ -89,6 +89,31 @@ def deepseek_v3(vocab_size: int = 129_280, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def deepseek_v3_2(vocab_size: int = 129_280, **overrides) -> ModelConfig:
+    """DeepSeek-V3.2 (DeepSeek-AI 2025): DeepSeek-V3's shape with DeepSeek Sparse Attention in every layer: a
+    lightning indexer of 64 heads of 128 (queries from the 1536-wide query latent) picks each query's 2048 keys.
+    About 672B parameters, 0.85B of them the indexers'."""
+    return deepseek_v3(vocab_size, indexer=dict(heads=64, head_dim=128, top_k=2048)).replace(**overrides)
+
+
+def kimi_linear_48b_a3b(vocab_size: int = 163_840, **overrides) -> ModelConfig:
+    """Kimi Linear 48B-A3B (Moonshot AI 2025) as transformers' KimiLinearConfig defaults give it: 27 layers of D 2304,
+    Kimi Delta Attention (32 heads of 128, 4-tap convolutions) with MLA at layers 4, 8, ..., 24 (32 heads, kv latent
+    512, heads 128 + 64 unrotated dims, values 128, no positions); the first layer dense (F 9216), then 256 experts
+    of F 1024 top-8 by sigmoid scores and balancing bias, gates x2.446, one shared expert; 1M positions; untied.
+    About 49.1B parameters. (A checkpoint's config.json lists its MLA layers in linear_attn_config.)"""
+    kinds = tuple("attention" if i and i % 4 == 0 else "kda" for i in range(27))
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=2304, num_heads=32, num_kv_heads=32, head_dim=192, num_layers=27,
+                      d_ff=1024, max_len=1_048_576, norm="rmsnorm", norm_eps=1e-5, norm_position="pre",
+                      final_norm=True, position="none", activation="swiglu", attention_bias=False, ffn_bias=False,
+                      tie_embeddings=False, mixer_pattern=kinds, kda=dict(heads=32, head_dim=128, conv_kernel=4),
+                      mla=dict(kv_rank=512, rope_dim=64, q_rank=None, value_dim=128, latent_norm_eps=1e-6),
+                      num_experts=256, experts_per_token=8, dense_layers=1, dense_d_ff=9216, router_score="sigmoid",
+                      router_groups=1, router_group_top=1, router_bias=True, router_scale=2.446,
+                      shared_expert_d_ff=1024, shared_expert_gate=False, router_aux_loss_coef=0.0)
+    return cfg.replace(**overrides)
+
+
 def kimi_k2(vocab_size: int = 163_840, **overrides) -> ModelConfig:
     """Kimi K2 (Moonshot AI 2025): DeepSeek-V3's architecture with 384 routed experts, 64 heads, one
     dense layer, no expert groups, gates x2.827, YaRN x32 from 4k (theta 50,000).
@@ -319,7 +344,8 @@ PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base,
                                    gpt2_medium, llama, mixtral_8x7b, deepseek_v3, kimi_k2, mamba2_2_7b,
                                    jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b,
                                    gpt_oss_120b, gpt_oss_20b, gemma3_27b, llama4_scout, olmo2_13b, glm4_5_air,
-                                   qwen3_5_35b_a3b, lfm2_1_2b, falcon_mamba_7b)}
+                                   qwen3_5_35b_a3b, lfm2_1_2b, falcon_mamba_7b, deepseek_v3_2,
+                                   kimi_linear_48b_a3b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
