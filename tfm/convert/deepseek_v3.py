@@ -91,14 +91,16 @@ def attention(w: Weights, p: str, cfg: ModelConfig) -> dict:
     return out
 
 
-def ffn(w: Weights, p: str, cfg: ModelConfig, dense: bool) -> dict:
-    """A dense SwiGLU, or the routed experts with the router's balancing bias and the shared experts."""
+def ffn(w: Weights, p: str, cfg: ModelConfig, dense: bool, block: str = "mlp",
+        hub_names: tuple = ("gate_proj", "up_proj", "down_proj")) -> dict:
+    """A dense SwiGLU, or the routed experts with the router's balancing bias and the shared experts, at
+    `{p}.{block}` (the checkpoint's experts named hub_names, as `mixtral.moe_ffn` reads them)."""
     if dense:
-        return llama.dense_ffn(w, p, cfg)
-    out = mixtral.moe_ffn(w, p, cfg, hub_block="mlp", hub_names=("gate_proj", "up_proj", "down_proj"))
-    out["score_bias"] = w(f"{p}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
+        return llama.swiglu(w, f"{p}.{block}", cfg.ffn_bias)
+    out = mixtral.moe_ffn(w, p, cfg, hub_block=block, hub_names=hub_names)
+    out["score_bias"] = w(f"{p}.{block}.gate.e_score_correction_bias", (cfg.num_experts,))
     if cfg.shared_expert_d_ff:
-        out["shared_expert"] = llama.swiglu(w, f"{p}.mlp.shared_experts", bias=False)
+        out["shared_expert"] = llama.swiglu(w, f"{p}.{block}.shared_experts", bias=False)
     return out
 
 

@@ -12,7 +12,7 @@ first_k_dense_replace, as KimiLinearConfig reads them.
 from __future__ import annotations
 
 from tfm.config import KdaConfig, MlaConfig, ModelConfig
-from tfm.convert import bamba, deepseek_v3, llama, mixtral
+from tfm.convert import bamba, deepseek_v3, llama
 from tfm.convert.common import ConversionError, Converter, HFConfig, Stack, Weights, dense, model_params, norm, period
 from tfm.models import DecoderLM
 
@@ -110,16 +110,9 @@ def kda_params(w: Weights, p: str, cfg: ModelConfig) -> dict:
 def ffn(w: Weights, p: str, cfg: ModelConfig, dense_layer: bool) -> dict:
     """DeepSeek-V3's feed-forward at `{p}.mlp` (in memory) or `{p}.block_sparse_moe` (the checkpoint's, its
     experts' w1, w3, w2 apart; dense layers there too)."""
-    hub = f"{p}.block_sparse_moe"
-    if not w.has(f"{hub}.gate.weight") and not w.has(f"{hub}.gate_proj.weight"):
-        return deepseek_v3.ffn(w, p, cfg, dense_layer)
-    if dense_layer:
-        return llama.swiglu(w, hub, bias=False)
-    out = mixtral.moe_ffn(w, p, cfg)
-    out["score_bias"] = w(f"{hub}.gate.e_score_correction_bias", (cfg.num_experts,))
-    if cfg.shared_expert_d_ff:
-        out["shared_expert"] = llama.swiglu(w, f"{hub}.shared_experts", bias=False)
-    return out
+    if w.has(f"{p}.block_sparse_moe.gate.weight") or w.has(f"{p}.block_sparse_moe.gate_proj.weight"):
+        return deepseek_v3.ffn(w, p, cfg, dense_layer, block="block_sparse_moe", hub_names=("w1", "w3", "w2"))
+    return deepseek_v3.ffn(w, p, cfg, dense_layer)
 
 
 def params(w: Weights, cfg: ModelConfig) -> dict:
