@@ -23,6 +23,8 @@ MIXER_MODELS = {
                            deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8)),
     "rwkv": dict(mixer_pattern=("rwkv", "attention"), ffn_pattern=("rwkv", "dense")),
     "rglru": dict(mixer_pattern=("rglru", "attention")),
+    "kda": dict(mixer_pattern=("kda", "attention"), kda=dict(heads=2, head_dim=8)),
+    "mlstm": dict(mixer_pattern=("mlstm", "attention"), mlstm=dict(heads=2)),
 }
 
 

@@ -262,6 +262,7 @@ PUBLISHED = {  # preset: (HF class, its published config)
         rope_type="yarn", rope_theta=10_000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
     "kimi_linear_48b_a3b": ("KimiLinearForCausalLM", lambda: tr.KimiLinearConfig()),
+    "xlstm_7b": ("xLSTMForCausalLM", lambda: tr.xLSTMConfig()),
 }
 
 

@@ -5,7 +5,7 @@ from its save_pretrained directory; logits match within max-abs 1e-4 (right padd
 padded positions are not compared). From the same conversion: a prompt continued from the recurrent
 cache equals the whole prompt (1e-5), greedy decoding equals transformers' `generate`, and `to_hf`
 writes a directory transformers reloads with no missing or unexpected keys and every tensor equal; for the
-2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H, Falcon-H1, MiniMax, Kimi Linear) a packed row also equals its sequences alone (1e-5).
+2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H, Falcon-H1, MiniMax, Kimi Linear, xLSTM) a packed row also equals its sequences alone (1e-5).
 """
 import functools
 
@@ -128,6 +128,11 @@ FAMILIES = {
         v_head_dim=8, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, linear_head_dim=8,
         linear_num_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         eos_token_id=None, pad_token_id=0, bos_token_id=1))),
+    # xLSTM: two mLSTM blocks of D 128 (4 heads: q, k 16 wide, v 32), the gates soft-capped, logits capped at 30;
+    # transformers' kernels in fp32 (its default rounds q, k and v to bf16); its cache sizes need widths of 64s
+    "xlstm": lambda: tr.xLSTMForCausalLM(tr.xLSTMConfig(
+        vocab_size=V, hidden_size=128, num_hidden_layers=2, num_heads=4, autocast_kernel_dtype="float32",
+        chunk_size=4, eos_token_id=None, pad_token_id=0, bos_token_id=1)),
 }
 
 
@@ -157,7 +162,7 @@ ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 # packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
 PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1",
-          "minimax", "kimi_linear")
+          "minimax", "kimi_linear", "xlstm")
 
 
 def tokens(seed, shape=(B, T)):

@@ -332,6 +332,34 @@ class KdaConfig(_FieldGroup):
         _positive(self, "heads", "head_dim", "conv_kernel")
 
 
+@mixer_group("mlstm")
+@dataclasses.dataclass(frozen=True)
+class MLstmConfig(_FieldGroup):
+    """The mLSTM (ModelConfig.mlstm, layers "mlstm"; xLSTM, Beck et al. 2024, xLSTM-7B's block): `heads` heads of
+    a matrix memory with exponential input and sigmoid forget gates (per head, soft-capped), stabilised by a
+    running maximum; q and k of qk_dim in all, v of v_dim; each head's output layer-normalised, times a sigmoid
+    output gate (per channel), projected back."""
+
+    heads: int = 8  # heads of the memory
+    qk_dim: Optional[int] = None  # query/key width over all heads; None = d_model / 2
+    v_dim: Optional[int] = None  # value width over all heads; None = d_model
+    gate_soft_cap: Optional[float] = 15.0  # the gates' preactivations through cap * tanh(x / cap); None = none
+    eps: float = 1e-6  # added to the output's normaliser
+
+    FIELD = "mlstm"
+
+    def __post_init__(self):
+        _positive(self, "heads", "qk_dim", "v_dim", "gate_soft_cap", "eps")
+        for name in ("qk_dim", "v_dim"):
+            if getattr(self, name) is not None and getattr(self, name) % self.heads:
+                raise ValueError(f"ModelConfig.mlstm.{name}={getattr(self, name)} must be a multiple of "
+                                 f"heads={self.heads}")
+
+    def widths(self, d_model: int) -> tuple:
+        """(qk_dim, v_dim) with their defaults for a model of width d_model."""
+        return self.qk_dim or d_model // 2, self.v_dim or d_model
+
+
 @mixer_group("rwkv")
 @dataclasses.dataclass(frozen=True)
 class RwkvConfig(_FieldGroup):

@@ -114,6 +114,18 @@ def kimi_linear_48b_a3b(vocab_size: int = 163_840, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def xlstm_7b(vocab_size: int = 50_304, **overrides) -> ModelConfig:
+    """xLSTM-7B (NX-AI 2025) as transformers' xLSTMConfig defaults give it: 32 mLSTM blocks of D 4096 (8 heads; q
+    and k 2048 wide in all, v 4096; gates soft-capped at 15), each with a SwiGLU of F 10944; logits soft-capped at
+    30; no positions; untied. About 6.87B parameters."""
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=4096, num_heads=8, head_dim=256, num_layers=32, d_ff=10_944,
+                      norm="rmsnorm", norm_eps=1e-6, norm_position="pre", final_norm=True, position="none",
+                      activation="swiglu", attention_bias=False, ffn_bias=False, tie_embeddings=False,
+                      final_logit_softcap=30.0, mixer_pattern=("mlstm",),
+                      mlstm=dict(heads=8, qk_dim=2048, v_dim=4096, gate_soft_cap=15.0, eps=1e-6))
+    return cfg.replace(**overrides)
+
+
 def kimi_k2(vocab_size: int = 163_840, **overrides) -> ModelConfig:
     """Kimi K2 (Moonshot AI 2025): DeepSeek-V3's architecture with 384 routed experts, 64 heads, one
     dense layer, no expert groups, gates x2.827, YaRN x32 from 4k (theta 50,000).
@@ -345,7 +357,7 @@ PRESETS = {f.__name__: f for f in (transformer_base, transformer_big, bert_base,
                                    jamba_1_5_mini, qwen3_next_80b_a3b, recurrentgemma_2b, nemotron_h_8b,
                                    gpt_oss_120b, gpt_oss_20b, gemma3_27b, llama4_scout, olmo2_13b, glm4_5_air,
                                    qwen3_5_35b_a3b, lfm2_1_2b, falcon_mamba_7b, deepseek_v3_2,
-                                   kimi_linear_48b_a3b)}
+                                   kimi_linear_48b_a3b, xlstm_7b)}
 PRESETS.update({f"tiny_{family}": functools.partial(tiny, family) for family in TINY_FAMILIES})
 
 
