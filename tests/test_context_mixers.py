@@ -5,11 +5,11 @@ devices, each share rerun from the state handed to it.
 On 8 simulated CPU devices, mesh (data=2, context=4), fp32, 32 tokens a row (8 a device, chunks of 4),
 packed so that sequences start inside a share, exactly at a device boundary (8) and after padding
 that begins at one (24): a hybrid decoder with every mixer (Mamba, Mamba-2, gated DeltaNet, RWKV with
-its channel mix, RG-LRU, KDA; their chunked forms, short convolutions and token shifts) beside ring
+its channel mix, RG-LRU, KDA, the mLSTM with its running maximum; their chunked forms, short convolutions and token shifts) beside ring
 attention equals one device (the same jit without a mesh) in each mixer's output, the loss and every
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
 in its outputs, final state and gradients. The same hybrid by the Pallas kernels (interpreted, chunks
-of 8; without KDA, which has none) split, against the chunked forms on one device. The split programs
+of 8; without KDA and the mLSTM, which have none) split, against the chunked forms on one device. The split programs
 gather nothing (no all-gather or all-to-all: maps, states and the convolutions' windows travel by
 collective-permute). One compile each way, shared by the tests. A window longer than a device's share
 fails in one line.
@@ -31,8 +31,8 @@ B, T, V = 2, 32, 64
 SEGMENTS = np.asarray([[1] * 11 + [2] * 13 + [0] * 5 + [3] * 3,   # a start at 11, padding from 24, a start at 29
                        [1] * 8 + [2] * 13 + [3] * 11])            # starts at 8 (a device boundary) and 21
 POSITIONS = np.asarray([np.r_[0:11, 0:13, [0] * 5, 0:3], np.r_[0:8, 0:13, 0:11]])
-MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "kda")  # layers 0-5; layer 6 is attention
-KERNEL_MIXERS = MIXERS[:-1]  # the mixers with a Pallas kernel
+MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "kda", "mlstm")  # layers 0-6; layer 7 is attention
+KERNEL_MIXERS = MIXERS[:-2]  # the mixers with a Pallas kernel
 # The kernels against the chunked forms, of each array's largest magnitude: fp32 products and the delta rule's
 # triangular inverse by doubling round apart by up to 1.3e-5 of the largest gradient after five layers (seen).
 KERNEL_ATOL = 5e-5
@@ -44,7 +44,8 @@ def _model(mixers=MIXERS, impl="chunked", chunk=4):
     cfg = tiny("llama", num_layers=len(mixers) + 1, mixer_chunk_size=chunk, mixer_pattern=mixers + ("attention",),
                ffn_pattern=ffn, mixer_impl=impl, mamba=dict(state_size=4),
                mamba2=dict(state_size=4, head_dim=8, groups=2),
-               deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8), kda=dict(heads=2, head_dim=8))
+               deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8), kda=dict(heads=2, head_dim=8),
+               mlstm=dict(heads=2))
     return DecoderLM(cfg)
 
 

@@ -19,16 +19,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tfm.ops.segments import sequence_starts
-from tfm.ops.shard import context_size
+from tfm.ops import context_scan
 
 IMPLS = ("reference", "chunked")
 
 
+def _merge(a, b):
+    """Two states' terms together: the larger maximum, each side's terms rescaled to it."""
+    (Ca, na, ma), (Cb, nb, mb) = a, b
+    m = jnp.maximum(ma, mb)
+    wa, wb = jnp.exp(ma - _finite(m)), jnp.exp(mb - _finite(m))
+    return wa[..., None, None] * Ca + wb[..., None, None] * Cb, wa[..., None] * na + wb[..., None] * nb, m
+
+
+def _finite(m):
+    """m where finite, else 0: the stabiliser of a state without terms (m = -inf), whose exps are then 0."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+# A share of tokens maps the entering state to merge(its terms decayed by the share's log forget sum A, the
+# share's own terms): transfers are A [B, H] (-inf after a sequence start), composed by adding.
+LOG_WEIGHTS = context_scan.Algebra(apply=lambda a, s: (s[0], s[1], s[2] + a), add=_merge,
+                                   compose=lambda a1, a2: a1 + a2)
+
+
 def mlstm(q, k, v, i, f, *, segment_ids=None, initial_state=None, impl="chunked", chunk_size=64, eps=1e-6):
     """q, k [B, T, H, K]; v [B, T, H, V]; i, f [B, T, H] the gates' preactivations. initial_state: (C [B, H, K, V],
-    n [B, H, K], m [B, H]) or None (zeros). segment_ids [B, T] int, 0 = padding (tfm.ops.segments).
-    Returns (h [B, T, H, V] in v.dtype, final state (C, n, m), float32; float64 for float64 v)."""
+    n [B, H, K], m [B, H]) or None (zeros). segment_ids [B, T] int, 0 = padding (tfm.ops.segments). With the
+    sequence split over `context` (tfm.ops.context_scan), each device's share is a map of the entering state in
+    LOG_WEIGHTS. Returns (h [B, T, H, V] in v.dtype, final state (C, n, m), float32; float64 for float64 v)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}; the mLSTM has no Pallas kernel yet")
     B, T, H, K = q.shape
@@ -36,23 +55,34 @@ def mlstm(q, k, v, i, f, *, segment_ids=None, initial_state=None, impl="chunked"
     if k.shape != q.shape or v.shape[:3] != (B, T, H) or i.shape != (B, T, H) or f.shape != (B, T, H):
         raise ValueError(f"mlstm takes q, k [B, T, H, K], v [B, T, H, V], i, f [B, T, H]; got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}, i {i.shape}, f {f.shape}")
-    if context_size() > 1:
-        raise ValueError("the mLSTM does not split a sequence over `context` yet; use a mesh with context=1")
     dtype = jnp.promote_types(v.dtype, jnp.float32)
     if initial_state is None:
         initial_state = (jnp.zeros((B, H, K, V), dtype), jnp.zeros((B, H, K), dtype), jnp.zeros((B, H), dtype))
     state = tuple(s.astype(dtype) for s in initial_state)
-    real, starts = (jnp.ones((B, T), bool), jnp.zeros((B, T), bool)) if segment_ids is None \
-        else sequence_starts(segment_ids)
-    q, k, v, i, f = (x.astype(dtype) for x in (q, k, v, i, f))
-    q = q * K ** -0.5
-    lf = jnp.where(real[..., None], jax.nn.log_sigmoid(f), 0.0)
-    i = jnp.where(real[..., None], i, -jnp.inf)  # padding writes nothing
-    if impl == "reference":
-        h, state = _recurrent(q, k, v, i, lf, starts, state, eps)
-    else:
-        h, state = _chunked(q, k, v, i, lf, starts, state, eps, min(chunk_size, T))
-    return h.astype(v.dtype), state
+
+    def gates(i, f, real):
+        return (jnp.where(real[..., None], i.astype(dtype), -jnp.inf),  # padding writes nothing
+                jnp.where(real[..., None], jax.nn.log_sigmoid(f.astype(dtype)), 0.0))
+
+    def run(sequences, params, real, starts, state):
+        q, k, v, i, f = sequences
+        i, lf = gates(i, f, real)
+        q, k, v = (x.astype(dtype) for x in (q * K ** -0.5, k, v))
+        if impl == "reference":
+            h, state = _recurrent(q, k, v, i, lf, starts, state, eps)
+        else:
+            h, state = _chunked(q, k, v, i, lf, starts, state, eps, min(chunk_size, q.shape[1]))
+        return h.astype(v.dtype), state
+
+    def chunk_map(sequences, params, real, starts):
+        """(A, the share's own terms: its run from a state without terms)."""
+        _, lf = gates(*sequences[3:], real)
+        transfer = jnp.where(starts.any(1)[:, None], -jnp.inf, lf.sum(1))
+        Bs = sequences[0].shape[0]
+        empty = (jnp.zeros((Bs, H, K, V), dtype), jnp.zeros((Bs, H, K), dtype), jnp.full((Bs, H), -jnp.inf, dtype))
+        return transfer, run(sequences, params, real, starts, empty)[1]
+
+    return context_scan.scan(run, chunk_map, LOG_WEIGHTS, (q, k, v, i, f), (), segment_ids, state)
 
 
 def _recurrent(q, k, v, i, lf, starts, state, eps):
@@ -62,11 +92,11 @@ def _recurrent(q, k, v, i, lf, starts, state, eps):
         q_t, k_t, v_t, i_t, lf_t, r_t = x
         C, n, m = (jnp.where(r_t.reshape((-1,) + (1,) * (a.ndim - 1)), 0.0, a) for a in (C, n, m))
         m_new = jnp.maximum(lf_t + m, i_t)
-        decay, write = jnp.exp(lf_t + m - m_new), jnp.exp(i_t - m_new)
+        decay, write = jnp.exp(lf_t + m - _finite(m_new)), jnp.exp(i_t - _finite(m_new))
         C = decay[..., None, None] * C + write[..., None, None] * k_t[..., :, None] * v_t[..., None, :]
         n = decay[..., None] * n + write[..., None] * k_t
         num = jnp.einsum("bhk,bhkv->bhv", q_t, C)
-        den = jnp.maximum(jnp.abs(jnp.einsum("bhk,bhk->bh", q_t, n)), jnp.exp(-m_new))
+        den = jnp.maximum(jnp.abs(jnp.einsum("bhk,bhk->bh", q_t, n)), jnp.exp(-_finite(m_new)))
         return (C, n, m_new), num / (den[..., None] + eps)
 
     xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, i, lf, starts)]
@@ -109,13 +139,14 @@ def _chunked(q, k, v, i, lf, starts, state, eps, C):
         m_in = m_in[..., None]
         enter = jnp.where(fresh, b - before, b + m_in)                 # [B, H, C]
         m = jnp.maximum(enter, jnp.max(log_w, -1))                     # each token's m
-        d = jnp.exp(log_w - m[..., None]) * scores                     # [B, H, C, C]
-        carry = jnp.where(fresh, 0.0, jnp.exp(enter - m))              # the entering state's factor
+        safe = _finite(m)
+        d = jnp.exp(log_w - safe[..., None]) * scores                  # [B, H, C, C]
+        carry = jnp.where(fresh, 0.0, jnp.exp(enter - safe))           # the entering state's factor
         num = carry[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, C_in) + jnp.einsum("bhtj,bhjv->bhtv", d, v)
         den = carry * jnp.einsum("bhck,bhk->bhc", q, n_in) + jnp.sum(d, -1)
-        h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-m)) + eps)[..., None]
+        h = num / (jnp.maximum(jnp.abs(den), jnp.exp(-safe)) + eps)[..., None]
         m_out = m[..., -1]
-        w_out = jnp.exp(log_w[..., -1, :] - m_out[..., None])          # [B, H, C]: each token's share at the end
+        w_out = jnp.exp(log_w[..., -1, :] - safe[..., -1, None])       # [B, H, C]: each token's share at the end
         C_out = carry[..., -1, None, None] * C_in + jnp.einsum("bhc,bhck,bhcv->bhkv", w_out, k, v)
         n_out = carry[..., -1, None] * n_in + jnp.einsum("bhc,bhck->bhk", w_out, k)
         return (C_out, n_out, m_out), h
