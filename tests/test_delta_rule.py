@@ -126,15 +126,19 @@ def test_gradients_float64_finite_differences(impl, per_channel):
         grads = jax.jit(jax.grad(functools.partial(_loss, impl, jnp.asarray(seg), weights),
                                  argnums=tuple(range(6))))(*map(jnp.asarray, args))
         assert all(x.dtype == jnp.float64 for x in grads)
-    eps = 1e-6
     for i, (name, got) in enumerate(zip("q k v g beta initial_state".split(), grads)):
-        want = np.zeros(args[i].shape)
-        for idx in np.ndindex(args[i].shape):
-            hi, lo = [a.copy() for a in args], [a.copy() for a in args]
-            hi[i][idx] += eps
-            lo[i][idx] -= eps
-            want[idx] = (loop_loss(*hi) - loop_loss(*lo)) / (2 * eps)
-        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-8, err_msg=name)
+        np.testing.assert_allclose(got, central_differences(loop_loss, args, i), rtol=1e-7, atol=1e-8, err_msg=name)
+
+
+def central_differences(fn, args, i, eps=1e-6):
+    """d fn(*args) / d args[i], each element by a central difference of step eps (float64 NumPy arrays)."""
+    want = np.zeros(args[i].shape)
+    for idx in np.ndindex(args[i].shape):
+        hi, lo = [a.copy() for a in args], [a.copy() for a in args]
+        hi[i][idx] += eps
+        lo[i][idx] -= eps
+        want[idx] = (fn(*hi) - fn(*lo)) / (2 * eps)
+    return want
 
 
 @pytest.mark.parametrize("impl", IMPLS)

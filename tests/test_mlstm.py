@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.ops.mlstm import mlstm
+from test_delta_rule import central_differences  # noqa: E402
+from tfm.ops.mlstm import mlstm  # noqa: E402
 
 IMPLS = ("reference", "chunked")
 CHUNK, EPS = 4, 1e-6
@@ -101,15 +102,9 @@ def test_gradients_float64_finite_differences(impl):
     with jax.enable_x64(True):
         grads = jax.jit(jax.grad(functools.partial(_loss, impl, jnp.asarray(seg), weights), argnums=tuple(range(8))))(
             *map(jnp.asarray, args + s0))
-    flat, eps = args + s0, 1e-6
     for index, (name, got) in enumerate(zip("q k v i f C n m".split(), grads)):
-        want = np.zeros(flat[index].shape)
-        for idx in np.ndindex(flat[index].shape):
-            hi, lo = [a.copy() for a in flat], [a.copy() for a in flat]
-            hi[index][idx] += eps
-            lo[index][idx] -= eps
-            want[idx] = (loop_loss(*hi) - loop_loss(*lo)) / (2 * eps)
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(got, central_differences(loop_loss, args + s0, index), rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
