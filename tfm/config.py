@@ -171,11 +171,7 @@ class IndexerConfig(_FieldGroup):
     FIELD = "indexer"
 
     def __post_init__(self):
-        for name in ("heads", "head_dim", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.indexer.{name} must be >= 1, got {getattr(self, name)}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"ModelConfig.indexer.norm_eps must be > 0, got {self.norm_eps}")
+        _positive(self, "heads", "head_dim", "top_k", "norm_eps")
 
 
 MIXER_GROUPS = {}  # mixer_pattern kind -> the ModelConfig group that configures it (filled by `mixer_group`)
@@ -925,17 +921,17 @@ class ModelConfig:
                              f"pattern's period {self.pattern_period} to scan the MoE layers after them")
 
     def _check_mla(self):
+        mla = None if self.mla is None else MlaConfig.coerce(self.mla)
         if self.indexer is not None:
             indexer = IndexerConfig.coerce(self.indexer)
-            if self.mla is None or MlaConfig.coerce(self.mla).q_rank is None:
+            if mla is None or mla.q_rank is None:
                 raise ValueError("ModelConfig.indexer scores keys from mla's query latent: set mla with a q_rank")
-            if indexer.head_dim <= MlaConfig.coerce(self.mla).rope_dim:
+            if indexer.head_dim <= mla.rope_dim:
                 raise ValueError(f"ModelConfig.indexer.head_dim={indexer.head_dim} must exceed mla.rope_dim (the "
                                  "rotated part of an index head)")
             object.__setattr__(self, "indexer", indexer)
-        if self.mla is None:
+        if mla is None:
             return
-        mla = MlaConfig.coerce(self.mla)
         if self.position not in ("rope", "none"):
             raise ValueError(f"ModelConfig.mla needs position='rope' (its decoupled RoPE key) or 'none' (that part "
                              f"unrotated: Kimi Linear), got {self.position!r}")

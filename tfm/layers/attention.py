@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init, scaled
 from tfm.layers.inputs import BlockInputs
 from tfm.layers.norms import Norm
 from tfm.layers.slot import register_mixer
@@ -185,9 +185,7 @@ class Attention(nn.Module):
         """q [B, T, N, H]; k, v [B, S, K, H] (S = the cache length when decoding), their segment ids and positions."""
         cfg = self.config
         q = self._heads("query", cfg.num_heads)(x)
-        k, v = self._heads("key", cfg.num_kv_heads)(x), self._value(x)  # [B, T, K, H]
-        if cfg.key_multiplier != 1.0:
-            k = k * jnp.asarray(cfg.key_multiplier, k.dtype)
+        k, v = scaled(self._heads("key", cfg.num_kv_heads)(x), cfg.key_multiplier), self._value(x)  # [B, T, K, H]
         rope = cfg.layer_rope(self.layer_index) if not self.cross else None
         if rope is not None:
             layer_cfg = cfg if rope is cfg.rope else cfg.replace(rope=rope)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.attention import Attention
-from tfm.layers.common import constrain, param_init
+from tfm.layers.common import constrain, param_init, scaled
 from tfm.layers import slot
 from tfm.layers.feedforward import Mlp, MoeMlp
 from tfm.layers.inputs import BlockInputs
@@ -69,7 +69,7 @@ class Block(nn.Module):
             if position == "post":
                 return norm(x + y)
             base = h_in if position == "normed_residual" else x
-            return (base if skip == 1.0 else base * jnp.asarray(skip, base.dtype)) + self._residual(y)
+            return scaled(base, skip) + self._residual(y)
 
         kinds, ffn_kind = cfg.layer_mixers(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
         mix = self._mixers(kinds, inputs)
@@ -83,7 +83,7 @@ class Block(nn.Module):
             ffn = Mlp(cfg.replace(d_ff=cfg.dense_d_ff) if cfg.dense_d_ff else cfg, name="ffn")
         if ffn_kind != "none" and cfg.ffn_multipliers[1] != 1.0:
             unscaled = ffn
-            ffn = lambda h, deterministic: unscaled(h, deterministic) * jnp.asarray(cfg.ffn_multipliers[1], h.dtype)
+            ffn = lambda h, deterministic: scaled(unscaled(h, deterministic), cfg.ffn_multipliers[1])
         if cfg.parallel_block:
             if self.gated:
                 raise ValueError("a gated Block must be sequential (ModelConfig.parallel_block=False)")
@@ -146,15 +146,13 @@ class Block(nn.Module):
         def mix(h):
             out = 0.0
             for module, (scale_in, scale_out) in branches:
-                y = module(h if scale_in == 1.0 else h * scale_in, inputs, self.deterministic, self.decode)
-                out = out + (y if scale_out == 1.0 else y * scale_out)
+                out = out + scaled(module(scaled(h, scale_in), inputs, self.deterministic, self.decode), scale_out)
             return out
         return mix
 
     def _residual(self, y):
         """A sublayer's output as added to the residual stream: times config.residual_multiplier."""
-        m = self.config.residual_multiplier
-        return y if m == 1.0 else y * jnp.asarray(m, y.dtype)
+        return scaled(y, self.config.residual_multiplier)
 
     def _gate(self, name: str, init: float, dtype):
         """tanh of the scalar parameter `name` (initialised to `init`)."""

@@ -15,6 +15,11 @@ def compute_dtype(config: ModelConfig):
     return DTYPES[config.execution.dtype]
 
 
+def scaled(y, m: float):
+    """y times the constant m (in y's dtype); y itself when m is 1, so that an unset multiplier adds no op."""
+    return y if m == 1.0 else y * jnp.asarray(m, y.dtype)
+
+
 def param_init(init, axes: Tuple[str, ...]):
     """An initializer whose parameter carries logical axis names (for the sharding rules)."""
     return nn.with_logical_partitioning(init, axes)

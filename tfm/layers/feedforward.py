@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.config import GATED_ACTIVATIONS, ModelConfig
-from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init, scaled
 from tfm.parallel.experts import grouped_experts
 
 _ACTIVATIONS = {
@@ -52,7 +52,7 @@ class Mlp(nn.Module):
 
         def up(name):
             y = Einsum("BTD,DF->BTF", (D, F), ("embed", "mlp"), ("mlp",), name=name, **kw)(x)
-            return y * jnp.asarray(gate_scale, y.dtype) if gate_scale != 1.0 and name != "wi_up" else y
+            return y if name == "wi_up" else scaled(y, gate_scale)
         h = constrain(hidden_activation(cfg, up), ("batch", "length", "mlp"))  # [B, T, F]
         return Einsum("BTF,FD->BTD", (F, D), ("mlp", "embed"), ("embed",), name="wo", **kw)(h)
 

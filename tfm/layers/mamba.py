@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from tfm import capabilities
 from tfm.layers.inputs import BlockInputs
 from tfm.layers.slot import TokenMixer, register_mixer
-from tfm.layers.common import Einsum, compute_dtype, constrain, param_init
+from tfm.layers.common import Einsum, compute_dtype, constrain, param_init, scaled
 from tfm.layers.recurrent import GatedRmsNorm, ShortConv, decode_states
 from tfm.layers.norms import Norm
 from tfm.ops.ssd import selective_scan, ssd
@@ -112,8 +112,8 @@ class Mamba2(TokenMixer):
         scales = dict(zip(m.PROJECTIONS, m.proj_multipliers))
 
         def proj(spec, name, shape, axes):
-            y = Einsum(spec, shape, axes, axes[1:], use_bias=m.proj_bias, dtype=dtype, name=name)(x)
-            return y if scales[name] == 1.0 else y * jnp.asarray(scales[name], y.dtype)
+            return scaled(Einsum(spec, shape, axes, axes[1:], use_bias=m.proj_bias, dtype=dtype, name=name)(x),
+                          scales[name])
         z = proj("BTD,DNP->BTNP", "gate", (D, N, P), ("embed", "heads", "head_dim"))
         xs = proj("BTD,DNP->BTNP", "x", (D, N, P), ("embed", "heads", "head_dim"))
         b = proj("BTD,DGS->BTGS", "B", (D, G, S), ("embed", None, None))

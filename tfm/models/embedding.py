@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from tfm.config import ModelConfig
-from tfm.layers.common import compute_dtype, constrain, param_init
+from tfm.layers.common import compute_dtype, constrain, param_init, scaled
 from tfm.layers.embeddings import Embed, check_token_ids
 from tfm.layers.positions import PositionEmbedding
 from tfm.layers.norms import Norm
@@ -66,8 +66,7 @@ class InputEmbedding(nn.Module):
         x = self.embed(tokens)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.embedding_scale_rounding or jnp.float32).astype(x.dtype)
-        if cfg.embedding_multiplier != 1.0:
-            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+        x = scaled(x, cfg.embedding_multiplier)
         if cfg.position in ("learned", "sinusoidal"):
             x = x + PositionEmbedding(cfg, name="position")(positions)
         if cfg.type_vocab_size:
@@ -117,8 +116,7 @@ class OutputLogits(nn.Module):
         kernel = self.embed.embedding if cfg.tie_embeddings else _OutputKernel(cfg, name="lm_head")().T
         if cfg.rescale_tied_output:
             x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
-        if cfg.logits_multiplier != 1.0:
-            x = x * jnp.asarray(cfg.logits_multiplier, x.dtype)
+        x = scaled(x, cfg.logits_multiplier)
         bias = None
         if cfg.output_bias:
             bias = self.param("bias", param_init(nn.initializers.zeros_init(), ("vocab",)),
