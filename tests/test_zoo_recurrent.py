@@ -5,7 +5,8 @@ from its save_pretrained directory; logits match within max-abs 1e-4 (right padd
 padded positions are not compared). From the same conversion: a prompt continued from the recurrent
 cache equals the whole prompt (1e-5), greedy decoding equals transformers' `generate`, and `to_hf`
 writes a directory transformers reloads with no missing or unexpected keys and every tensor equal; for the
-2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H, Falcon-H1, MiniMax, Kimi Linear, xLSTM) a packed row also equals its sequences alone (1e-5).
+2025-26 hybrids (LFM2, FalconMamba, Granite 4.0-H, Falcon-H1, MiniMax, Kimi Linear, xLSTM, Zamba2) a packed row also equals
+its sequences alone (1e-5).
 """
 import functools
 
@@ -133,6 +134,14 @@ FAMILIES = {
     "xlstm": lambda: tr.xLSTMForCausalLM(tr.xLSTMConfig(
         vocab_size=V, hidden_size=128, num_hidden_layers=2, num_heads=4, autocast_kernel_dtype="float32",
         chunk_size=4, eos_token_id=None, pad_token_id=0, bos_token_id=1)),
+    # Zamba2: mamba2, hybrid, hybrid, mamba2, hybrid (mamba2: 4 heads of 16, 2 groups, state 8, biases); the hybrids
+    # fed by 2 shared blocks in turn (block 0 at two uses), each use with its own rank-4 adapters on q, k, v and
+    # the fused gate/up and its own linear; the blocks' attention 4 heads of 16 over [x, embeddings] with RoPE
+    "zamba2": lambda: tr.Zamba2ForCausalLM(tr.Zamba2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+        layers_block_type=["mamba", "hybrid", "hybrid", "mamba", "hybrid"], mamba_d_state=8, n_mamba_heads=4,
+        mamba_ngroups=2, add_bias_linear=True, num_mem_blocks=2, use_shared_attention_adapter=True,
+        use_shared_mlp_adapter=True, adapter_rank=4, use_mem_rope=True, chunk_size=4, eos_token_id=None)),
 }
 
 
@@ -162,7 +171,7 @@ ONE_ROW_GENERATE = ("rwkv",)
 SAME_CONFIG = ("qwen3_5", "qwen3_5_moe")  # families whose tfm config an earlier class also writes
 # packed = alone through the HF conversion: the 2025-26 hybrids (the older mixers' packing: tests/test_context_mixers.py)
 PACKED = ("lfm2", "falcon_mamba", "granite_moe_hybrid", "granite_hybrid_dense", "falcon_h1",
-          "minimax", "kimi_linear", "xlstm")
+          "minimax", "kimi_linear", "xlstm", "zamba2")
 
 
 def tokens(seed, shape=(B, T)):

@@ -33,9 +33,10 @@ ATTENTION_KINDS = ("global", "local", "span")
 # ModelConfig.ffn_pattern entries: a layer's feed-forward ("rwkv": RWKV's channel mix; "none": a mixer only),
 # and those tfm.layers.slot registers
 FFN_KINDS = ("dense", "moe", "rwkv", "none")
-# relu2: relu(x)**2; swiglu_clamped: gpt-oss's (g * sigmoid(alpha g)) * (u + 1), g and u clamped (swiglu_limit)
-ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "swiglu_clamped")
-GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu", "swiglu_clamped": "silu"}
+# relu2: relu(x)**2; geglu gates by the tanh GELU, geglu_erf by the exact one (Zamba2); swiglu_clamped: gpt-oss's
+# (g * sigmoid(alpha g)) * (u + 1), g and u clamped (swiglu_limit)
+ACTIVATION_NAMES = ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "geglu_erf", "swiglu_clamped")
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh", "geglu_erf": "gelu", "swiglu_clamped": "silu"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ROUTER_SCORES = ("softmax", "sigmoid")  # ModelConfig.router_score
 EMBEDDING_IMPLS = ("auto", "sharded", "xla")
@@ -195,6 +196,11 @@ def mixer_group(*kinds: str):
             register_kind(kind)
         return group
     return register
+
+
+def entry_kinds(entry: str) -> list:
+    """The kinds a mixer_pattern entry names: "a", composite "a+b", fed "f>a" (or "f>a+b")."""
+    return [k for part in entry.split(">") for k in part.split("+")]
 
 
 def mixer_groups() -> tuple:
@@ -416,6 +422,33 @@ class LightningConfig(_FieldGroup):
     output_norm_eps: float = 1e-6  # the RMSNorm over the heads' outputs (MiniMax fixes it, apart from norm_eps)
 
     FIELD = "lightning"
+
+
+@mixer_group("shared")
+@dataclasses.dataclass(frozen=True)
+class SharedBlockConfig(_FieldGroup):
+    """Zamba's shared transformer (ModelConfig.shared_block, the feeder of mixer_pattern entries "shared>k"; Glorioso
+    et al. 2024): `blocks` sets of parameters, each an attention (input norm, num_heads of head_dim, out to D) then
+    a feed-forward (its own norm, d_ff wide; no residual inside), cycled over the layers that use one in layer
+    order. A use reads concat[x, the stack's input embeddings] (width 2D; x alone without `embeddings`), adds per-use
+    LoRA adapters of lora_rank to the projections named in `lora` (merged into the shared weight for that use),
+    and projects the block's output through its own [D, D] linear into the layer's mixer input."""
+
+    blocks: int = 1  # distinct parameter sets (Zamba2's num_mem_blocks), used in turn
+    embeddings: bool = True  # the block reads concat[x, embeddings] [B, T, 2D]; False: x [B, T, D]
+    d_ff: Optional[int] = None  # the block's feed-forward width; None = ModelConfig.d_ff
+    lora_rank: int = 0  # per-use adapters' rank; 0 = none
+    lora: Tuple[str, ...] = ("query", "key", "value", "ffn")  # the projections a use adapts (ffn: the gate and up)
+
+    FIELD = "shared_block"
+    LORA = ("query", "key", "value", "ffn")
+
+    def __post_init__(self):
+        _positive(self, "blocks", "d_ff")
+        object.__setattr__(self, "lora", tuple(self.lora))
+        if self.lora_rank < 0 or set(self.lora) - set(self.LORA):
+            raise ValueError(f"ModelConfig.shared_block: lora_rank={self.lora_rank} must be >= 0 and lora={self.lora} "
+                             f"a subset of {self.LORA}")
 
 
 def _positive(group, *names):
@@ -1057,19 +1090,29 @@ class ModelConfig:
             if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
                 raise ValueError(f"ModelConfig.{name} must be a non-empty tuple of {kinds}, got {pattern!r}")
             object.__setattr__(self, name, tuple(pattern))
-            parts = [p for entry in pattern for p in (entry.split("+") if name == "mixer_pattern" else [entry])]
+            parts = [p for entry in pattern for p in (entry_kinds(entry) if name == "mixer_pattern" else [entry])]
             bad = sorted(set(parts) - set(kinds))
             if bad:
                 raise ValueError(f"ModelConfig.{name} has unknown kinds {bad}; choose from {kinds}"
-                                 + (" (or 'a+b', a parallel composite)" if name == "mixer_pattern" else ""))
+                                 + (" (or 'a+b', a parallel composite, or 'f>a', a's input fed by f)"
+                                    if name == "mixer_pattern" else ""))
             if self.num_layers % len(pattern):
                 raise ValueError(f"ModelConfig.{name} of length {len(pattern)} does not divide "
                                  f"num_layers={self.num_layers}")
         for entry in set(self.mixer_pattern or ()):
-            parts = entry.split("+")
+            *feeds, main = entry.split(">")
+            parts = main.split("+")
             if len(parts) > 1 and ("none" in parts or len(set(parts)) < len(parts)):
                 raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r}: a parallel composite joins distinct "
                                  f"mixers with '+' (not 'none')")
+            if feeds and (len(feeds) > 1 or "+" in feeds[0] or "none" in feeds + parts):
+                raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r}: 'f>a' feeds one kind f into the "
+                                 f"input of the layer's mixer a (or composite a+b)")
+            if feeds and (self.norm_position != "pre" or self.parallel_block):
+                raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r} adds f's output to the mixer's input "
+                                 f"before its norm: it needs norm_position='pre' and a sequential block")
+        if "shared" in self.mixers_used:
+            self._check_shared_uses()
         if "moe" in (self.ffn_pattern or ()) and not self.num_experts:
             raise ValueError("ModelConfig.ffn_pattern has 'moe' layers but num_experts=0")
         if self.num_experts and self.ffn_pattern is not None and "moe" not in self.ffn_pattern:
@@ -1108,14 +1151,34 @@ class ModelConfig:
         return pattern[layer % len(pattern)]
 
     def layer_mixers(self, layer: int) -> tuple:
-        """The kinds of layer `layer`'s mixers: one, several (a parallel composite), or none."""
+        """The kinds of layer `layer`'s mixers: one, several (a parallel composite), or none (not its feeder)."""
+        main = self.layer_mixer(layer).split(">")[-1]
+        return () if main == "none" else tuple(main.split("+"))
+
+    def layer_feed(self, layer: int) -> Optional[str]:
+        """The kind whose output layer `layer` adds to its mixer's input (entry "f>a": f), or None."""
         entry = self.layer_mixer(layer)
-        return () if entry == "none" else tuple(entry.split("+"))
+        return entry.split(">")[0] if ">" in entry else None
+
+    def shared_use(self, layer: int) -> int:
+        """How many layers before `layer` (in the stack, or in a scanned period) use a shared block: its use index."""
+        return sum(self.layer_feed(j) == "shared" for j in range(layer))
+
+    def _check_shared_uses(self):
+        """A scan repeats a period's uses: their blocks must repeat with it (blocks dividing the uses per period)."""
+        period, blocks = self.pattern_period, self.shared_block.blocks
+        uses = sum(self.layer_feed(j) == "shared" for j in range(period))
+        if self.num_layers > period and uses % blocks:
+            raise ValueError(f"ModelConfig.shared_block.blocks={blocks} must divide the {uses} uses in each repeat of "
+                             f"mixer_pattern (period {period}); give mixer_pattern one entry per layer instead")
+        if self.dense_layers:
+            raise ValueError("ModelConfig.shared_block: shared blocks and a MoE model's dense first layers "
+                             "(dense_layers) cannot be combined")
 
     @property
     def mixers_used(self) -> set:
-        """The mixer kinds some layer has (a composite's each; not "none")."""
-        return {k for entry in self.mixer_pattern or ("attention",) for k in entry.split("+") if k != "none"}
+        """The mixer kinds some layer has (a composite's each, a feeder; not "none")."""
+        return {k for entry in self.mixer_pattern or ("attention",) for k in entry_kinds(entry) if k != "none"}
 
     def mixer_scales(self, kind: str) -> Tuple[float, float]:
         """(input, output) multipliers of `kind`'s mixer under mixer_multipliers (1, 1 unless named)."""

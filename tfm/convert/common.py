@@ -71,7 +71,7 @@ HF_ACTIVATIONS = {
     "swish": "silu",
 }
 # tfm's gated variants use silu (swiglu) and tanh-GELU (geglu) gates.
-GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu", "gelu": "geglu_erf"}
 
 
 # Fields every transformers config carries that change no computed value: bookkeeping, output switches,

@@ -2,6 +2,8 @@
 for decoding."""
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,7 @@ class Attention(nn.Module):
     cross: bool = False
     layer_index: int = 0  # the layer's place in the stack: its kind under config.attention_pattern
     qk_norm: bool = False
+    out_features: Optional[int] = None  # the output's width; None = config.d_model (Zamba's shared block: D from 2D)
 
     @nn.compact
     def __call__(self, x, memory=None, *, q_segment_ids=None, kv_segment_ids=None, positions=None,
@@ -128,7 +131,7 @@ class Attention(nn.Module):
         if cfg.global_projections and not self.cross:
             o = self._global_rows(x, o, q_segment_ids, kv_segment_ids, scale, dropout)
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
-        out = Einsum("BTNH,NHD->BTD", (N, Hv, cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
+        out = Einsum("BTNH,NHD->BTD", (N, Hv, self.out_features or cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
                      use_bias=out_bias, dtype=compute_dtype(cfg))
         o = o[..., :Hv]
         if cfg.attention_output_gate:  # Qwen3-Next: each head's output times sigmoid(gate(x)) [B, T, N, Hv]

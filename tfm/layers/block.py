@@ -21,7 +21,8 @@ class Block(nn.Module):
     x [B, T, D] -> [B, T, D]. layer_index (the layer's place in its stack) picks the token mixer under
     config.mixer_pattern (a kind registered in tfm.layers.slot, named as registered: self-attention
     `self_attn` after `attn_norm`, the others `mixer` after `mixer_norm`; a composite "a+b" sums its
-    mixers from the first one's norm; "none" leaves the slot empty), the attention kind under
+    mixers from the first one's norm; a fed entry "f>a" adds f's output, from the layer's input, to a's
+    input before a's norm (Zamba's shared blocks); "none" leaves the slot empty), the attention kind under
     config.attention_pattern and the feed-forward under config.ffn_pattern ("none": no feed-forward).
 
     gated: tanh gates (pi/4 at init) scale the attention and feed-forward outputs (`attn_gate`,
@@ -51,13 +52,15 @@ class Block(nn.Module):
         if self.causal and self.layer_index in cfg.multimodal.cross_attention_layers:
             return constrain(self._gated_cross(x, inputs, drop), ("batch", "length", "embed")), None
 
-        def sublayer(x, name, fn, skip=1.0):
+        def sublayer(x, name, fn, skip=1.0, feed=None):
             """Residual around fn with its norm where config.norm_position puts it: before fn (pre), after the
             residual add (post), before fn and on its output (sandwich: `{name}_post_norm`), on fn's output only
             (post_sublayer), before fn with the normed input as the skip path (normed_residual); fn's output
-            times config.residual_multiplier, the skip path times `skip`."""
+            times config.residual_multiplier, the skip path times `skip`; `feed` is added to fn's input before
+            its norm (pre only), not to the skip path."""
             norm = Norm(cfg, name=f"{name}_norm")
-            h_in = norm(x) if position in ("pre", "sandwich", "normed_residual") else x
+            h_in = x if feed is None else x + feed
+            h_in = norm(h_in) if position in ("pre", "sandwich", "normed_residual") else h_in
             h = fn(h_in)
             if position == "sandwich":
                 h = Norm(cfg, name=f"{name}_post_norm")(h)
@@ -73,6 +76,8 @@ class Block(nn.Module):
 
         kinds, ffn_kind = cfg.layer_mixers(self.layer_index), cfg.layer_ffn(self.layer_index, self.dense_ffn)
         mix = self._mixers(kinds, inputs)
+        feed_kind = cfg.layer_feed(self.layer_index)
+        feed = None if feed_kind is None else self._mixers((feed_kind,), inputs)(x)
         channel_mix = slot.ffn(ffn_kind)
         if channel_mix is not None:
             channel_mix = channel_mix(cfg, name="ffn")
@@ -93,7 +98,7 @@ class Block(nn.Module):
             x = x + self._residual((drop(mix(h)) if kinds else 0.0) + y)
         else:
             if kinds:
-                x = sublayer(x, slot.kind(kinds[0]).norm, mix, cfg.skip_scale(kinds[0]))
+                x = sublayer(x, slot.kind(kinds[0]).norm, mix, cfg.skip_scale(kinds[0]), feed)
             if self.cross:
                 cross_attn = Attention(cfg, cross=True, name="cross_attn")
                 x = sublayer(x, "cross", lambda h: cross_attn(

@@ -18,7 +18,6 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "silu": jax.nn.silu,
 }
-_GATE_FN = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def activation_fn(name: str):
@@ -33,7 +32,7 @@ def hidden_activation(config: ModelConfig, up):
         gate, lin = jnp.minimum(up("wi_gate"), limit), jnp.clip(up("wi_up"), -limit, limit)
         return gate * jax.nn.sigmoid(config.swiglu_alpha * gate) * (lin + 1)
     if config.activation in GATED_ACTIVATIONS:
-        return _GATE_FN[GATED_ACTIVATIONS[config.activation]](up("wi_gate")) * up("wi_up")
+        return _ACTIVATIONS[GATED_ACTIVATIONS[config.activation]](up("wi_gate")) * up("wi_up")
     return activation_fn(config.activation)(up("wi"))
 
 

@@ -14,8 +14,9 @@ class BlockInputs:
     [buckets, N] (T5's bias, set by the `Stack` and shared by its layers); memory_mask [B, T, M]
     (gated cross-attention layers): whether each query sees each of M equal runs of the memory (the
     image tiles); self_mask [B, T, T] bool: which keys each query sees in self-attention, on top of
-    the segment ids (Mllama's tiled vision encoder, whose padding rule they cannot describe). A pytree,
-    so a scan broadcasts it to every layer."""
+    the segment ids (Mllama's tiled vision encoder, whose padding rule they cannot describe); embeddings
+    [B, T, D] (the stack's input) and shared (one param tree per shared block, tfm.layers.shared), both set
+    by the `Stack` for its shared-block uses. A pytree, so a scan broadcasts it to every layer."""
 
     segment_ids: Optional[jnp.ndarray] = None
     positions: Optional[jnp.ndarray] = None
@@ -24,3 +25,5 @@ class BlockInputs:
     relative_table: Optional[jnp.ndarray] = None
     memory_mask: Optional[jnp.ndarray] = None
     self_mask: Optional[jnp.ndarray] = None
+    embeddings: Optional[jnp.ndarray] = None
+    shared: Optional[tuple] = None

@@ -6,11 +6,13 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from tfm.config import ModelConfig
 from tfm.layers.block import Block
 from tfm.layers.inputs import BlockInputs
 from tfm.layers.positions import RelativePositionBias
+from tfm.layers.shared import SharedBlock, block_width
 from tfm.layers.norms import Norm
 
 REMAT_POLICIES = {
@@ -50,6 +52,8 @@ class Stack(nn.Module):
         if cfg.position == "relative":
             table = RelativePositionBias(cfg, bidirectional=not self.causal, name="relative_bias")()
             inputs = inputs.replace(relative_table=table)
+        if "shared" in cfg.mixers_used:
+            inputs = self._shared_blocks(x, inputs)
         dense = cfg.dense_layers  # a MoE model's first, dense layers (0 without experts): never scanned
         for i in range(dense if cfg.execution.scan_layers else self.num_layers):
             x, _ = block(cfg, layer_index=i, dense_ffn=i < dense, name=f"layer_{i}", **kw)(x, inputs)
@@ -63,6 +67,17 @@ class Stack(nn.Module):
         if cfg.norm_position != "post" and cfg.final_norm:
             x = Norm(cfg, name="final_norm")(x)
         return x
+
+    def _shared_blocks(self, x, inputs: BlockInputs) -> BlockInputs:
+        """inputs with the stack's input x [B, T, D] as `embeddings` and the params of its shared blocks
+        `shared_block_{b}` (tfm.layers.shared), made at init by running each once."""
+        cfg = self.config
+        blocks = [SharedBlock(cfg, name=f"shared_block_{b}") for b in range(cfg.shared_block.blocks)]
+        if self.is_initializing():
+            h = jnp.zeros(x.shape[:2] + (block_width(cfg),), x.dtype)
+            for block in blocks:
+                block(h, inputs.replace(embeddings=x))
+        return inputs.replace(embeddings=x, shared=tuple(nn.meta.unbox(b.variables["params"]) for b in blocks))
 
 
 class BlockGroup(nn.Module):
