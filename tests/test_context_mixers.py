@@ -6,7 +6,7 @@ On 8 simulated CPU devices, mesh (data=2, context=4), fp32, 32 tokens a row (8 a
 packed so that sequences start inside a share, exactly at a device boundary (8) and after padding
 that begins at one (24): a hybrid decoder with every mixer (Mamba, Mamba-2, gated DeltaNet, RWKV with
 its channel mix, RG-LRU, KDA, the mLSTM with its running maximum; their chunked forms, short convolutions and token shifts) beside ring
-attention equals one device (the same jit without a mesh) in each mixer's output, the loss and every
+attention (fed by a shared block, whose own attention rings too) equals one device (the same jit without a mesh) in each mixer's output, the loss and every
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
 in its outputs, final state and gradients. The same hybrid by the Pallas kernels (interpreted, chunks
 of 8; without KDA and the mLSTM, which have none) split, against the chunked forms on one device. The split programs
@@ -39,13 +39,14 @@ KERNEL_ATOL = 5e-5
 
 
 def _model(mixers=MIXERS, impl="chunked", chunk=4):
-    """A hybrid decoder: `mixers`, then an attention layer; channel mix after RWKV, a dense FFN after attention."""
+    """A hybrid decoder: `mixers`, then an attention layer fed by a shared block (Zamba's, with LoRA adapters); channel
+    mix after RWKV, a dense FFN after attention."""
     ffn = tuple("rwkv" if kind == "rwkv" else "none" for kind in mixers) + ("dense",)
-    cfg = tiny("llama", num_layers=len(mixers) + 1, mixer_chunk_size=chunk, mixer_pattern=mixers + ("attention",),
+    cfg = tiny("llama", num_layers=len(mixers) + 1, mixer_chunk_size=chunk, mixer_pattern=mixers + ("shared>attention",),
                ffn_pattern=ffn, mixer_impl=impl, mamba=dict(state_size=4),
                mamba2=dict(state_size=4, head_dim=8, groups=2),
                deltanet=dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8), kda=dict(heads=2, head_dim=8),
-               mlstm=dict(heads=2))
+               mlstm=dict(heads=2), shared_block=dict(lora_rank=2))
     return DecoderLM(cfg)
 
 

@@ -294,6 +294,27 @@ def test_falcon_h1_gated_norms_match_hf(before_gate, gate_norm):
     assert max_abs(ours, ref, MASK) < TOL
 
 
+def test_zamba2_scanned_shared_blocks_match_hf_and_count_once():
+    """Zamba2 with mamba2, hybrid, hybrid repeated twice and 2 shared blocks: scanned (two repeats, each starting at
+    block 0) under remat, its logits match transformers' (1e-4); the blocks' parameters are stored once (the
+    Stack's `shared_block_{b}`, not per repeat), so tfm's parameters number transformers' (tied counted once)."""
+    torch.manual_seed(0)
+    hf = randomize(tr.Zamba2ForCausalLM(tr.Zamba2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+        layers_block_type=["mamba", "hybrid", "hybrid"] * 2, mamba_d_state=8, n_mamba_heads=4, num_mem_blocks=2,
+        use_shared_attention_adapter=True, use_shared_mlp_adapter=True, adapter_rank=4, chunk_size=4,
+        eos_token_id=None)))
+    cfg, params, model = from_hf(hf, mixer_chunk_size=4, scan_layers=True, remat_policy="full")
+    assert cfg.mixer_pattern == ("mamba2", "shared>mamba2", "shared>mamba2")
+    assert sorted(params["decoder"]) == ["final_norm", "layers", "shared_block_0", "shared_block_1"]
+    assert sum(x.size for x in jax.tree.leaves(params)) == sum(p.numel() for p in hf.parameters())
+    ids = tokens(1)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(MASK)).logits.numpy()
+    logits = jax.jit(lambda ids, seg: model.apply({"params": params}, ids, segment_ids=seg).logits)(ids, MASK)
+    assert max_abs(logits, ref, MASK) < TOL
+
+
 # Published sizes: tfm's preset against the same model built by transformers on the meta device.
 PUBLISHED = {
     "mamba2_2_7b": lambda: tr.Mamba2ForCausalLM(tr.Mamba2Config(
