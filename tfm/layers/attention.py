@@ -101,8 +101,10 @@ class Attention(nn.Module):
         if cfg.mla is not None:
             scale *= cfg.mla.softmax_scale_factor
         if index:  # DeepSeek Sparse Attention: each query's top_k keys by the indexer's scores
-            chosen = self._top_keys(*index, positions if use_positions else None, kv_positions if use_positions
-                                    else None, q_segment_ids, kv_segment_ids)
+            chosen, scores = self._top_keys(*index, positions if use_positions else None, kv_positions if use_positions
+                                            else None, q_segment_ids, kv_segment_ids)
+            if not decode:
+                self._sow_index_loss(q, k, scale, chosen, scores)
             bias = jnp.broadcast_to(jnp.where(chosen, 0.0, NEG_INF)[:, None], (x.shape[0], N) + chosen.shape[1:])
         if kv_mask is not None:
             (B, T, M), S = kv_mask.shape, k.shape[1]
@@ -266,7 +268,8 @@ class Attention(nn.Module):
             k_rope = apply_rope(k_rope[:, :, None], positions, cfg)[:, :, 0]  # [B, S, R]
         entries = {"cached_latent": (c, CACHE_LATENT_AXES), "cached_key_rope": (k_rope, CACHE_LATENT_AXES)}
         if cfg.indexer is not None:
-            index_q, index_k = self._index_heads(x, cq, positions)
+            # the indexer's input detached (DeepSeek-V3.2): it learns from its own loss only (`_sow_index_loss`)
+            index_q, index_k = self._index_heads(jax.lax.stop_gradient(x), jax.lax.stop_gradient(cq), positions)
             entries["cached_index_key"] = (index_k, CACHE_LATENT_AXES)
         if decode:
             cached, kv_segment_ids, positions = self._write_cache(entries, segment_ids)
@@ -279,7 +282,7 @@ class Attention(nn.Module):
                              "value_up", use_bias=False)(c)
         k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(k_pass.dtype), k_pass.shape[:3] + (R,))
         out = (q, jnp.concatenate([k_rope, k_pass], axis=-1), v, kv_segment_ids, positions)
-        return out + ((x, index_q, index_k) if cfg.indexer is not None else ())
+        return out + ((jax.lax.stop_gradient(x), index_q, index_k) if cfg.indexer is not None else ())
 
     def _index_heads(self, x, cq, positions):
         """The lightning indexer's queries [B, T, heads, head_dim] (from the query latent cq [B, T, Q]) and keys
@@ -298,24 +301,39 @@ class Attention(nn.Module):
         return q, k
 
     def _top_keys(self, x, index_q, index_k, q_pos, kv_pos, q_segment_ids, kv_segment_ids):
-        """[B, T, S] bool: the indexer.top_k visible keys of highest score sum_h w_h relu(q_h . k / sqrt(head_dim))
-        for each query (ties to the earlier key), w = `indexer_weights` x / sqrt(heads); no gradient. q_pos, kv_pos:
-        the cache's positions when decoding, else None (the order of the tokens)."""
+        """(chosen [B, T, S] bool: the indexer.top_k visible keys of highest score for each query, ties to the
+        earlier key; the scores [B, T, S] fp32, sum_h w_h relu(q_h . k / sqrt(head_dim)), w = `indexer_weights` x /
+        sqrt(heads)). The scores' gradient reaches the indexer's parameters only (its inputs are detached). q_pos,
+        kv_pos: the cache's positions when decoding, else None (the order of the tokens)."""
         cfg, ind = self.config, self.config.indexer
         T, S = index_q.shape[1], index_k.shape[1]
         w = self._projection("BTD,DN->BTN", (cfg.d_model, ind.heads), ("embed", "heads"), "indexer_weights",
                              use_bias=False)(x).astype(jnp.float32) * ind.heads ** -0.5
         logits = jnp.einsum("btnh,bsh->btns", index_q.astype(jnp.float32), index_k.astype(jnp.float32))
-        scores = jax.lax.stop_gradient(jnp.einsum("btn,btns->bts", w, jax.nn.relu(logits * ind.head_dim ** -0.5)))
+        scores = jnp.einsum("btn,btns->bts", w, jax.nn.relu(logits * ind.head_dim ** -0.5))
         visible = visibility(jnp.arange(T)[None] if q_pos is None else q_pos,
                              jnp.arange(S)[None] if kv_pos is None else kv_pos, q_segment_ids, kv_segment_ids,
                              causal=self.causal, window=None)
         if ind.top_k >= S:
-            return visible
-        _, top = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), ind.top_k)  # [B, T, top_k]
+            return visible, scores
+        _, top = jax.lax.top_k(jnp.where(visible, jax.lax.stop_gradient(scores), -jnp.inf), ind.top_k)  # [B, T, top_k]
         B = top.shape[0]
         chosen = jnp.zeros((B, T, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], top].set(True)
-        return chosen & visible
+        return chosen & visible, scores
+
+    def _sow_index_loss(self, q, k, scale, chosen, scores):
+        """Sows `losses/indexer_kl_loss`: DeepSeek-V3.2's indexer loss, sum over queries t of KL(p_t || softmax(I_t)),
+        over each query's chosen keys (all visible keys while top_k covers them: the dense warm-up), p_t the main
+        attention's probabilities summed over heads and L1-normalised (no gradient), I the index scores; here the
+        mean over the queries that see a key (so it does not grow with the batch). q [B, T, N, H], k [B, S, N, H]."""
+        logits = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+        probs = jax.nn.softmax(jnp.where(chosen[:, None], logits, NEG_INF), axis=-1).sum(1)  # [B, T, S]
+        seen = chosen.any(-1)  # [B, T]
+        p = jax.lax.stop_gradient(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
+        log_q = jax.nn.log_softmax(jnp.where(chosen, scores, NEG_INF), axis=-1)  # finite: no NaN in any gradient
+        terms = jnp.where(chosen & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
+        kl = jnp.where(seen, terms.sum(-1), 0.0).sum() / jnp.maximum(seen.sum(), 1)
+        self.sow("losses", "indexer_kl_loss", kl)
 
     def _cross_qkv(self, x, memory, memory_segment_ids, decode):
         """q [B, T, N, H]; the projected memory k, v [B, S, K, H], cached once in decode mode."""

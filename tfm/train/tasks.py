@@ -63,11 +63,17 @@ def learned_position_fields(config, *keys: str) -> list[IdField]:
     return [IdField(key, config.max_len - config.position_offset) for key in keys]
 
 
+INDEXER_LOSS = "indexer_kl_loss"  # the name DeepSeek Sparse Attention's indexer sows its loss under
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     moe_aux_weight: float = 1.0  # multiplies the sown loss (the model applies its router coefficient)
+    # DeepSeek Sparse Attention: the indexer's KL loss (`losses/indexer_kl_loss`) times this in the objective; the
+    # loss is a metric whenever the model has an indexer, and only this trains the indexer (its input is detached)
+    indexer_loss_weight: float = 0.0
     vocab_chunk: Optional[int] = None  # fused chunked cross-entropy over the vocabulary; None = plain logits
     reads = ("label_smoothing", "z_loss", "vocab_chunk")  # the loss fields this task's loss uses
 
@@ -100,22 +106,33 @@ class Task:
                           deterministic=True)
 
     def forward(self, model, params, batch, rng, deterministic: bool):
-        """(model outputs, the summed auxiliary losses it sowed (MoE), or None: it sows none)."""
+        """(model outputs, {name: the sum over layers of the auxiliary loss the model sowed under that name}: the
+        routers' (MoE) and the sparse-attention indexer's; empty when it sows none)."""
         outputs, extra = model.apply({"params": params}, **self.model_kwargs(batch),
                                      deterministic=deterministic, rngs={"dropout": rng},
                                      mutable=["losses"])
-        sown = jax.tree.leaves(extra.get("losses", {}))
-        return outputs, sum((jnp.sum(x) for x in sown), jnp.zeros((), jnp.float32)) if sown else None
+        sown = {}
+        for path, x in jax.tree_util.tree_leaves_with_path(extra.get("losses", {})):
+            name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+            sown[name] = sown.get(name, jnp.zeros((), jnp.float32)) + jnp.sum(x)
+        return outputs, sown
 
     def loss(self, model, params, batch, rng, totals: dict, num_micro: int = 1,
              deterministic: bool = False):
         """(objective, metrics) for a (micro)batch; totals from `weight_totals(full batch)`.
-        metrics has z_loss only with a z-loss, moe_aux_loss only for a model that sows one."""
-        outputs, aux = self.forward(model, params, batch, rng, deterministic)
+        metrics has z_loss only with a z-loss, moe_aux_loss only for a model that sows one (the routers' terms
+        summed), indexer_kl_loss only for a model with a sparse-attention indexer."""
+        outputs, sown = self.forward(model, params, batch, rng, deterministic)
         terms = self.loss_terms(outputs, batch)
         objective, metrics = 0.0, {"loss": 0.0}
-        if aux is not None:
+        index_loss = sown.pop(INDEXER_LOSS, None)
+        if sown:
+            aux = sum(sown.values())
             objective, metrics["moe_aux_loss"] = self.moe_aux_weight * aux / num_micro, aux / num_micro
+        if index_loss is not None:
+            metrics[INDEXER_LOSS] = index_loss / num_micro
+            if self.indexer_loss_weight:
+                objective += self.indexer_loss_weight * index_loss / num_micro
         if self.z_loss:
             metrics["z_loss"] = 0.0
         for i, (name, t) in enumerate(terms.items()):

@@ -60,6 +60,11 @@ class Trainer:
         if task.moe_aux_weight != 1.0 and not getattr(model.config, "num_experts", 0):
             raise ValueError(f"{type(task).__name__}.moe_aux_weight={task.moe_aux_weight!r} is not read: the "
                              "model has no experts (ModelConfig.num_experts=0); leave it at 1.0")
+        if task.indexer_loss_weight and getattr(model.config, "indexer", None) is None:
+            raise ValueError(f"{type(task).__name__}.indexer_loss_weight={task.indexer_loss_weight!r} is not read: the "
+                             "model has no sparse-attention indexer (ModelConfig.indexer=None); leave it at 0")
+        if task.indexer_loss_weight < 0:
+            raise ValueError(f"{type(task).__name__}.indexer_loss_weight={task.indexer_loss_weight!r} must be >= 0")
         self.model, self.task, self.config = model, task, config
         self.mesh = mesh if mesh is not None else parallel.make_mesh(config.mesh)
         if self.mesh.devices.flat[0].platform == "cpu":  # steps' buffers are host memory: keep them
