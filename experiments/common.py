@@ -6,7 +6,7 @@ its keys are exactly
     from the dataclasses themselves;
   - `model.preset` (a tfm.models.presets name) and `model.overrides` (ModelConfig fields; RoPE's
     nested: `model.overrides.rope.theta`);
-  - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight);
+  - `task.*`: the Task's loss fields (label_smoothing, z_loss, moe_aux_weight, indexer_loss_weight);
   - the experiment's own `Settings` fields (dataset, vocab_size, ...), which the recipe sets;
   - `experiment`: the module that trains the recipe (`Settings.experiment` declares it), so a
     recipe names its experiment (experiments.preflight reads it).
