@@ -97,6 +97,8 @@ def test_variants_are_their_mixers_at_about_the_same_size():
     assert layers["full"] == layers["window"] == [attention] * 4
     assert layers["mamba2"] == layers["gated_deltanet"] == [mixer] * 4
     assert layers["hybrid"] == [mixer] * 3 + [attention]
+    assert layers["kda"] == layers["lightning"] == layers["mlstm"] == [mixer] * 4 and layers["top_k"] == [attention] * 4
+    assert mixers.model_config("top_k", 64).indexer.top_k == mixers.WINDOW
     assert mixers.model_config("window", 64).sliding_window == mixers.WINDOW
     assert mixers.model_config("full", 64).sliding_window is None
     with pytest.raises(ValueError, match="variant 'mamba' unknown"):

@@ -41,6 +41,10 @@ BASE = dict(d_model=64, num_layers=4, num_heads=4, num_kv_heads=4, d_ff=128, dro
 # The recurrent mixers sized to about attention's 4 D^2 = 16,384 parameters per layer (the counts are printed):
 # Mamba-2 at expand 1 (E = D = 64 channels in 4 heads of 16, state 32: 17,356), gated DeltaNet as
 # Qwen3-Next's shape shrunk (2 query/key heads of 16 serving 4 value heads of 16: 17,432).
+# The 2025-26 mixers likewise: KDA in 3 heads of 16 (16,707), lightning attention in 4 heads of 14 (17,980), the
+# mLSTM in 4 heads (16,968); top-k sparse attention is DeepSeek-V3.2's indexer (4 index heads of 16) choosing
+# WINDOW keys per query over latent attention (latents 24, heads 16 + 8 rotated, values 16: 15,952), trained on
+# its KL loss beside the LM loss (LMTask.indexer_loss_weight 1).
 MAMBA2 = dict(state_size=32, head_dim=16, expand=1, groups=1)
 DELTANET = dict(key_heads=2, value_heads=4, key_head_dim=16, value_head_dim=16)
 VARIANTS = {
@@ -49,6 +53,11 @@ VARIANTS = {
     "mamba2": dict(mixer_pattern=("mamba2",), mamba2=MAMBA2),
     "gated_deltanet": dict(mixer_pattern=("gated_deltanet",), deltanet=DELTANET),
     "hybrid": dict(mixer_pattern=("mamba2", "mamba2", "mamba2", "attention"), mamba2=MAMBA2),
+    "kda": dict(mixer_pattern=("kda",), kda=dict(heads=3, head_dim=16)),
+    "lightning": dict(mixer_pattern=("lightning",), head_dim=14),
+    "mlstm": dict(mixer_pattern=("mlstm",), mlstm=dict(heads=4)),
+    "top_k": dict(head_dim=24, mla=dict(kv_rank=24, q_rank=24, rope_dim=8, value_dim=16),
+                  indexer=dict(heads=4, head_dim=16, top_k=WINDOW)),
 }
 
 
@@ -108,7 +117,8 @@ def make_trainer(cfg, s: Settings, size: TaskSize) -> Trainer:
     shape = (size.batch, size.length)
     example = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
                "weights": np.zeros(shape, np.float32)}
-    return Trainer(DecoderLM(cfg), LMTask(), config, make_mesh(mesh, jax.devices()[:1])).setup(example)
+    task = LMTask(indexer_loss_weight=1.0 if cfg.indexer is not None else 0.0)
+    return Trainer(DecoderLM(cfg), task, config, make_mesh(mesh, jax.devices()[:1])).setup(example)
 
 
 def train_rows(task: str, s: Settings, step: int) -> list:
@@ -181,7 +191,8 @@ def run(variants, s: Settings, log=_print) -> dict:
             steppers[task][name] = _stepper(trainers[size], state, recall.batch(train_rows(task, s, 0)))
         row["memory"] = {L: temp_mib(cfg, s, L) for L in s.memory_lengths}
         long = s.memory_lengths[-1]
-        row["chunked"] = temp_mib(cfg.replace(attention_impl="chunked"), s, long) if has_attention(cfg) else None
+        chunked = has_attention(cfg) and cfg.indexer is None  # sparse attention is masked dense attention ("xla")
+        row["chunked"] = temp_mib(cfg.replace(attention_impl="chunked"), s, long) if chunked else None
         log("  temp MiB: " + ", ".join(f"L={L}: {m:,.1f}" for L, m in row["memory"].items())
             + ("" if row["chunked"] is None else f", L={long} chunked: {row['chunked']:,.1f}"))
     for task, calls in steppers.items():
