@@ -9,7 +9,7 @@ its channel mix, RG-LRU, KDA, the mLSTM with its running maximum; their chunked 
 attention (fed by a shared block, whose own attention rings too) equals one device (the same jit without a mesh) in each mixer's output, the loss and every
 gradient; beside it, a scan from a given initial state (the first device's start) equals one device
 in its outputs, final state and gradients. The same hybrid by the Pallas kernels (interpreted, chunks
-of 8; without KDA and the mLSTM, which have none) split, against the chunked forms on one device. The split programs
+of 8; without the mLSTM, which has none) split, against the chunked forms on one device. The split programs
 gather nothing (no all-gather or all-to-all: maps, states and the convolutions' windows travel by
 collective-permute). One compile each way, shared by the tests. A window longer than a device's share
 fails in one line.
@@ -32,7 +32,7 @@ SEGMENTS = np.asarray([[1] * 11 + [2] * 13 + [0] * 5 + [3] * 3,   # a start at 1
                        [1] * 8 + [2] * 13 + [3] * 11])            # starts at 8 (a device boundary) and 21
 POSITIONS = np.asarray([np.r_[0:11, 0:13, [0] * 5, 0:3], np.r_[0:8, 0:13, 0:11]])
 MIXERS = ("mamba", "mamba2", "gated_deltanet", "rwkv", "rglru", "kda", "mlstm")  # layers 0-6; layer 7 is attention
-KERNEL_MIXERS = MIXERS[:-2]  # the mixers with a Pallas kernel
+KERNEL_MIXERS = MIXERS[:-1]  # the mixers with a Pallas kernel (KDA's: tfm.kernels.kda)
 # The kernels against the chunked forms, of each array's largest magnitude: fp32 products and the delta rule's
 # triangular inverse by doubling round apart by up to 1.3e-5 of the largest gradient after five layers (seen).
 KERNEL_ATOL = 5e-5

@@ -200,7 +200,6 @@ def test_errors_name_the_argument():
         "k": dict(k=k[:, :, :1]),
         "v": dict(v=v[:, :4]),
         "g": dict(g=g[..., None]),
-        "impl='pallas'": dict(g=np.repeat(g[..., None], 4, -1), impl="pallas"),
         "beta": dict(beta=beta[:1]),
         "segment_ids": dict(segment_ids=np.ones((2, 4), np.int32)),
         "initial_state": dict(initial_state=s0[:, :, :2]),

@@ -244,11 +244,12 @@ def test_the_kernels_carry_their_cost_for_the_cost_model():
 def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_dim):
     """The linear-time mixers' kernels through their entry points (impl="pallas"), bf16, the gradients (so every
     forward and backward kernel), 2 heads, packed segments, an initial state, a length that is not a chunk
-    multiple: Mamba-2's SSD (head dim 64, state 128, one group, chunks of `chunk`) and the gated delta rule (key
-    and value head dims `delta_dim`, chunks of `delta_chunk`), under a tensor=2 mesh of two v5p chips (the grid
-    driver, Mosaic) and of two H100s (the loop driver, Triton, register spilling refused): each device runs the
-    kernels on its own head (SSD's group repeated for it), inside shard_map. On the H100 the delta rule's
-    kernels fit the registers only at small head dims (tfm.kernels.delta_rule). Beside them RG-LRU's linear scan
+    multiple: Mamba-2's SSD (head dim 64, state 128, one group, chunks of `chunk`) and the gated delta rule with
+    a decay per head and one per key channel (KDA; key and value head dims `delta_dim`, chunks of `delta_chunk`),
+    under a tensor=2 mesh of two v5p chips (the grid driver, Mosaic) and of two H100s (the loop driver, Triton,
+    register spilling refused): each device runs the kernels on its own head (SSD's group repeated for it), inside
+    shard_map. On the H100 the delta rule's kernels fit the registers only at small head dims
+    (tfm.kernels.delta_rule, tfm.kernels.kda). Beside them RG-LRU's linear scan
     (fp32, 2 heads of 256 channels, TPU blocks of `chunk` rows), Mamba's selective scan (bf16, 512 channels of
     state 16, 256 on each device, the fused kernel a chunk at a time) and RWKV's WKV (fp32, 512
     channels, 256 on each device): their forward and reverse (backward) passes."""
@@ -258,7 +259,7 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
     f32 = functools.partial(spec, dtype=jnp.float32)
     total = lambda outs: sum(out.astype(jnp.float32).sum() for out in outs)
 
-    def grads(ssd_args, delta_args, scan_args, selective_args, wkv_args, segments):
+    def grads(ssd_args, delta_args, kda_args, scan_args, selective_args, wkv_args, segments):
         ssd_loss = lambda x, dt, A, b, c, h0: total(ssd_ops.ssd(
             x, dt, A, b, c, initial_state=h0, segment_ids=segments, impl="pallas", chunk_size=chunk))
         delta_loss = lambda q, k, v, g, beta, h0: total(delta_ops.gated_delta_rule(
@@ -271,6 +272,7 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
             w, u, k, v, initial_state=state, segment_ids=segments, impl="pallas", chunk_size=chunk)))
         return (jax.grad(ssd_loss, argnums=tuple(range(6)))(*ssd_args),
                 jax.grad(delta_loss, argnums=tuple(range(6)))(*delta_args),
+                jax.grad(delta_loss, argnums=tuple(range(6)))(*kda_args),
                 jax.grad(scan_loss, argnums=(0, 1, 2))(*scan_args),
                 jax.grad(selective_loss, argnums=tuple(range(6)))(*selective_args),
                 jax.grad(wkv_loss, argnums=tuple(range(5)))(*wkv_args))
@@ -279,23 +281,25 @@ def test_mixer_kernels_compile(target, kernel_calls, chunk, delta_chunk, delta_d
                 f32((B, N, H, S)))
     delta_args = (spec((B, T, N, Dk)), spec((B, T, N, Dk)), spec((B, T, N, Dk)), f32((B, T, N)), f32((B, T, N)),
                   f32((B, N, Dk, Dk)))
+    kda_args = delta_args[:3] + (f32((B, T, N, Dk)),) + delta_args[4:]  # g per key channel
     scan_args = (f32((B, T, N, 256)), f32((B, T, N, 256)), f32((B, N, 256)))
     E = 512
     selective_args = (spec((B, T, E)), spec((B, T, E)), f32((E, 16)), spec((B, T, 16)), spec((B, T, 16)),
                       f32((B, E, 16)))
     wkv_args = (f32((E,)), f32((E,)), f32((B, T, E)), f32((B, T, E)), (f32((B, E)),) * 3)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(grads).lower(ssd_args, delta_args, scan_args, selective_args, wkv_args,
+        hlo = jax.jit(grads).lower(ssd_args, delta_args, kda_args, scan_args, selective_args, wkv_args,
                                    spec((B, T), jnp.int32)).compile(
             compiler_options=REFUSE_SPILLS if kernel_calls == "h100-1" else None).as_text()
     calls = [line for line in hlo.splitlines() if KERNEL_CALLS[kernel_calls] in line]
-    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|linear_scan_[a-z]+|wkv_[a-z]+|" \
-              r"selective_scan_[a-z]+)"
+    pattern = r"(ssd_fwd|ssd_bwd_[a-z]+|gated_delta_fwd|gated_delta_bwd_[a-z]+|kda_fwd|kda_bwd_[a-z]+|" \
+              r"linear_scan_[a-z]+|wkv_[a-z]+|selective_scan_[a-z]+)"
     assert sorted(re.search(pattern, line).group(1) for line in calls) == [
-        "gated_delta_bwd_chunk", "gated_delta_bwd_state", "gated_delta_fwd", "linear_scan_bwd", "linear_scan_fwd",
+        "gated_delta_bwd_chunk", "gated_delta_bwd_state", "gated_delta_fwd", "kda_bwd_chunk", "kda_bwd_state",
+        "kda_fwd", "linear_scan_bwd", "linear_scan_fwd",
         "selective_scan_bwd", "selective_scan_fwd", "selective_scan_fwd",  # the chunk's forward again in its backward
         "ssd_bwd_across", "ssd_bwd_intra", "ssd_bwd_state", "ssd_fwd", "wkv_bwd", "wkv_fwd"]
-    chunked = [line for line in calls if re.search(r"(ssd|gated_delta)_", line)]
+    chunked = [line for line in calls if re.search(r"(ssd|gated_delta|kda)_", line)]
     assert all(f"bf16[{B},1," in line for line in chunked)  # per device: [B, N / 2, T, head dim]
     # per device: one RG-LRU head's state, and Mamba's E / 2 channels of state 16
     assert all(f"f32[{B},1,256]" in line for line in calls if "linear_scan_" in line)

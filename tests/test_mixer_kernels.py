@@ -1,10 +1,12 @@
-"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.linear_scan,
-tfm.kernels.wkv; interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd, tfm.ops.delta_rule,
-tfm.ops.linear_scan, tfm.ops.wkv; the WKV kernel's values and gradients are tested in tests/test_wkv.py).
+"""The Pallas kernels of the linear-time mixers (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.kda,
+tfm.kernels.linear_scan, tfm.kernels.wkv; interpreted on CPU) against their chunked JAX forms (tfm.ops.ssd,
+tfm.ops.delta_rule, tfm.ops.linear_scan, tfm.ops.wkv; the WKV kernel's values and gradients are tested in
+tests/test_wkv.py).
 
 One case per family: 37 tokens in chunks of 16 (the last chunk partial), packed segments (starting mid-chunk
 and on a chunk boundary) with padding on both ends, an initial state; Mamba-2 with 4 heads reading 2 groups of
-B/C; Mamba's selective scan (the fused kernel) with 8 channels of state 4. Values
+B/C; Mamba's selective scan (the fused kernel) with 8 channels of state 4; KDA (a decay per key channel) with
+two of its 8 channels decaying by e^-5 to e^-20 a token, where exp(-cs) over a chunk overflows float32. Values
 (output, final state) and the gradients of every input: fp32 max-abs error <= 1e-5 of each quantity's largest
 magnitude, bf16 <= 1e-2. The inputs are bf16 values, so bf16 and fp32 runs share one reference (the chunked forms
 compute in fp32).
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 from tfm.kernels import delta_rule as delta_kernel
+from tfm.kernels import kda as kda_kernel
 from tfm.kernels import linear_scan as scan_kernel
 from tfm.kernels import row_loop
 from tfm.kernels import selective_scan as selective_kernel
@@ -34,11 +37,12 @@ from tfm.ops.segments import sequence_starts
 TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # of the largest magnitude of each compared array
 Bsz, T, CHUNK = 1, 37, 16
 N, P, G, S = 4, 8, 2, 16  # Mamba-2: heads, head dim, groups, state size
-H, K, V = 2, 8, 16  # gated DeltaNet: heads, key and value head dims
+H, K, V = 2, 8, 16  # gated DeltaNet and KDA: heads, key and value head dims
 E, SE = 8, 4  # Mamba: channels, state size
 NAMES = {"ssd": ("x", "dt", "A", "B", "C", "h0"), "selective": ("x", "dt", "A", "B", "C", "h0"),
-         "delta": ("q", "k", "v", "g", "beta", "h0")}
-ENTRY_POINTS = {"ssd": ssd_ops.ssd, "selective": ssd_ops.selective_scan, "delta": delta_ops.gated_delta_rule}
+         "delta": ("q", "k", "v", "g", "beta", "h0"), "kda": ("q", "k", "v", "g", "beta", "h0")}
+ENTRY_POINTS = {"ssd": ssd_ops.ssd, "selective": ssd_ops.selective_scan, "delta": delta_ops.gated_delta_rule,
+                "kda": delta_ops.gated_delta_rule}
 
 
 def _segments():
@@ -70,7 +74,10 @@ def _inputs(family, dtype):
         q = unit(jax.random.normal(keys[0], (Bsz, T, H, K))) * K ** -0.5
         k = unit(jax.random.normal(keys[1], (Bsz, T, H, K)))
         v = jax.random.normal(keys[2], (Bsz, T, H, V))
-        g = -jax.nn.softplus(jax.random.normal(keys[3], (Bsz, T, H)))
+        g = -jax.nn.softplus(jax.random.normal(keys[3], (Bsz, T, H) + ((K,) if family == "kda" else ())))
+        if family == "kda":  # two channels strongly decaying: a factored exp(cs_i) exp(-cs_j) overflows
+            g = g.at[..., :2].set(-jax.random.uniform(jax.random.fold_in(keys[3], 1), (Bsz, T, H, 2), minval=5,
+                                                      maxval=20))
         beta = jax.nn.sigmoid(jax.random.normal(keys[4], (Bsz, T, H)))
         args = (rounded(q), rounded(k), rounded(v), g, beta, jax.random.normal(keys[5], (Bsz, H, K, V)))
         shapes = ((Bsz, T, H, V), (Bsz, H, K, V))
@@ -100,8 +107,9 @@ def _by_kernel(family, *args):
         y, h = selective_kernel.selective_scan(x, dt, jnp.broadcast_to(A, h0.shape), B, C, reset, h0, **options)
         return y.astype(x.dtype), h
     q, k, v, g, beta = args
-    return delta_kernel.chunked_gated_delta_rule(q, k, v, jnp.where(real, g, 0), jnp.where(real, beta, 0), reset,
-                                                 h0, **options)
+    chunked = kda_kernel.chunked_kda if family == "kda" else delta_kernel.chunked_gated_delta_rule
+    return chunked(q, k, v, jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 3)), g, 0), jnp.where(real, beta, 0),
+                   reset, h0, **options)
 
 
 def _values_and_grads(run, args, cotangents, segments=None):
@@ -124,9 +132,10 @@ def _reference(family):
 
 @pytest.mark.parametrize("family,dtype,driver", [
     ("ssd", jnp.float32, "loop"), ("ssd", jnp.bfloat16, "grid"), ("delta", jnp.float32, "loop"),
-    ("delta", jnp.bfloat16, "grid"), ("selective", jnp.float32, "loop"), ("selective", jnp.bfloat16, "grid")],
-    ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid", "selective-fp32-loop",
-         "selective-bf16-grid"])
+    ("delta", jnp.bfloat16, "grid"), ("kda", jnp.float32, "loop"), ("kda", jnp.bfloat16, "grid"),
+    ("selective", jnp.float32, "loop"), ("selective", jnp.bfloat16, "grid")],
+    ids=["ssd-fp32-loop", "ssd-bf16-grid", "delta-fp32-loop", "delta-bf16-grid", "kda-fp32-loop", "kda-bf16-grid",
+         "selective-fp32-loop", "selective-bf16-grid"])
 def test_kernels_equal_the_chunked_forms(family, dtype, driver):
     """The loop driver (GPU's) through the entry point, impl="pallas" on CPU; the grid driver (TPU's: a
     sequential chunk axis, the state in scratch) called directly; both interpreted."""
@@ -140,9 +149,18 @@ def test_kernels_equal_the_chunked_forms(family, dtype, driver):
     for name, got, want, primal in zip(names, (out, h, *grads), (out_ref, h_ref, *grads_ref), (out, h, *args)):
         assert got.dtype == primal.dtype, name
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.isfinite(got).all(), name
         scale = np.abs(want).max()
         assert scale > 0, name
         np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCES[dtype] * scale, err_msg=name)
+
+
+def test_kda_case_overflows_a_factored_decay():
+    """The KDA case above is one a factored decay exp(cs_i) exp(-cs_j) could not compute: exp(-cs) over its first
+    chunk overflows float32."""
+    g = np.asarray(_inputs("kda", jnp.float32)[0][3], np.float32)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(-np.cumsum(g[:, :CHUNK], axis=1))).any()
 
 
 @pytest.mark.parametrize("driver,dtype", [("loop", jnp.float32), ("grid", jnp.float32), ("loop", jnp.bfloat16)])
@@ -226,9 +244,9 @@ def test_chunk_is_a_validated_tile(chunk, backend, message):
 @pytest.mark.parametrize("kind", ["rglru", "mamba", "rwkv"])
 def test_a_recurrent_model_trains_through_the_kernel(kind):
     """A tiny RG-LRU (recurrent blocks [B, T, heads, head dim]), Mamba (the selective scan's chunks [B, L, E, S]) or
-    RWKV (WKV over [B, T, C]) + attention model with mixer_impl="pallas": the loss and every parameter's gradient
-    over a packed, padded batch equal mixer_impl="chunked"'s (1e-5 of the largest), so the layer hands the kernel
-    its scan as the chunked form gets it."""
+    RWKV (WKV over [B, T, C]) + attention model with
+    mixer_impl="pallas": the loss and every parameter's gradient over a packed, padded batch equal
+    mixer_impl="chunked"'s (1e-5 of the largest), so the layer hands the kernel its scan as the chunked form gets it."""
     cfg = tiny("llama", mixer_pattern=(kind, "attention"), mixer_chunk_size=8, mamba=dict(state_size=4))
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 12)), jnp.int32)
     seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12])

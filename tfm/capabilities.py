@@ -121,7 +121,7 @@ MIXER = {
     # The parallel form: chunked SSD, the chunked gated delta rule (WY form), chunked or associative
     # scans for the diagonal recurrences; execution.mixer_chunk_size tokens per chunk.
     "chunked": MixerSupport(parallel=True),
-    # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule: the chunked forms; tfm.kernels.linear_scan,
+    # The Pallas kernels (tfm.kernels.ssd, tfm.kernels.delta_rule, tfm.kernels.kda: the chunked forms; linear_scan,
     # selective_scan, wkv: RG-LRU's, Mamba's and RWKV's recurrences; Mosaic on TPU, Triton on GPU, interpreted on
     # CPU), per device under shard_map (inside context_scan's over `context` when the sequence is
     # split). Not yet timed against "chunked": "auto" never picks it.

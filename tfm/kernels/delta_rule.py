@@ -16,7 +16,9 @@ T is formed on the matrix units by doubling: A is nilpotent, so (I + A)^-1 = (I 
 the input dtype (fp32 accumulation).
 
 Drivers as tfm.kernels.ssd's: grid (TPU: a sequential chunk axis, the state in VMEM scratch) and loop (GPU
-Triton, CPU interpret: a loop over chunks). The forward writes the state entering every chunk.
+Triton, CPU interpret: a loop over chunks). The forward writes the state entering every chunk. The builders,
+the custom VJP and the padding (`run_kernels`) take the per-chunk math as a `Family`: this module's
+(GATED_DELTA) and tfm.kernels.kda's (a decay per key channel).
 
 Backward (`jax.custom_vjp`), two Pallas kernels, each recomputing the chunk's tiles. With G = dLoss/dS_next
 (the final state's cotangent after the last chunk) and dW = (D o q k^T)^T do + (w k) G:
@@ -37,7 +39,7 @@ product in bf16; the cause is not yet found.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ from tfm.kernels.ssd import (Config, chunk_sums, decays, dot, forward_kernel, pa
                              state_backward_kernel, tiling, views)
 
 
-def _inverse(A):
+def inverse(A):
     """(I + A)^-1 for a strictly lower-triangular fp32 A [L, L] (L a power of two), by doubling."""
     L = A.shape[0]
     i, j = (lax.broadcasted_iota(jnp.int32, (L, L), axis) for axis in (0, 1))
@@ -67,7 +69,7 @@ def _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
     i, j = (lax.broadcasted_iota(jnp.int32, (L, L), axis) for axis in (0, 1))
     kk = dot(k, k, (1, 1))
     A = jnp.where(i > j, beta * D * kk, 0.0)
-    T = _inverse(A)
+    T = inverse(A)
     kf = k.astype(jnp.float32)
     U = dot(T, beta * v.astype(jnp.float32))
     Wk = dot(T, (beta * e) * kf)
@@ -83,8 +85,9 @@ def _chunk_forward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S):
     return o, tau * S + dot((w * k).astype(dtype), W_in, (0, 0))
 
 
-def _dW(attn, w, k, G, do):
-    """dLoss/dW [L, V], fp32: (D o q k^T)^T do + (w k) G."""
+def corrected_gradient(attn, w, k, G, do):
+    """dLoss/dW [L, V] of the corrected values W, fp32: attn^T do + (w o k) G, attn [L, L] the decayed q k^T
+    (D o q k^T here), w [L, 1] (or [L, K], a decay per key channel)."""
     dtype = k.dtype
     return dot(attn.astype(dtype), do, (0, 0)) + dot((w * k).astype(dtype), G.astype(dtype))
 
@@ -92,7 +95,7 @@ def _dW(attn, w, k, G, do):
 def _state_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, G, do):
     """dLoss/dS for the state S entering the chunk, given G = dLoss/dS_next: tau G + (e q)^T do - Wk^T dW, fp32."""
     D, e, w, tau, _, _, _, _, Wk, _ = _tiles(q, k, v, beta, cs_col, cs_row, st_col, st_row, None)
-    dW = _dW(D * dot(q, k, (1, 1)), w, k, G, do)
+    dW = corrected_gradient(D * dot(q, k, (1, 1)), w, k, G, do)
     return tau * G + dot((e * q).astype(q.dtype), do, (0, 0)) - dot(Wk, dW, (0, 0))
 
 
@@ -106,7 +109,7 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
     qk = dot(q, k, (1, 1))
     attn = D * qk
     S_in, G_in = S.astype(dtype), G.astype(dtype)
-    dW = _dW(attn, w, k, G, do)
+    dW = corrected_gradient(attn, w, k, G, do)
     dattn = dot(do, W.astype(dtype), (1, 1))  # [L, L]
     dq = dot((dattn * D).astype(dtype), k) + e * dot(do, S_in, (1, 1))
     dk = dot((dattn * D).astype(dtype), q, (0, 0))
@@ -135,31 +138,39 @@ def _chunk_backward(q, k, v, beta, cs_col, cs_row, st_col, st_row, S, G, do):
 
 
 # --------------------------------------------------------------------------------------
-# Kernels. Refs: q, k, v, beta, cs_col, cs_row, st_col, st_row, then the forward's h0 or the backward's
-# states, do, dh; outputs; scratch (grid driver).
+# Kernels. Refs: the chunk inputs (q, k, v, beta, the decays' and the starts' views), then the forward's h0 or
+# the backward's states, do, dh; outputs; scratch (grid driver).
 # --------------------------------------------------------------------------------------
 
-_NUM_INPUTS = 8
+class Family(NamedTuple):
+    """One chunked delta rule's kernels (hashable: a nondiff argument): `name` their prefix; `inputs` the kinds
+    (`_specs`) of the chunk inputs q, k, v, beta, then the decays' views and last the starts' two;
+    views(cs, starts) -> the chunk inputs after beta; the per-chunk math on them: chunk_forward(*inputs, S) ->
+    (o, S_next), state_backward(*inputs, G, do) -> G, chunk_backward(*inputs, S, G, do) -> the gradients of
+    every input but the starts; per_token(L, K, V) -> the forward's (flops, transcendentals) per token."""
+    name: str
+    inputs: Tuple[str, ...]
+    views: Callable
+    chunk_forward: Callable
+    state_backward: Callable
+    chunk_backward: Callable
+    per_token: Callable
 
 
-def _chunk_bwd_kernel(*refs):
+def _chunk_bwd_kernel(*refs, chunk_backward, num_inputs: int):
     """Grid (B, H, chunks), every chunk independent (its entering state and leaving gradient given)."""
-    inputs, (s_ref, g_ref, do_ref), outputs = refs[:_NUM_INPUTS], refs[_NUM_INPUTS:_NUM_INPUTS + 3], \
-        refs[_NUM_INPUTS + 3:]
-    grads = _chunk_backward(*(ref[...] for ref in inputs), s_ref[...], g_ref[...], do_ref[...])
+    inputs, (s_ref, g_ref, do_ref), outputs = refs[:num_inputs], refs[num_inputs:num_inputs + 3], \
+        refs[num_inputs + 3:]
+    grads = chunk_backward(*(ref[...] for ref in inputs), s_ref[...], g_ref[...], do_ref[...])
     for ref, value in zip(outputs, grads):
         ref[...] = value.astype(ref.dtype)
 
 
 # --------------------------------------------------------------------------------------
-# pallas_call builders. Kernel layout: q, k [B, H, Tp, K]; v, o [B, H, Tp, V]; beta [B, H, Tp, 1]; cs [B, H, Tp]
-# as columns and rows, starts [B, Tp] likewise; states [B, H, chunks * K, V] fp32; h [B, H, K, V] fp32.
+# pallas_call builders. Kernel layout: q, k [B, H, Tp, K]; v, o [B, H, Tp, V]; beta [B, H, Tp, 1]; a decay's
+# running sums cs [B, H, Tp] as columns and rows (or [B, H, Tp, K] per key channel, `qk`), starts [B, Tp] as
+# columns and rows; states [B, H, chunks * K, V] fp32; h [B, H, K, V] fp32.
 # --------------------------------------------------------------------------------------
-
-_INPUT_NAMES = ("qk", "qk", "v", "col", "col", "row", "st_col", "st_row")
-_ROWS = tuple(name.endswith("row") for name in _INPUT_NAMES)  # the inputs held as [1, Tp] rows
-_OUTPUT_NAMES = ("qk", "qk", "v", "col", "col", "row")
-
 
 def _specs(cfg: Config, Tp: int, K: int, V: int, n: int, reverse: bool = False) -> dict:
     """Block specs by operand kind for the driver's grid ((B, H) or (B, H, chunks)); reverse: the grid's chunk
@@ -179,6 +190,11 @@ def _specs(cfg: Config, Tp: int, K: int, V: int, n: int, reverse: bool = False) 
                 state=at((K, V), lambda b, h, c: (b, h, 0, 0)), states=at((K, V), lambda b, h, c: (b, h, c, 0)))
 
 
+def _rows(family: Family):
+    """Whether each chunk input is held as a [1, Tp] row (else [Tp, ...])."""
+    return tuple(name.endswith("row") for name in family.inputs)
+
+
 def _call(kernel, cfg: Config, specs: dict, grid, ins, outs, out_shape, name: str, *, K: int, V: int, cost,
           sequential: bool = True):
     """The pallas_call of `kernel` (operands and outputs named by kind, `_specs`); `sequential`: its last grid
@@ -189,71 +205,100 @@ def _call(kernel, cfg: Config, specs: dict, grid, ins, outs, out_shape, name: st
                           cost_estimate=cost)
 
 
-def _cost(q, v, n: int, passes: int) -> pl.CostEstimate:
-    """Matrix products per chunk: about `passes` times the forward's [L, L] x (K or V) and [K, V] ones."""
+def per_token_cost(L: int, K: int, V: int):
+    """The scalar-decay forward's (flops, transcendentals) per token: about 2 (log2 L) [L, L] products for T, the
+    [L, L] x (K or V) and the [K, V] ones, L decays."""
+    return 2 * (L * (2 * L.bit_length() + 2 * K + 3 * V) + 3 * K * V), L + 2
+
+
+def _cost(family: Family, q, v, n: int, passes: int) -> pl.CostEstimate:
+    """About `passes` times the forward's work per chunk."""
     Bsz, H, Tp, K = q.shape
-    V, L = v.shape[-1], Tp // n
-    per_token = 2 * (L * (2 * L.bit_length() + 2 * K + 3 * V) + 3 * K * V)
-    return pl.CostEstimate(flops=passes * Bsz * H * Tp * per_token, transcendentals=Bsz * H * Tp * (L + 2),
-                           bytes_accessed=passes * (q.dtype.itemsize * Bsz * H * Tp * (2 * K + 2 * V)
-                                                    + 4 * Bsz * H * n * K * V))
+    flops, transcendentals = family.per_token(Tp // n, K, v.shape[-1])
+    return pl.CostEstimate(flops=passes * Bsz * H * Tp * flops, transcendentals=Bsz * H * Tp * transcendentals,
+                           bytes_accessed=passes * (q.dtype.itemsize * Bsz * H * Tp * (2 * K + 2 * v.shape[-1])
+                                                    + 4 * Bsz * H * n * K * v.shape[-1]))
 
 
-def _forward(q, k, v, beta, cs, starts, h0, cfg: Config):
+def _forward(inputs, h0, cfg: Config, family: Family):
+    """-> o [B, H, Tp, V], the state entering every chunk [B, H, chunks * K, V], the final state [B, H, K, V]."""
+    q, v = inputs[0], inputs[2]
     Bsz, H, Tp, K = q.shape
     V, n = v.shape[-1], Tp // cfg.chunk
     specs = _specs(cfg, Tp, K, V, n)
     grid = (Bsz, H) if cfg.driver == "loop" else (Bsz, H, n)
-    kernel = forward_kernel(cfg, _chunk_forward, _ROWS)
+    kernel = forward_kernel(cfg, family.chunk_forward, _rows(family))
     out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((Bsz, H, n * K, V), h0.dtype),
                  jax.ShapeDtypeStruct(h0.shape, h0.dtype))
-    return _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("state",), ("v", "states", "state"), out_shape,
-                 "gated_delta_fwd", K=K, V=V, cost=_cost(q, v, n, 1))(q, k, v, beta, *views(cs, starts), h0)
+    return _call(kernel, cfg, specs, grid, family.inputs + ("state",), ("v", "states", "state"), out_shape,
+                 f"{family.name}_fwd", K=K, V=V, cost=_cost(family, q, v, n, 1))(*inputs, h0)
 
 
-def _backward(q, k, v, beta, cs, starts, states, do, dh, cfg: Config):
+def _backward(inputs, states, do, dh, cfg: Config, family: Family):
     """Two kernels: the state gradients in reverse chunk order (the loop or grid driver), then every chunk's
     gradients at once (a parallel grid (B, H, chunks) on every backend).
-    -> dq, dk, dv, dbeta [B, H, Tp, 1], dcs_col [B, H, Tp, 1], dcs_row [B, H, 1, Tp], dh0, all fp32."""
+    -> the gradients of the chunk inputs but the starts (each input's shape), dh0; all fp32."""
+    q, v = inputs[0], inputs[2]
     Bsz, H, Tp, K = q.shape
     V, n = v.shape[-1], Tp // cfg.chunk
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    operands = (q, k, v, beta, *views(cs, starts))
     specs = _specs(cfg, Tp, K, V, n, reverse=True)
     grid = (Bsz, H) if cfg.driver == "loop" else (Bsz, H, n)
-    kernel = state_backward_kernel(cfg, _state_backward, _ROWS)
-    leaving, dh0 = _call(kernel, cfg, specs, grid, _INPUT_NAMES + ("v", "state"), ("states", "state"),
-                         (f32(Bsz, H, n * K, V), f32(Bsz, H, K, V)), "gated_delta_bwd_state", K=K, V=V,
-                         cost=_cost(q, v, n, 1))(*operands, do, dh)
+    kernel = state_backward_kernel(cfg, family.state_backward, _rows(family))
+    leaving, dh0 = _call(kernel, cfg, specs, grid, family.inputs + ("v", "state"), ("states", "state"),
+                         (f32(Bsz, H, n * K, V), f32(Bsz, H, K, V)), f"{family.name}_bwd_state", K=K, V=V,
+                         cost=_cost(family, q, v, n, 1))(*inputs, do, dh)
     parallel = cfg._replace(driver="grid")
     specs = _specs(parallel, Tp, K, V, n)
-    out_shape = (f32(*q.shape), f32(*q.shape), f32(*v.shape), f32(*beta.shape), f32(*beta.shape), f32(Bsz, H, 1, Tp))
-    return _call(_chunk_bwd_kernel, parallel, specs, (Bsz, H, n), _INPUT_NAMES + ("states", "states", "v"),
-                 _OUTPUT_NAMES, out_shape, "gated_delta_bwd_chunk", K=K, V=V, cost=_cost(q, v, n, 2),
-                 sequential=False)(*operands, states, leaving, do) + (dh0,)
+    outs = family.inputs[:-2]  # the starts have none
+    kernel = functools.partial(_chunk_bwd_kernel, chunk_backward=family.chunk_backward, num_inputs=len(inputs))
+    return _call(kernel, parallel, specs, (Bsz, H, n), family.inputs + ("states", "states", "v"), outs,
+                 tuple(f32(*x.shape) for x in inputs[:len(outs)]), f"{family.name}_bwd_chunk", K=K, V=V,
+                 cost=_cost(family, q, v, n, 2), sequential=False)(*inputs, states, leaving, do) + (dh0,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _delta(q, k, v, beta, cs, starts, h0, cfg: Config):
-    o, _, h = _forward(q, k, v, beta, cs, starts, h0, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _delta(inputs, h0, cfg: Config, family: Family):
+    o, _, h = _forward(inputs, h0, cfg, family)
     return o, h
 
 
-def _delta_fwd(q, k, v, beta, cs, starts, h0, cfg):
-    o, states, h = _forward(q, k, v, beta, cs, starts, h0, cfg)
-    return (o, h), (q, k, v, beta, cs, starts, states)
+def _delta_fwd(inputs, h0, cfg, family):
+    o, states, h = _forward(inputs, h0, cfg, family)
+    return (o, h), (inputs, states)
 
 
-def _delta_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, cs, starts, states = residuals
+def _delta_bwd(cfg, family, residuals, cotangents):
+    inputs, states = residuals
     do, dh = cotangents
-    dq, dk, dv, dbeta, dcs_col, dcs_row, dh0 = _backward(q, k, v, beta, cs, starts, states, do.astype(v.dtype),
-                                                         dh.astype(jnp.float32), cfg)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
-            (dcs_col[..., 0] + dcs_row[..., 0, :]).astype(cs.dtype), None, dh0.astype(states.dtype))
+    *grads, dh0 = _backward(inputs, states, do.astype(inputs[2].dtype), dh.astype(jnp.float32), cfg, family)
+    return tuple(d.astype(x.dtype) for d, x in zip(grads, inputs)) + (None, None), dh0.astype(states.dtype)
 
 
 _delta.defvjp(_delta_fwd, _delta_bwd)
+
+
+def run_kernels(family: Family, q, k, v, g, beta, reset, h0, *, chunk: int, backend: Optional[str],
+                interpret: Optional[bool], kernel: str):
+    """`family`'s kernels on the arguments as `chunked_gated_delta_rule` takes them, g [B, T, H] or (a decay per
+    key channel, padded as k) [B, T, H, K]; kernel: the family's name in errors."""
+    backend, interpret, tiles, L = tiling(q.shape[1], chunk, backend, interpret, kernel)
+    Bsz, T, H, K = q.shape
+    V = v.shape[-1]
+    Tp, Kp, Vp = -(-T // L) * L, padded(K, tiles), padded(V, tiles)
+    acc = jnp.promote_types(v.dtype, jnp.float32)
+    q, k = (pad(a.astype(v.dtype), Tp - T, 0, Kp - K).transpose(0, 2, 1, 3) for a in (q, k))  # [B, H, Tp, Kp]
+    v = pad(v, Tp - T, 0, Vp - V).transpose(0, 2, 1, 3)
+    beta = pad(beta.astype(acc), Tp - T, 0).transpose(0, 2, 1)[..., None]  # [B, H, Tp, 1]
+    cs, starts = chunk_sums(pad(g.astype(acc), 0, 0, *(Kp - K,) * (g.ndim - 3)), reset, L, Tp)
+    h0 = jnp.zeros((Bsz, H, K, V), acc) if h0 is None else h0.astype(acc)
+    cfg = Config(L, 1, "grid" if backend == "tpu" else "loop", backend, interpret)
+    o, h = _delta((q, k, v, beta) + family.views(cs, starts), pad(h0, 0, Kp - K, Vp - V), cfg, family)
+    return o.transpose(0, 2, 1, 3)[:, :T, :, :V], h[:, :, :K, :V]
+
+
+GATED_DELTA = Family("gated_delta", ("qk", "qk", "v", "col", "col", "row", "st_col", "st_row"), views,
+                     _chunk_forward, _state_backward, _chunk_backward, per_token_cost)
 
 
 def chunked_gated_delta_rule(q, k, v, g, beta, reset, h0=None, *, chunk: int, backend: Optional[str] = None,
@@ -266,16 +311,5 @@ def chunked_gated_delta_rule(q, k, v, g, beta, reset, h0=None, *, chunk: int, ba
     chunk, backend, interpret as `tfm.kernels.ssd.chunked_ssd` takes them.
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, K, V] (float32; float64 for float64 v).
     """
-    backend, interpret, tiles, L = tiling(q.shape[1], chunk, backend, interpret, "gated delta rule")
-    Bsz, T, H, K = q.shape
-    V = v.shape[-1]
-    Tp, Kp, Vp = -(-T // L) * L, padded(K, tiles), padded(V, tiles)
-    acc = jnp.promote_types(v.dtype, jnp.float32)
-    q, k = (pad(a.astype(v.dtype), Tp - T, 0, Kp - K).transpose(0, 2, 1, 3) for a in (q, k))  # [B, H, Tp, Kp]
-    v = pad(v, Tp - T, 0, Vp - V).transpose(0, 2, 1, 3)
-    beta = pad(beta.astype(acc), Tp - T, 0).transpose(0, 2, 1)[..., None]  # [B, H, Tp, 1]
-    cs, starts = chunk_sums(g.astype(acc), reset, L, Tp)
-    h0 = jnp.zeros((Bsz, H, K, V), acc) if h0 is None else h0.astype(acc)
-    cfg = Config(L, 1, "grid" if backend == "tpu" else "loop", backend, interpret)
-    o, h = _delta(q, k, v, beta, cs, starts, pad(h0, 0, Kp - K, Vp - V), cfg)
-    return o.transpose(0, 2, 1, 3)[:, :T, :, :V], h[:, :, :K, :V]
+    return run_kernels(GATED_DELTA, q, k, v, g, beta, reset, h0, chunk=chunk, backend=backend, interpret=interpret,
+                       kernel="gated delta rule")

@@ -476,9 +476,11 @@ def pad(a, *widths):
 
 
 def chunk_sums(log_decay, reset, L: int, Tp: int):
-    """log_decay [B, T, N], reset [B, T] -> (cs [B, N, Tp]: the running sums of the log decays within each chunk
-    of L tokens, starts [B, Tp] int32: the sequence starts so far within the chunk), T padded to Tp."""
-    Bsz, T, N = log_decay.shape
-    cs = jnp.cumsum(pad(log_decay, Tp - T, 0).transpose(0, 2, 1).reshape(Bsz, N, Tp // L, L), -1)
+    """log_decay [B, T, N, ...] (a decay per head, or per head and channel), reset [B, T] -> (cs [B, N, Tp, ...]:
+    the running sums of the log decays within each chunk of L tokens, starts [B, Tp] int32: the sequence starts so
+    far within the chunk), T padded to Tp."""
+    (Bsz, T, N), channels = log_decay.shape[:3], log_decay.shape[3:]
+    per_head = jnp.moveaxis(pad(log_decay, Tp - T, *(0,) * (log_decay.ndim - 2)), 1, 2)  # [B, N, Tp, ...]
+    cs = jnp.cumsum(per_head.reshape((Bsz, N, Tp // L, L) + channels), 3)
     starts = jnp.cumsum(pad(reset, Tp - T).reshape(Bsz, Tp // L, L), -1, dtype=jnp.int32)
-    return cs.reshape(Bsz, N, Tp), starts.reshape(Bsz, Tp)
+    return cs.reshape((Bsz, N, Tp) + channels), starts.reshape(Bsz, Tp)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from tfm.kernels.delta_rule import chunked_gated_delta_rule
+from tfm.kernels.kda import chunked_kda
 from tfm.ops import context_scan, shard
 from tfm.parallel.mesh import current_platform
 
@@ -39,8 +40,8 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     (tfm.ops.segments; t = 0 continues from initial_state [B, H, K, V], None = zeros), and
     padding tokens act as g = 0, beta = 0. State and decays are float32 (float64 for float64 v).
     impl: "reference" (a scan over time), "chunked" (a scan over chunks of chunk_size tokens) or "pallas" (the
-    chunked form's kernels, tfm.kernels.delta_rule, on each device's batch rows and heads; chunk_size a tile
-    they take; scalar decays only)."""
+    chunked form's kernels on each device's batch rows and heads, tfm.kernels.delta_rule for a scalar decay and
+    tfm.kernels.kda per key channel; chunk_size a tile they take)."""
     _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size)
     B, T, H, K = q.shape
     dtype = jnp.promote_types(v.dtype, jnp.float32)
@@ -146,12 +147,14 @@ def _chunked(q, k, v, g, beta, reset, state, C):
 
 
 def _pallas(q, k, v, g, beta, reset, state, chunk_size):
-    """The chunked form by the Pallas kernels (q and k in v's dtype) on each device's batch rows and heads
-    (`shard.per_device_heads`: an opaque kernel in a sharded jit needs an explicit shard_map boundary)."""
+    """The chunked form by the Pallas kernels (q and k in v's dtype; the scalar decay's, or KDA's for g [B, T, H, K])
+    on each device's batch rows and heads (`shard.per_device_heads`: an opaque kernel in a sharded jit needs an
+    explicit shard_map boundary)."""
     backend = current_platform()
+    chunked = chunked_kda if g.ndim == 4 else chunked_gated_delta_rule
 
     def kernel(q, k, v, g, beta, reset, state):
-        return chunked_gated_delta_rule(q, k, v, g, beta, reset, state, chunk=chunk_size, backend=backend)
+        return chunked(q, k, v, g, beta, reset, state, chunk=chunk_size, backend=backend)
 
     return shard.per_device_heads(kernel, (q.astype(v.dtype), k.astype(v.dtype), v, g, beta, reset, state),
                                   heads_dims=(2, 2, 2, 2, 2, None, 1), out_heads_dims=(2, 1))
@@ -171,8 +174,6 @@ def _check(q, k, v, g, beta, segment_ids, initial_state, impl, chunk_size):
         raise ValueError(f"v has shape {v.shape}; expected [B, T, H, V] = [{B}, {T}, {H}, V]")
     if g.shape not in ((B, T, H), (B, T, H, K)):
         raise ValueError(f"g has shape {g.shape}; expected [B, T, H] = {(B, T, H)} or [B, T, H, K] = {(B, T, H, K)}")
-    if impl == "pallas" and g.ndim == 4:
-        raise ValueError("impl='pallas' has no kernel for per-channel decays (g [B, T, H, K]); use impl='chunked'")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta has shape {beta.shape}; expected [B, T, H] = {(B, T, H)}")
     if segment_ids is not None and segment_ids.shape != (B, T):
