@@ -1,7 +1,10 @@
 """Per-token decode cost against context length: a Llama, a Mamba-2 + attention hybrid (3 Mamba-2
 layers to 1 attention layer, as Jamba / Nemotron-H / Qwen3-Next mix theirs), a Griffin-style hybrid (3
-RG-LRU layers to 1 local-attention layer over a window, as RecurrentGemma mixes 2 to 1) and a Mamba-2
-model of the same width and depth, side by side in one process.
+RG-LRU layers to 1 local-attention layer over a window, as RecurrentGemma mixes 2 to 1), a Mamba-2
+model, and the hybrids of 2025-26 in their layouts: Kimi Linear's (3 KDA layers to 1 attention layer),
+MiniMax's (3 lightning to 1), Falcon-H1's (attention and Mamba-2 side by side in every layer) and Zamba2's
+(a shared attention block feeding every fourth Mamba-2 layer), all of the same width and depth, side by
+side in one process.
 
 One decoding step is `tfm.decode.step_fn` (jitted, the cache donated) on a cache of `context`
 positions: an attention layer reads all of them (the step's keys are masked by position, so its cost
@@ -28,17 +31,22 @@ from tfm import decode
 from tfm.models import DecoderLM, presets
 
 SIZES = {"full": dict(d_model=512, num_heads=8, num_kv_heads=8, num_layers=8, d_ff=1536, vocab=32_000,
-                      mamba2=dict(state_size=64, head_dim=64, expand=2, groups=1), window=2048),
+                      mamba2=dict(state_size=64, head_dim=64, expand=2, groups=1), kda=dict(heads=8, head_dim=64),
+                      window=2048),
          "smoke": dict(d_model=64, num_heads=4, num_kv_heads=4, num_layers=4, d_ff=128, vocab=256,
-                       mamba2=dict(state_size=16, head_dim=16, expand=2, groups=1), window=32)}
+                       mamba2=dict(state_size=16, head_dim=16, expand=2, groups=1), kda=dict(heads=4, head_dim=16),
+                       window=32)}
 MIXERS = {"llama": None, "hybrid 3:1": ("mamba2", "mamba2", "mamba2", "attention"),
-          "griffin 3:1": ("rglru", "rglru", "rglru", "attention"), "mamba2": ("mamba2",)}
+          "griffin 3:1": ("rglru", "rglru", "rglru", "attention"), "mamba2": ("mamba2",),
+          "kimi linear 3:1": ("kda", "kda", "kda", "attention"),
+          "minimax 3:1": ("lightning", "lightning", "lightning", "attention"),
+          "falcon-h1": ("attention+mamba2",), "zamba2 3:1": ("mamba2", "mamba2", "mamba2", "shared>mamba2")}
 
 
 def model_config(size: dict, mixers, context: int):
     """The Llama preset at `size`, its token mixers per `mixers` (None: attention everywhere; with RG-LRU layers
     the attention is local, over size["window"] tokens)."""
-    extra = {} if mixers is None else dict(mixer_pattern=mixers, mamba2=size["mamba2"])
+    extra = {} if mixers is None else dict(mixer_pattern=mixers, mamba2=size["mamba2"], kda=size["kda"])
     if mixers is not None and "rglru" in mixers:
         extra.update(sliding_window=size["window"])
     if mixers == ("mamba2",):
