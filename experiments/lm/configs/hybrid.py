@@ -11,6 +11,9 @@ Model: `qwen3_next_80b_a3b` (position='rope', num_layers=48, d_model=2048, num_e
            every layer), 4096 tokens, 1024 sequences (4M tokens) a step in passes of one sequence per chip;
            FSDP over every chip with expert parallelism over `expert` = 8, the layers scanned in groups of
            4 and rematerialised, each chip's MoE tokens in 8 chunks, the loss in vocabulary chunks.
+`:kimi_linear`: Kimi Linear 48B-A3B (`presets.kimi_linear_48b_a3b`: 27 layers, KDA with MLA at every fourth
+           from the fifth, 256 experts top-8 after a dense first layer), 4096 tokens, as `:qwen3_next` (the
+           layers looped: the published pattern does not repeat).
 `:nemotron_h`: Nemotron-H-8B (`presets.nemotron_h_8b`: 52 one-sublayer layers, 24 Mamba-2, 4 attention,
            24 squared-ReLU feed-forwards), 8192 tokens, 256 sequences (2M tokens) a step, FSDP, each layer
            rematerialised (the published pattern does not repeat, so the layers are looped, not scanned).
@@ -34,6 +37,8 @@ VARIANTS = {
                        expert=8, scan_layers=True),
     "nemotron_h": dict(preset="nemotron_h_8b", vocab_size=131_072, seq_len=8192, batch=256, chips=8, expert=1,
                        scan_layers=False),
+    "kimi_linear": dict(preset="kimi_linear_48b_a3b", vocab_size=163_840, seq_len=4096, batch=1024, chips=64,
+                        expert=8, scan_layers=False),
 }
 TINY = {  # runlocal: the same mixers at CPU size
     "qwen3_next": dict(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=4, d_ff=16, max_len=64,
@@ -43,6 +48,10 @@ TINY = {  # runlocal: the same mixers at CPU size
                        mixer_pattern=("mamba2", "attention", "none", "mamba2"),
                        ffn_pattern=("none", "none", "dense", "none"),
                        mamba2=dict(state_size=8, head_dim=8, groups=2)),
+    "kimi_linear": dict(d_model=32, num_heads=2, num_kv_heads=2, head_dim=12, num_layers=4, d_ff=16, max_len=64,
+                        mixer_pattern=("kda", "kda", "kda", "attention"), kda=dict(heads=2, head_dim=8),
+                        mla=dict(kv_rank=8, rope_dim=4, q_rank=None, value_dim=8), num_experts=4,
+                        experts_per_token=2, dense_layers=1, dense_d_ff=32),
 }
 VOCAB_CHUNK = 16_384
 
