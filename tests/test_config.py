@@ -302,3 +302,17 @@ def test_import_of_the_config_loads_no_kernel():
             "'jax.experimental.pallas'))]; assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(mixer_pattern=("shared",)), r"'shared': a shared block feeds a mixer's input \('shared>a'\)"),
+    (dict(mixer_pattern=("shared>mamba2",), norm_position="post"), r"needs norm_position='pre' and a sequential block"),
+    (dict(mixer_pattern=("mamba2>attention+mamba2>mamba2",)), r"'f>a' feeds one kind f into the input"),
+    (dict(mixer_pattern=("mamba2", "shared>mamba2"), num_layers=4, shared_block=dict(blocks=2)),
+     r"shared_block.blocks=2 must divide the 1 uses in each repeat of mixer_pattern \(period 2\)"),
+])
+def test_fed_entries_and_shared_blocks_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=message) as error:
+        ModelConfig(**{**dict(vocab_size=32, d_model=32, num_heads=2, d_ff=64, num_layers=2, mamba2=dict(head_dim=16)),
+                       **fields})
+    assert "\n" not in str(error.value)

@@ -1108,6 +1108,9 @@ class ModelConfig:
             if feeds and (len(feeds) > 1 or "+" in feeds[0] or "none" in feeds + parts):
                 raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r}: 'f>a' feeds one kind f into the "
                                  f"input of the layer's mixer a (or composite a+b)")
+            if "shared" in parts:
+                raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r}: a shared block feeds a mixer's input "
+                                 f"('shared>a'); it is not a mixer itself")
             if feeds and (self.norm_position != "pre" or self.parallel_block):
                 raise ValueError(f"ModelConfig.mixer_pattern entry {entry!r} adds f's output to the mixer's input "
                                  f"before its norm: it needs norm_position='pre' and a sequential block")
