@@ -9,6 +9,7 @@ one; the task adds weight * loss to its objective and reports it; gradient steps
 """
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -122,3 +123,36 @@ def test_task_option_adds_the_weighted_loss_and_trains_the_indexer(setup):
     trained, _ = jax.lax.scan(step, params, None, length=20)
     after = float(task.loss(model, trained, batch, KEY, totals, deterministic=True)[1]["indexer_kl_loss"])
     assert after < 0.8 * kl, (kl, after)
+
+
+def test_gathered_top_keys_equal_masked_dense_attention_and_form_no_dense_logits(setup):
+    """attention_impl="chunked" (each query's chosen keys gathered, queries 5 at a time) gives the masked dense
+    form's logits and gradients (1e-5 of the largest), and its program holds no [B, N, T, S] array."""
+    model, params, ids, seg = setup
+    gathered = DecoderLM(model.config.replace(attention_impl="chunked", attention_chunk_size=5))
+
+    def run(m):
+        loss = lambda p: jnp.sum(m.apply({"params": p}, ids, segment_ids=seg).logits ** 2 * (seg > 0)[..., None])
+        return jax.value_and_grad(loss)(params)
+    (want, want_grads), (got, grads) = run(model), run(gathered)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5 * scale, rtol=0)
+    def shapes(m):
+        """Every array shape the forward computes, nested programs included."""
+        found = set()
+
+        def walk(jaxpr):
+            for eq in jaxpr.eqns:
+                found.update(tuple(v.aval.shape) for v in eq.outvars)
+                for value in eq.params.values():
+                    for sub in value if isinstance(value, (tuple, list)) else [value]:
+                        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                            walk(sub.jaxpr)
+                        elif isinstance(sub, jax.extend.core.Jaxpr):
+                            walk(sub)
+        walk(jax.make_jaxpr(lambda p: m.apply({"params": p}, ids, segment_ids=seg).logits)(params).jaxpr)
+        return found
+    dense = (B, model.config.num_heads, T, T)
+    assert dense in shapes(model) and dense not in shapes(gathered)

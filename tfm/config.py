@@ -161,8 +161,9 @@ class IndexerConfig(_FieldGroup):
     attends only to the top_k keys of highest index score I[t, s] = sum_h w[t, h] relu(q_h[t] . k[s] /
     sqrt(head_dim)), over `heads` index heads of head_dim (queries from mla's query latent, one key per token
     through a LayerNorm of norm_eps; the first mla.rope_dim dims of each rotated by RoPE, halves rotated
-    together) and per-head weights w = a projection of x / sqrt(heads). The scores take no gradient. Dense
-    attention masked to the chosen keys (attention_impl="xla")."""
+    together) and per-head weights w = a projection of x / sqrt(heads). The indexer's input is detached: it learns
+    from its own KL loss (Task.indexer_loss_weight). attention_impl="chunked" gathers each query's chosen keys
+    (tfm.ops.topk_attention); otherwise, and when decoding, dense attention masked to them."""
 
     heads: int = 64  # index heads
     head_dim: int = 128  # width of an index head

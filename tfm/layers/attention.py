@@ -16,6 +16,7 @@ from tfm.layers.slot import register_mixer
 from tfm.layers.positions import apply_rope, relative_bias
 from tfm.ops.attention import alibi_slopes, dot_product_attention
 from tfm.ops.masks import NEG_INF, visibility
+from tfm.ops.topk_attention import topk_attention
 
 # Logical names of the cache variables: the rules shard them like activations (batch over the
 # batch axes, kv heads over tensor when it divides them, the cache length whole), and beam
@@ -100,11 +101,21 @@ class Attention(nn.Module):
         scale = (H ** -0.5 if cfg.attention_scale is None else cfg.attention_scale) if cfg.scale_attention else 1.0
         if cfg.mla is not None:
             scale *= cfg.mla.softmax_scale_factor
+        top = None
         if index:  # DeepSeek Sparse Attention: each query's top_k keys by the indexer's scores
-            chosen, scores = self._top_keys(*index, positions if use_positions else None, kv_positions if use_positions
-                                            else None, q_segment_ids, kv_segment_ids)
-            if not decode:
+            chosen, scores, top = self._top_keys(*index, positions if use_positions else None,
+                                                 kv_positions if use_positions else None, q_segment_ids, kv_segment_ids)
+            if not decode and self.is_mutable_collection("losses"):
                 self._sow_index_loss(q, k, scale, chosen, scores)
+            plain = (bias is None and kv_mask is None and not cfg.attn_logit_softcap and not cfg.attention_sinks
+                     and cfg.position != "alibi")  # what the gather path computes; else the masked dense form
+            if top is not None and plain and not use_positions and cfg.execution.attention_impl == "chunked":
+                if not deterministic and cfg.attention_dropout:
+                    raise ValueError("attention_impl='chunked' gathers each query's top-k keys and has no attention "
+                                     "dropout; set attention_dropout=0 or attention_impl='xla'")
+                o = topk_attention(q, k, v, top, jnp.take_along_axis(chosen, top, axis=-1), scale=scale,
+                                   chunk_size=cfg.execution.attention_chunk_size)
+                return self._output(x, o, N, Hv)
             bias = jnp.broadcast_to(jnp.where(chosen, 0.0, NEG_INF)[:, None], (x.shape[0], N) + chosen.shape[1:])
         if kv_mask is not None:
             (B, T, M), S = kv_mask.shape, k.shape[1]
@@ -132,9 +143,15 @@ class Attention(nn.Module):
             context_strategy=cfg.execution.context_strategy)
         if cfg.global_projections and not self.cross:
             o = self._global_rows(x, o, q_segment_ids, kv_segment_ids, scale, dropout)
+        return self._output(x, o, N, Hv)
+
+    def _output(self, x, o, N: int, Hv: int):
+        """The heads' outputs o [B, T, N, >= Hv] (their first Hv dims), gated where config.attention_output_gate,
+        through `out`: [B, T, D] (out_features wide)."""
+        cfg = self.config
         out_bias = cfg.attention_bias if cfg.attention_out_bias is None else cfg.attention_out_bias
-        out = Einsum("BTNH,NHD->BTD", (N, Hv, self.out_features or cfg.d_model), ("heads", "head_dim", "embed"), ("embed",), name="out",
-                     use_bias=out_bias, dtype=compute_dtype(cfg))
+        out = Einsum("BTNH,NHD->BTD", (N, Hv, self.out_features or cfg.d_model), ("heads", "head_dim", "embed"),
+                     ("embed",), name="out", use_bias=out_bias, dtype=compute_dtype(cfg))
         o = o[..., :Hv]
         if cfg.attention_output_gate:  # Qwen3-Next: each head's output times sigmoid(gate(x)) [B, T, N, Hv]
             gate = self._projection("BTD,DNH->BTNH", (cfg.d_model, N, Hv), ("embed", "heads", "head_dim"), "gate")(x)
@@ -303,7 +320,7 @@ class Attention(nn.Module):
     def _top_keys(self, x, index_q, index_k, q_pos, kv_pos, q_segment_ids, kv_segment_ids):
         """(chosen [B, T, S] bool: the indexer.top_k visible keys of highest score for each query, ties to the
         earlier key; the scores [B, T, S] fp32, sum_h w_h relu(q_h . k / sqrt(head_dim)), w = `indexer_weights` x /
-        sqrt(heads)). The scores' gradient reaches the indexer's parameters only (its inputs are detached). q_pos,
+        sqrt(heads); top [B, T, top_k] their indices, None where top_k covers every key). The scores' gradient reaches the indexer's parameters only (its inputs are detached). q_pos,
         kv_pos: the cache's positions when decoding, else None (the order of the tokens)."""
         cfg, ind = self.config, self.config.indexer
         T, S = index_q.shape[1], index_k.shape[1]
@@ -315,11 +332,11 @@ class Attention(nn.Module):
                              jnp.arange(S)[None] if kv_pos is None else kv_pos, q_segment_ids, kv_segment_ids,
                              causal=self.causal, window=None)
         if ind.top_k >= S:
-            return visible, scores
+            return visible, scores, None
         _, top = jax.lax.top_k(jnp.where(visible, jax.lax.stop_gradient(scores), -jnp.inf), ind.top_k)  # [B, T, top_k]
         B = top.shape[0]
         chosen = jnp.zeros((B, T, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], top].set(True)
-        return chosen & visible, scores
+        return chosen & visible, scores, top
 
     def _sow_index_loss(self, q, k, scale, chosen, scores):
         """Sows `losses/indexer_kl_loss`: DeepSeek-V3.2's indexer loss, sum over queries t of KL(p_t || softmax(I_t)),
