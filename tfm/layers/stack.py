@@ -34,7 +34,8 @@ class Stack(nn.Module):
     "layers" axis (params `layers/...`); looped layers are `layer_0`, `layer_1`, ...
     With an attention_pattern of period P > 1 a scanned stack repeats a `BlockGroup` of P layers
     num_layers / P times (params `layers/layer_0..layer_{P-1}/...`, each stacked on axis 0).
-    With position="relative" the stack owns one `relative_bias` table that all its layers use.
+    With position="relative" the stack owns one `relative_bias` table that all its layers use; with shared
+    blocks (mixer_pattern entries "shared>a") it owns their params `shared_block_{b}` (tfm.layers.shared).
     A MoE model's first config.dense_layers layers (dense feed-forward) stay `layer_i` when scanning."""
 
     config: ModelConfig
