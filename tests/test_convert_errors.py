@@ -66,7 +66,7 @@ def test_clean_checkpoints_convert(checkpoints, name):
                                     "long_factor": [1.0] * 4, "original_max_position_embeddings": 16}), "rope_type"),
     ("llama", dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 4,
                                                        "long_factor": [1.0] * 4}), "rope_scaling"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act"),  # tfm's GeGLU gate is tanh-GELU, not erf
+    ("llama", dict(hidden_act="quick_gelu"), "hidden_act"),  # no gated form of it in tfm
     ("llama", dict(tie_word_embeddings=True), "tie_word_embeddings"),  # lm_head differs from the embedding
     ("qwen2_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),  # dense layers between MoE ones
     ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
