@@ -1171,7 +1171,7 @@ class ModelConfig:
     def _check_shared_uses(self):
         """A scan repeats a period's uses: their blocks must repeat with it (blocks dividing the uses per period)."""
         period, blocks = self.pattern_period, self.shared_block.blocks
-        uses = sum(self.layer_feed(j) == "shared" for j in range(period))
+        uses = self.shared_use(period)
         if self.num_layers > period and uses % blocks:
             raise ValueError(f"ModelConfig.shared_block.blocks={blocks} must divide the {uses} uses in each repeat of "
                              f"mixer_pattern (period {period}); give mixer_pattern one entry per layer instead")

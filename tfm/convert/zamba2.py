@@ -33,13 +33,13 @@ DEFAULTS = dict(max_position_embeddings=4096, mamba_d_state=64, mamba_d_conv=4, 
 
 
 def _pattern(kinds: list, blocks: int) -> tuple:
-    """The shortest repeating prefix of the per-layer kinds whose shared uses the blocks divide (a scan repeats
-    it, so each repeat must start at block 0), else the kinds themselves."""
-    for p in range(1, len(kinds) + 1):
-        prefix = tuple(kinds[:p])
-        uses = sum(k.startswith("shared") for k in prefix)
-        if len(kinds) % p == 0 and prefix * (len(kinds) // p) == tuple(kinds) and uses % blocks == 0:
-            return prefix
+    """The per-layer kinds' shortest repeating prefix (`period`), repeated until the blocks divide its shared uses
+    (a scan repeats it, so each repeat must start at block 0) and it still tiles the layers."""
+    prefix = period(kinds)
+    for reps in range(1, len(kinds) // len(prefix) + 1):
+        pattern = prefix * reps
+        if len(kinds) % len(pattern) == 0 and sum(k.startswith("shared") for k in pattern) % blocks == 0:
+            return pattern
     return tuple(kinds)
 
 
